@@ -1,0 +1,1 @@
+"""Prefect flows over the hetrain library (orchestration issue): profile -> plan -> train, recovery."""

@@ -1,0 +1,60 @@
+"""Built-in GPU catalog: peak dense tensor throughput, memory and memory bandwidth.
+
+All figures are the vendors' data-sheet numbers for dense math (the data sheets quote
+"with sparsity" figures at twice these values; we halve those). ``tflops`` is FP16/BF16
+tensor-core throughput with FP32 accumulate, ``fp32_tflops`` plain (non-tensor) FP32.
+``memory_bandwidth_gbps`` is GB/s. Achievable throughput is ``tflops * efficiency``;
+the default efficiency (0.5) is a typical model-FLOPs utilisation of well-tuned
+Megatron-style training and can be overridden per type in the cluster file or
+replaced entirely by a measured profile.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+
+
+class GPUType(BaseModel):
+    """Performance and capacity of one GPU model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tflops: PositiveFloat = Field(description="dense FP16/BF16 tensor TFLOPS")
+    memory_gb: PositiveFloat = Field(description="device memory in GB")
+    memory_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth in GB/s")
+    fp32_tflops: PositiveFloat | None = Field(default=None, description="dense FP32 TFLOPS (for precision: fp32)")
+    efficiency: float = Field(default=0.5, gt=0, le=1, description="achievable fraction of peak TFLOPS")
+
+    def achievable_flops(self, precision: str) -> float:
+        """FLOP/s this GPU sustains on transformer math at the given precision."""
+        peak = self.tflops if precision != "fp32" else (self.fp32_tflops or self.tflops / 8)
+        return peak * 1e12 * self.efficiency
+
+
+CATALOG: dict[str, GPUType] = {
+    # NVIDIA A100 Tensor Core GPU data sheet (2021): BF16 312 TF dense; 40GB HBM2 1,555 GB/s; 80GB HBM2e 2,039 GB/s (SXM).
+    "A100-40G": GPUType(tflops=312, memory_gb=40, memory_bandwidth_gbps=1555, fp32_tflops=19.5),
+    "A100-80G": GPUType(tflops=312, memory_gb=80, memory_bandwidth_gbps=2039, fp32_tflops=19.5),
+    # NVIDIA Tesla V100 data sheet (SXM2): 125 tensor TFLOPS, 15.7 FP32, 900 GB/s HBM2, 16 or 32 GB.
+    "V100-16G": GPUType(tflops=125, memory_gb=16, memory_bandwidth_gbps=900, fp32_tflops=15.7),
+    "V100-32G": GPUType(tflops=125, memory_gb=32, memory_bandwidth_gbps=900, fp32_tflops=15.7),
+    # NVIDIA Ampere GA102 whitepaper, appendix A (GeForce RTX 3090): FP16 tensor with FP32 accumulate 71 TF dense
+    # (142 with sparsity); 35.6 FP32; 24 GB GDDR6X at 936 GB/s.
+    "RTX3090": GPUType(tflops=71, memory_gb=24, memory_bandwidth_gbps=936, fp32_tflops=35.6),
+    # NVIDIA A10 data sheet: BF16 tensor 125 TF dense (250 sparse), 31.2 FP32, 24 GB GDDR6 600 GB/s. AWS's A10G
+    # (g5 instances) uses the same GA102 part, memory and bandwidth and publishes no separate sheet; its lower
+    # clocks are what the default efficiency and a measured profile absorb.
+    "A10G": GPUType(tflops=125, memory_gb=24, memory_bandwidth_gbps=600, fp32_tflops=31.2),
+    # NVIDIA L4 data sheet: BF16 tensor 242 TF with sparsity -> 121 dense; 30.3 FP32; 24 GB at 300 GB/s.
+    "L4": GPUType(tflops=121, memory_gb=24, memory_bandwidth_gbps=300, fp32_tflops=30.3),
+    # NVIDIA T4 data sheet: 65 TF mixed precision FP16/FP32 (no BF16 on Turing); 8.1 FP32; 16 GB at 320 GB/s.
+    "T4": GPUType(tflops=65, memory_gb=16, memory_bandwidth_gbps=320, fp32_tflops=8.1),
+    # NVIDIA H100 data sheet: SXM BF16 1,979 TF with sparsity -> 989 dense, 67 FP32, 80 GB 3.35 TB/s;
+    # PCIe BF16 1,513 sparse -> 756 dense, 51 FP32, 80 GB 2.0 TB/s.
+    "H100-SXM": GPUType(tflops=989, memory_gb=80, memory_bandwidth_gbps=3350, fp32_tflops=67),
+    "H100-PCIe": GPUType(tflops=756, memory_gb=80, memory_bandwidth_gbps=2000, fp32_tflops=51),
+    # NVIDIA L40S data sheet: BF16 tensor 733 TF with sparsity -> 366 dense; 91.6 FP32; 48 GB GDDR6 at 864 GB/s.
+    "L40S": GPUType(tflops=366, memory_gb=48, memory_bandwidth_gbps=864, fp32_tflops=91.6),
+    # NVIDIA RTX A6000 data sheet: tensor 309.7 TF with sparsity -> 154.8 dense; 38.7 FP32; 48 GB GDDR6 768 GB/s.
+    "A6000": GPUType(tflops=154.8, memory_gb=48, memory_bandwidth_gbps=768, fp32_tflops=38.7),
+}

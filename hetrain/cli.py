@@ -1,0 +1,233 @@
+"""The ``hetrain`` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hetrain.errors import HetrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train large models on mixed, preemptible GPUs.")
+out = Console()
+err = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn HetrainError into one red line on stderr and exit code 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HetrainError as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
+              no_recompute: bool):
+    from hetrain.specs import TrainingSettings, describe_validation_error
+    from pydantic import ValidationError
+
+    kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
+                    "activation_recompute": not no_recompute}
+    if micro_batch_size is not None:
+        kwargs["micro_batch_sizes"] = [micro_batch_size]
+    if tp:
+        kwargs["tp_degrees"] = tp
+    try:
+        settings = TrainingSettings(**kwargs)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error("options", e)) from None
+    if micro_batch_size is not None:
+        settings.check_batch(micro_batch_size)
+    return settings
+
+
+def plan_table(plan, est, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "micro-batches", "stage ms", "memory GB"):
+        table.add_column(col, justify="right" if col not in ("gpu", "devices") else "left")
+    for pi, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
+        for si, stage in enumerate(pipe.stages):
+            mem = max(est.peak_memory_gb[d] for d in stage.devices)
+            cap = est.capacity_gb[stage.devices[0]]
+            devs = _compact_devices(stage.devices)
+            table.add_row(
+                str(pi) if si == 0 else "",
+                str(si),
+                stage.gpu,
+                devs,
+                f"{stage.layers[0]}-{stage.layers[1]} ({stage.layers[1] - stage.layers[0]})",
+                str(pipe.num_microbatches) if si == 0 else "",
+                f"{pest.stage_s[si] * 1e3:.1f}",
+                f"{mem:.1f} / {cap:.0f}",
+                end_section=si == len(pipe.stages) - 1,
+            )
+    return table
+
+
+def _compact_devices(devices: list[str]) -> str:
+    node = devices[0].split("/")[0]
+    idx = [d.split("/")[1] for d in devices]
+    return f"{node}/{idx[0]}" if len(idx) == 1 else f"{node}/{{{','.join(idx)}}}"
+
+
+def summary_line(plan, est) -> str:
+    s = plan.solver
+    solver = f"; {s.planner} planner {s.status}, gap {s.gap:.2g}, {s.wall_s:.2f} s" if s else ""
+    return (
+        f"tp={plan.tp} micro-batch={plan.micro_batch_size} pipelines={len(plan.pipelines)}: "
+        f"iteration {est.iteration_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
+        f"tightest memory headroom {est.min_headroom_gb:.1f} GB{solver}"
+    )
+
+
+@app.command()
+@user_errors
+def plan(
+    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
+    model: Annotated[Path, typer.Option(help="model YAML file")],
+    global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
+    micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
+    tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations")] = False,
+    planner: Annotated[str, typer.Option(help="hetrain, megatron, whale or exhaustive")] = "hetrain",
+    profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
+    compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan (or comparison) as JSON")] = False,
+    time_limit: Annotated[float, typer.Option(help="seconds per MILP solve")] = 10.0,
+):
+    """Find the fastest plan for a model on a mixed cluster."""
+    from hetrain.profile import load_profile
+    from hetrain.specs import load_cluster, load_model
+    from solver.planner import PLANNERS, make_plan
+
+    if planner not in PLANNERS:
+        raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
+    cl, md = load_cluster(cluster), load_model(model)
+    settings = _settings(global_batch_size, micro_batch_size, tp, precision, no_recompute)
+    prof = load_profile(profile) if profile else None
+
+    names = [planner] + ([p for p in ("megatron", "whale") if p != planner] if compare else [])
+    results = {}
+    with err.status("planning...") as status:
+        for name in names:
+            status.update(f"planning with {name}...")
+            try:
+                results[name] = make_plan(name, cl, md, settings, prof, time_limit_s=time_limit,
+                                          progress=lambda msg: status.update(f"{name}: {msg}"))
+            except HetrainError as e:
+                if name == planner:
+                    raise
+                results[name] = e
+    main = results[planner]
+    if out_file:
+        main.plan.write(out_file)
+    if compare:
+        rows = comparison_rows(results)
+        if as_json:
+            print(json.dumps({"plan": json.loads(main.plan.to_json()), "comparison": rows}, indent=2))
+        else:
+            out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
+            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
+    elif as_json:
+        print(main.plan.to_json())
+    else:
+        out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
+        out.print(summary_line(main.plan, main.estimate), highlight=False)
+    if out_file:
+        err.print(f"plan written to {out_file}", highlight=False)
+
+
+def comparison_rows(results: dict) -> list[dict]:
+    base = results.get("megatron")
+    base_tps = base.estimate.tokens_per_s if base is not None and not isinstance(base, Exception) else None
+    rows = []
+    for name, r in results.items():
+        if isinstance(r, Exception):
+            rows.append({"planner": name, "error": str(r)})
+            continue
+        rows.append({
+            "planner": name,
+            "iteration_time_s": r.estimate.iteration_time_s,
+            "tokens_per_s": r.estimate.tokens_per_s,
+            "speedup_over_megatron": r.estimate.tokens_per_s / base_tps if base_tps else None,
+            "min_headroom_gb": r.estimate.min_headroom_gb,
+            "solve_s": r.plan.solver.wall_s,
+            "tp": r.plan.tp, "micro_batch_size": r.plan.micro_batch_size,
+            "pipelines": len(r.plan.pipelines),
+        })
+    return rows
+
+
+def comparison_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("planner", "iteration s", "tokens/s", "vs megatron", "min headroom GB", "solve s", "layout"):
+        table.add_column(col, justify="left" if col in ("planner", "layout") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["planner"], "-", "-", "-", "-", "-", f"[red]{r['error']}[/]")
+            continue
+        sp = r["speedup_over_megatron"]
+        table.add_row(
+            r["planner"], f"{r['iteration_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+            f"{sp:.2f}x" if sp else "-", f"{r['min_headroom_gb']:.1f}", f"{r['solve_s']:.2f}",
+            f"tp={r['tp']} mb={r['micro_batch_size']} pipelines={r['pipelines']}",
+        )
+    return table
+
+
+@app.command()
+@user_errors
+def estimate(
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
+    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
+    profile: Annotated[Path | None, typer.Option(help="measured profile JSON")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the prediction as JSON")] = False,
+):
+    """Validate any plan against a cluster and predict its iteration time and memory."""
+    from hetrain.costmodel import CostModel
+    from hetrain.plan import load_plan, validate_plan
+    from hetrain.profile import load_profile
+    from hetrain.specs import load_cluster
+
+    cl = load_cluster(cluster)
+    pl = load_plan(plan_file)
+    try:
+        validate_plan(pl, cl)
+    except HetrainError as e:
+        raise HetrainError(f"{plan_file}: {e}") from None
+    cost = CostModel(cl, pl.model, pl.settings(), load_profile(profile) if profile else None)
+    est = cost.estimate(pl)
+    if as_json:
+        print(json.dumps({**est.to_predicted(), "fits": not est.over_capacity()}, indent=2))
+    else:
+        pl = pl.model_copy(update={"solver": None})
+        out.print(plan_table(pl, est, f"{plan_file} on {cl.name}"))
+        out.print(summary_line(pl, est), highlight=False)
+    if est.over_capacity():
+        try:
+            cost.check_memory(est)
+        except HetrainError as e:
+            err.print(f"[bold red]does not fit:[/] {e}", highlight=False)
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+r"""The 3D-parallel cost model: predicted iteration time and per-GPU peak memory of a plan.
+
+One module, called by the planners, the benchmarks and ``hetrain estimate``. Symbols:
+``h`` hidden size, ``f`` FFN size, ``a`` heads, ``s`` sequence length, ``V`` vocabulary,
+``b`` micro-batch size, ``t`` TP degree, ``B_act`` bytes per activation element (2 for
+bf16/fp16, 4 for fp32), ``F_g`` achievable FLOP/s of GPU type g (``tflops * efficiency``),
+``bw`` link bandwidth in GB/s, ``m_p`` micro-batches of pipeline p. Times in seconds,
+memory in bytes (reported in GB = 1e9 bytes).
+
+Parameters
+    block  P_blk  = 4h^2 + 2hf + 9h + f        (QKV+proj with biases, MLP with biases, 2 LayerNorms)
+    embed  P_emb  = V h + s h                  (token + learned position embedding, first stage)
+    head   P_head = V h + 2h                   (final LayerNorm + untied LM head, last stage)
+    Each is split evenly over the t ranks of a TP group.
+
+Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
+    block forward FLOPs  = b (2 s (4h^2 + 2hf) + 4 s^2 h)
+    head  forward FLOPs  = 2 b s h V
+    time = FLOPs / (t F_g); backward = 2 x forward, + 1 x forward with activation recompute.
+    A measured profile (hetrain.profile/v1) replaces these per (GPU type, t, b).
+
+Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
+    backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
+    2 (t-1)/t * bytes / bw_intra(node). One all-reduce for the vocab-parallel embedding.
+
+Pipeline, per stage k of pipeline p and micro-batch:
+    c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
+          stage, +LM head on the last),
+    e_k = b s h B_act / bw(node_k, node_k+1) for the activation sent forward (the gradient
+          comes back the same size).
+    1F1B: T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
+          tau_p = max(max_k c_k, max_k 2 e_k)   (steady state runs at the slowest stage or link).
+
+Data parallelism across pipelines of different shapes. D = number of pipelines. Block l's
+    gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
+    the slowest link among their nodes:
+        sync(l) = 2 (D-1)/D * P_blk B_grad / t / bw_min(l),  B_grad = B_act
+    (embedding among first stages, head among last stages). A GPU runs the all-reduces of
+    its blocks one after another: sync_d = sum over its blocks.
+
+Optimizer step: every byte of weight, gradient and optimizer state is read and written once:
+    opt_d = 2 * bytes_per_param * P_d / memory_bandwidth_g.
+
+Iteration time
+    T_iter = max_p T_pipe(p) + max_d (sync_d + opt_d);   tokens/s = global_batch * s / T_iter.
+
+Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
+micro-batches in flight on stage k, k = 0 first):
+    weights+grads+optimizer = bytes_per_param * P_d / t
+    activations per block per micro-batch (Korthikanti et al. 2022, TP without sequence
+        parallelism): s b h (10 + 24/t + 5 a s / (h t)) * B_act/2; with recompute only the
+        block input s b h B_act is kept, plus one block's full activations while recomputing
+    embedding output s b h B_act per in-flight micro-batch on the first stage;
+    logits and their gradient in fp32, 8 s b V / t, on the last stage
+    + framework_reserve_gb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetrain.catalog import GPUType
+from hetrain.errors import HetrainError
+from hetrain.plan import Plan
+from hetrain.profile import Profile
+from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+
+GB = 1e9
+
+
+def block_params(model: ModelSpec) -> int:
+    h, f = model.hidden_size, model.ffn_size
+    return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def embed_params(model: ModelSpec) -> int:
+    return model.vocab_size * model.hidden_size + model.seq_length * model.hidden_size
+
+
+def head_params(model: ModelSpec) -> int:
+    return model.vocab_size * model.hidden_size + 2 * model.hidden_size
+
+
+def total_params(model: ModelSpec) -> int:
+    return model.num_layers * block_params(model) + embed_params(model) + head_params(model)
+
+
+def block_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
+    h, f, s = model.hidden_size, model.ffn_size, model.seq_length
+    return micro_batch_size * (2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h)
+
+
+def head_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
+    return 2.0 * micro_batch_size * model.seq_length * model.hidden_size * model.vocab_size
+
+
+def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> float:
+    """FLOPs of forward + backward (+ recompute) for one sequence through the whole model."""
+    mult = 4 if activation_recompute else 3
+    return mult * model.num_layers * block_forward_flops(model, 1) + 3 * head_forward_flops(model, 1)
+
+
+def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float) -> float:
+    if group_size <= 1:
+        return 0.0
+    return 2 * (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per-micro-batch costs of one TP group of a GPU type on a node, for one (t, b).
+
+    Stage time and memory are linear in the number of blocks it holds, which is what lets
+    the planner reason about layer counts without calling back into this module.
+    """
+
+    block_s: float  # forward + backward (+recompute) + TP all-reduces of one block
+    embed_s: float
+    head_s: float
+    block_param_bytes: float  # weights + grads + optimizer per rank
+    embed_param_bytes: float
+    head_param_bytes: float
+    block_act_bytes: float  # kept per in-flight micro-batch
+    embed_act_bytes: float
+    head_work_bytes: float  # logits + grad, once
+    block_work_bytes: float  # one block's full activations while recomputing
+    reserve_bytes: float
+    capacity_bytes: float
+    opt_s_per_param: float  # optimizer step seconds per parameter held
+
+    def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
+        return num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
+
+    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+        mem = self.reserve_bytes + self.block_work_bytes
+        mem += num_blocks * (self.block_param_bytes + in_flight * self.block_act_bytes)
+        if first:
+            mem += self.embed_param_bytes + in_flight * self.embed_act_bytes
+        if last:
+            mem += self.head_param_bytes + self.head_work_bytes
+        return mem
+
+    def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
+        """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
+        free = self.capacity_bytes - self.stage_memory_bytes(0, first, last, in_flight)
+        per = self.block_param_bytes + in_flight * self.block_act_bytes
+        return int(free // per) if free >= 0 else -1
+
+
+@dataclass
+class PipelineEstimate:
+    stage_s: list[float]  # c_k: forward + backward per micro-batch
+    p2p_s: list[float]  # e_k per boundary, one direction
+    bottleneck_s: float  # tau
+    time_s: float  # T_pipe
+
+
+@dataclass
+class Estimate:
+    iteration_time_s: float
+    tokens_per_s: float
+    pipeline_s: float  # max over pipelines of T_pipe
+    post_s: float  # max over GPUs of gradient sync + optimizer step
+    pipelines: list[PipelineEstimate]
+    peak_memory_gb: dict[str, float]
+    capacity_gb: dict[str, float]
+    sync_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def min_headroom_gb(self) -> float:
+        return min(self.capacity_gb[d] - self.peak_memory_gb[d] for d in self.peak_memory_gb)
+
+    def over_capacity(self) -> list[str]:
+        return [d for d in self.peak_memory_gb if self.peak_memory_gb[d] > self.capacity_gb[d] + 1e-9]
+
+    def to_predicted(self) -> dict:
+        return {
+            "iteration_time_s": round(self.iteration_time_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "peak_memory_gb": {d: round(v, 3) for d, v in self.peak_memory_gb.items()},
+            "pipeline_time_s": [round(p.time_s, 6) for p in self.pipelines],
+            "sync_and_optimizer_s": round(self.post_s, 6),
+        }
+
+
+class CostModel:
+    """Predicts iteration time and memory for plans on one cluster, model and settings."""
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        settings: TrainingSettings,
+        profile: Profile | None = None,
+    ):
+        self.cluster, self.model, self.settings, self.profile = cluster, model, settings, profile
+        if profile is not None and profile.model.model_dump() != model.model_dump():
+            raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
+        self._unit_cache: dict[tuple, UnitCosts] = {}
+
+    # ------------------------------------------------------------------ building blocks
+
+    def unit_costs(self, gpu: str, intra_bw_gbps: float, tp: int, micro_batch_size: int) -> UnitCosts:
+        key = (gpu, intra_bw_gbps, tp, micro_batch_size)
+        if key not in self._unit_cache:
+            self._unit_cache[key] = self._unit_costs(self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp, micro_batch_size)
+        return self._unit_cache[key]
+
+    def _unit_costs(self, g: GPUType, gpu: str, bw: float, t: int, b: int) -> UnitCosts:
+        m, st = self.model, self.settings
+        h, s, a, V = m.hidden_size, m.seq_length, m.num_heads, m.vocab_size
+        act = st.activation_bytes
+        flops = g.achievable_flops(st.precision)
+        recompute = st.activation_recompute
+        msg = b * s * h * act  # one activation tensor of a micro-batch
+        tp_ar = ring_allreduce_s(msg, t, bw)
+        full_block_act = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act / 2
+
+        entry = self.profile.lookup(gpu, t, b) if self.profile else None
+        if entry is not None:
+            blk_compute = entry.block_forward_s + entry.block_backward_s
+            embed_compute = entry.embed_forward_s + entry.embed_backward_s
+            head_compute = entry.head_forward_s + entry.head_backward_s
+            if entry.block_activation_bytes is not None:
+                full_block_act = float(entry.block_activation_bytes)
+        else:
+            fwd = block_forward_flops(m, b) / (t * flops)
+            blk_compute = fwd * (4 if recompute else 3)
+            head_compute = 3 * head_forward_flops(m, b) / (t * flops)
+            embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
+
+        blk_act = s * b * h * act if recompute else full_block_act
+        return UnitCosts(
+            block_s=blk_compute + (6 if recompute else 4) * tp_ar,
+            embed_s=embed_compute + tp_ar,
+            head_s=head_compute,
+            block_param_bytes=st.bytes_per_param * block_params(m) / t,
+            embed_param_bytes=st.bytes_per_param * embed_params(m) / t,
+            head_param_bytes=st.bytes_per_param * head_params(m) / t,
+            block_act_bytes=blk_act,
+            embed_act_bytes=msg,
+            head_work_bytes=8.0 * s * b * V / t,
+            block_work_bytes=full_block_act if recompute else 0.0,
+            reserve_bytes=st.framework_reserve_gb * GB,
+            capacity_bytes=g.memory_gb * GB,
+            opt_s_per_param=2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB),
+        )
+
+    def p2p_bytes(self, micro_batch_size: int) -> float:
+        """Activation (or its gradient) sent between consecutive stages per micro-batch."""
+        m = self.model
+        return micro_batch_size * m.seq_length * m.hidden_size * self.settings.activation_bytes
+
+    def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int) -> float:
+        return self.p2p_bytes(micro_batch_size) / (self.cluster.bandwidth_gbps(node_a, node_b) * GB)
+
+    def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
+        m = self.model
+        n = num_blocks * block_params(m) + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
+        return n * self.settings.activation_bytes / tp
+
+    def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
+        m = self.model
+        n = num_blocks * block_params(m) + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
+        return n / tp
+
+    @staticmethod
+    def pipeline_time_s(stage_s: list[float], p2p_s: list[float], num_microbatches: int) -> tuple[float, float]:
+        """1F1B time of one pipeline: returns (bottleneck tau, total)."""
+        tau = max(max(stage_s), max((2 * e for e in p2p_s), default=0.0))
+        return tau, (num_microbatches - 1) * tau + sum(stage_s) + 2 * sum(p2p_s)
+
+    # ------------------------------------------------------------------ whole plans
+
+    def estimate(self, plan: Plan) -> Estimate:
+        """Predict a structurally valid plan (see ``hetrain.plan.validate_plan``)."""
+        cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
+        node_of = {d.name: d.node for d in cl.devices}
+        pipes: list[PipelineEstimate] = []
+        peak: dict[str, float] = {}
+        cap: dict[str, float] = {}
+        opt: dict[str, float] = {}
+        for pipe in plan.pipelines:
+            S = len(pipe.stages)
+            stage_s, p2p = [], []
+            for k, stage in enumerate(pipe.stages):
+                node = node_of[stage.devices[0]]
+                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b)
+                n_blocks = stage.layers[1] - stage.layers[0]
+                first, last = k == 0, k == S - 1
+                stage_s.append(u.stage_time_s(n_blocks, first, last))
+                mem = u.stage_memory_bytes(n_blocks, first, last, min(S - k, pipe.num_microbatches))
+                params = self.stage_params(n_blocks, first, last, t)
+                for d in stage.devices:
+                    peak[d] = mem / GB
+                    cap[d] = u.capacity_bytes / GB
+                    opt[d] = params * u.opt_s_per_param
+                if k + 1 < S:
+                    p2p.append(self.p2p_s(node, node_of[pipe.stages[k + 1].devices[0]], b))
+            tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
+            pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
+
+        sync = self._sync_s(plan, node_of)
+        post = max(sync.get(d, 0.0) + opt[d] for d in opt)
+        pipeline_s = max(p.time_s for p in pipes)
+        it = pipeline_s + post
+        tokens = plan.global_batch_size * self.model.seq_length
+        return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync)
+
+    def _sync_s(self, plan: Plan, node_of: dict[str, str]) -> dict[str, float]:
+        """Seconds each GPU spends in data-parallel gradient all-reduces after backward."""
+        D, t = len(plan.pipelines), plan.tp
+        sync: dict[str, float] = {}
+        if D == 1:
+            return sync
+        m = self.model
+        act = self.settings.activation_bytes
+        # owner[l][p] = stage of pipeline p holding block l
+        owners = []
+        for pipe in plan.pipelines:
+            row = []
+            for stage in pipe.stages:
+                row += [stage] * (stage.layers[1] - stage.layers[0])
+            owners.append(row)
+
+        def run(stages, num_bytes):
+            for r in range(t):
+                devs = [st.devices[r] for st in stages]
+                bw = self.cluster.min_bandwidth_gbps({node_of[d] for d in devs})
+                cost = ring_allreduce_s(num_bytes, D, bw)
+                for d in devs:
+                    sync[d] = sync.get(d, 0.0) + cost
+
+        for layer in range(m.num_layers):
+            run([row[layer] for row in owners], block_params(m) * act / t)
+        run([p.stages[0] for p in plan.pipelines], embed_params(m) * act / t)
+        run([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
+        return sync
+
+    def check_memory(self, est: Estimate) -> None:
+        over = est.over_capacity()
+        if over:
+            d = max(over, key=lambda x: est.peak_memory_gb[x] - est.capacity_gb[x])
+            raise HetrainError(
+                f"device {d} needs {est.peak_memory_gb[d]:.1f} GB but has {est.capacity_gb[d]:.1f} GB"
+                f" ({len(over)} device{'s' if len(over) > 1 else ''} over capacity)"
+            )
+
+    def upper_bound_tokens_per_s(self) -> float:
+        """Sum over GPUs of the tokens/s each would reach training alone at this model's efficiency.
+
+        Ignores memory, communication and bubbles: the ceiling no plan can pass.
+        """
+        per_seq = train_flops_per_sequence(self.model, self.settings.activation_recompute)
+        total = 0.0
+        for node in self.cluster.nodes:
+            g = self.cluster.gpu_type(node.gpu)
+            total += node.count * g.achievable_flops(self.settings.precision) / per_seq * self.model.seq_length
+        return total

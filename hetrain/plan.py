@@ -1,0 +1,167 @@
+"""The plan file (``hetrain.plan/v1``): which GPUs form which stages of which pipelines.
+
+A plan is the contract between the planner, the runtime and recovery. ``validate_plan``
+checks a plan (from any source: our planners, a hand-written file, another tool) against
+a cluster and says in one sentence what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, ValidationError
+
+from hetrain.errors import HetrainError
+from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings, describe_validation_error
+
+PLAN_SCHEMA = "hetrain.plan/v1"
+
+
+class StagePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    devices: list[str] = Field(min_length=1, description="the stage's TP group, in TP-rank order")
+    gpu: str
+    layers: tuple[int, int] = Field(description="half-open range of transformer blocks [start, end)")
+
+
+class PipelinePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_microbatches: PositiveInt
+    stages: list[StagePlan] = Field(min_length=1)
+
+
+class Predicted(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    iteration_time_s: NonNegativeFloat
+    tokens_per_s: NonNegativeFloat
+    peak_memory_gb: dict[str, float]
+
+
+class SolverInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    planner: str
+    status: str
+    gap: float | None = None
+    wall_s: NonNegativeFloat
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    schema_: Literal["hetrain.plan/v1"] = Field(default=PLAN_SCHEMA, alias="schema")
+    model: ModelSpec
+    cluster: str
+    global_batch_size: PositiveInt
+    micro_batch_size: PositiveInt
+    tp: PositiveInt
+    pipelines: list[PipelinePlan] = Field(min_length=1)
+    training: TrainingSettings | None = None
+    predicted: Predicted | None = None
+    solver: SolverInfo | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    def devices(self) -> list[str]:
+        return [d for p in self.pipelines for s in p.stages for d in s.devices]
+
+    def settings(self) -> TrainingSettings:
+        """Training settings the plan was made for (defaults when a hand-written plan has none)."""
+        base = self.training or TrainingSettings(global_batch_size=self.global_batch_size)
+        return base.model_copy(update={"global_batch_size": self.global_batch_size})
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), indent=2)
+
+    def write(self, path: str | Path) -> None:
+        """Write atomically: a reader never sees half a plan."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json() + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise HetrainError(f"{p}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise HetrainError(f"{p}: schema: expected '{PLAN_SCHEMA}', got {got!r}")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error(str(p), e)) from None
+
+
+def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
+    """Raise HetrainError naming the first structural problem of ``plan`` on ``cluster``.
+
+    Memory is not checked here: that needs the cost model (see ``CostModel.check_memory``).
+    """
+    model, t = plan.model, plan.tp
+    if plan.cluster != cluster.name:
+        raise HetrainError(f"plan is for cluster '{plan.cluster}', not '{cluster.name}'")
+    if model.hidden_size % t or model.num_heads % t:
+        raise HetrainError(
+            f"tp {t} must divide hidden_size {model.hidden_size} and num_heads {model.num_heads} of {model.name}"
+        )
+    if plan.global_batch_size % plan.micro_batch_size:
+        raise HetrainError(
+            f"global batch size {plan.global_batch_size} is not divisible by micro-batch size {plan.micro_batch_size}"
+        )
+    total = sum(p.num_microbatches for p in plan.pipelines)
+    if total != plan.num_microbatches:
+        raise HetrainError(
+            f"pipelines process {total} micro-batches but global batch {plan.global_batch_size} / micro-batch "
+            f"{plan.micro_batch_size} = {plan.num_microbatches}"
+        )
+    used: set[str] = set()
+    for pi, pipe in enumerate(plan.pipelines):
+        expect = 0
+        for si, stage in enumerate(pipe.stages):
+            where = f"pipelines[{pi}].stages[{si}]"
+            if len(stage.devices) != t:
+                raise HetrainError(f"{where}: has {len(stage.devices)} devices, expected tp = {t}")
+            nodes = set()
+            for name in stage.devices:
+                dev = cluster.device_by_name.get(name)
+                if dev is None:
+                    raise HetrainError(f"{where}: device '{name}' is not in cluster '{cluster.name}'")
+                if name in used:
+                    raise HetrainError(f"{where}: device '{name}' is used more than once")
+                used.add(name)
+                if dev.gpu != stage.gpu:
+                    raise HetrainError(f"{where}: device '{name}' is a {dev.gpu}, but the stage says {stage.gpu}")
+                nodes.add(dev.node)
+            if len(nodes) > 1:
+                raise HetrainError(f"{where}: a TP group must sit on one node, got {', '.join(sorted(nodes))}")
+            lo, hi = stage.layers
+            if lo != expect or hi <= lo:
+                raise HetrainError(
+                    f"{where}: layers {list(stage.layers)} should start at {expect} and hold at least one block"
+                )
+            expect = hi
+        if expect != model.num_layers:
+            raise HetrainError(
+                f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
+            )

@@ -1,0 +1,86 @@
+"""Measured per-layer costs (``hetrain.profile/v1``) that replace the FLOP-based estimates.
+
+Format (JSON)::
+
+    {"schema": "hetrain.profile/v1",
+     "model": {...model spec the measurements were taken on...},
+     "precision": "bf16", "activation_recompute": true,
+     "devices": {
+       "A100-80G": [
+         {"tp": 1, "micro_batch_size": 1,
+          "block_forward_s": 0.0021, "block_backward_s": 0.0043,   # one transformer block, one micro-batch
+          "embed_forward_s": 0.0001, "embed_backward_s": 0.0002,   # token + position embedding
+          "head_forward_s": 0.0015, "head_backward_s": 0.0030,     # final norm + LM head + loss
+          "block_activation_bytes": 123456789}                      # kept per in-flight micro-batch
+       ]}}
+
+Times are compute only, for the TP shard of one rank (``tp`` ranks each run 1/tp of the
+block); ``block_backward_s`` includes the recomputed forward when the profile was taken
+with ``activation_recompute``. Tensor-parallel and pipeline communication are added by the
+cost model from the cluster's links. Entries are looked up by (GPU type, tp, micro-batch
+size); a missing entry falls back to the FLOP-based estimate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError
+
+from hetrain.errors import HetrainError
+from hetrain.specs import ModelSpec, describe_validation_error
+
+PROFILE_SCHEMA = "hetrain.profile/v1"
+
+
+class ProfileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tp: PositiveInt
+    micro_batch_size: PositiveInt
+    block_forward_s: NonNegativeFloat
+    block_backward_s: NonNegativeFloat
+    embed_forward_s: NonNegativeFloat = 0.0
+    embed_backward_s: NonNegativeFloat = 0.0
+    head_forward_s: NonNegativeFloat = 0.0
+    head_backward_s: NonNegativeFloat = 0.0
+    block_activation_bytes: NonNegativeInt | None = None
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_: Literal["hetrain.profile/v1"] = PROFILE_SCHEMA
+    model: ModelSpec
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    activation_recompute: bool = True
+    devices: dict[str, list[ProfileEntry]]
+
+    def lookup(self, gpu: str, tp: int, micro_batch_size: int) -> ProfileEntry | None:
+        for entry in self.devices.get(gpu, []):
+            if entry.tp == tp and entry.micro_batch_size == micro_batch_size:
+                return entry
+        return None
+
+    def to_json(self) -> str:
+        data = self.model_dump(mode="json", exclude={"schema_"})
+        return json.dumps({"schema": PROFILE_SCHEMA, **data}, indent=2)
+
+
+def load_profile(path: str | Path) -> Profile:
+    p = Path(path)
+    if not p.is_file():
+        raise HetrainError(f"{p}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise HetrainError(f"{p}: schema: expected '{PROFILE_SCHEMA}', got {data.get('schema') if isinstance(data, dict) else data!r}")
+    data = {k: v for k, v in data.items() if k != "schema"}
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error(str(p), e)) from None

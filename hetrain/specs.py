@@ -1,0 +1,312 @@
+"""Specs: the cluster, the model and the training settings, as pydantic models loaded from YAML.
+
+Every loading error becomes one ``HetrainError`` line naming the file, the field and what
+was expected, e.g. ``clusters/x.yaml: nodes[1].count: expected an integer >= 1, got -2``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from hetrain.catalog import CATALOG, GPUType
+from hetrain.errors import HetrainError
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class NodeSpec(_Spec):
+    """One machine: ``count`` GPUs of one type joined by a link of ``intra_node_bandwidth_gbps`` GB/s."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    gpu: str
+    count: PositiveInt
+    intra_node_bandwidth_gbps: PositiveFloat = Field(description="GB/s between two GPUs of this node")
+    spot: bool = False
+    price_per_gpu_hour: NonNegativeFloat | None = None
+
+
+class LinkSpec(_Spec):
+    """Bandwidth override for one pair of nodes (GB/s), e.g. two nodes in different racks."""
+
+    nodes: tuple[str, str]
+    bandwidth_gbps: PositiveFloat
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of the cluster, named ``<node>/<index>``."""
+
+    name: str
+    node: str
+    index: int
+    gpu: str
+
+
+class ClusterSpec(_Spec):
+    name: str
+    nodes: list[NodeSpec] = Field(min_length=1)
+    inter_node_bandwidth_gbps: PositiveFloat = Field(
+        default=12.5, description="GB/s between GPUs of two different nodes (12.5 GB/s = 100 Gb/s)"
+    )
+    links: list[LinkSpec] = Field(default_factory=list)
+    gpu_types: dict[str, GPUType] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> ClusterSpec:
+        seen: set[str] = set()
+        for i, node in enumerate(self.nodes):
+            if node.name in seen:
+                raise _FieldError(f"nodes[{i}].name", f"expected a unique node name, got duplicate '{node.name}'")
+            seen.add(node.name)
+            if node.gpu not in self.gpu_types and node.gpu not in CATALOG:
+                known = ", ".join(sorted(set(CATALOG) | set(self.gpu_types)))
+                raise _FieldError(
+                    f"nodes[{i}].gpu",
+                    f"unknown GPU type '{node.gpu}'; expected one of {known} or a type defined under gpu_types",
+                )
+        for i, link in enumerate(self.links):
+            for end in link.nodes:
+                if end not in seen:
+                    raise _FieldError(f"links[{i}].nodes", f"expected names of nodes in this file, got '{end}'")
+            if link.nodes[0] == link.nodes[1]:
+                raise _FieldError(f"links[{i}].nodes", "expected two different nodes (use intra_node_bandwidth_gbps)")
+        return self
+
+    # ---- derived views (not part of the file format)
+
+    def gpu_type(self, name: str) -> GPUType:
+        return self.gpu_types.get(name) or CATALOG[name]
+
+    @cached_property
+    def node_by_name(self) -> dict[str, NodeSpec]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def _link_overrides(self) -> dict[frozenset[str], float]:
+        return {frozenset(link.nodes): link.bandwidth_gbps for link in self.links}
+
+    def bandwidth_gbps(self, node_a: str, node_b: str) -> float:
+        """GB/s between a GPU on ``node_a`` and one on ``node_b`` (intra-node when they are the same)."""
+        if node_a == node_b:
+            return self.node_by_name[node_a].intra_node_bandwidth_gbps
+        return self._link_overrides.get(frozenset((node_a, node_b)), self.inter_node_bandwidth_gbps)
+
+    def min_bandwidth_gbps(self, nodes: set[str] | frozenset[str]) -> float:
+        """Slowest link among a set of nodes: what a ring collective over GPUs on them runs at."""
+        nodes = frozenset(nodes)
+        if len(nodes) == 1:
+            (only,) = nodes
+            return self.bandwidth_gbps(only, only)
+        inside = [bw for pair, bw in self._link_overrides.items() if pair <= nodes]
+        pairs = len(nodes) * (len(nodes) - 1) // 2
+        if len(inside) < pairs:  # some pair uses the default inter-node link
+            inside.append(self.inter_node_bandwidth_gbps)
+        return min(inside)
+
+    def has_link_override(self, node: str) -> bool:
+        return any(node in pair for pair in self._link_overrides)
+
+    @cached_property
+    def devices(self) -> list[Device]:
+        return [Device(f"{n.name}/{i}", n.name, i, n.gpu) for n in self.nodes for i in range(n.count)]
+
+    @cached_property
+    def device_by_name(self) -> dict[str, Device]:
+        return {d.name: d for d in self.devices}
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+    def total_memory_gb(self) -> float:
+        return sum(n.count * self.gpu_type(n.gpu).memory_gb for n in self.nodes)
+
+    def without_nodes(self, lost: list[str]) -> ClusterSpec:
+        """The cluster left after losing some nodes (recovery re-plans on it)."""
+        unknown = [n for n in lost if n not in self.node_by_name]
+        if unknown:
+            raise HetrainError(f"lost node '{unknown[0]}' is not in cluster '{self.name}'")
+        keep = [n for n in self.nodes if n.name not in lost]
+        if not keep:
+            raise HetrainError(f"losing {', '.join(lost)} leaves cluster '{self.name}' with no nodes")
+        links = [lk for lk in self.links if not set(lk.nodes) & set(lost)]
+        return self.model_copy(update={"nodes": keep, "links": links})
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelSpec(_Spec):
+    """A decoder-only GPT: ``num_layers`` transformer blocks between an embedding and an LM head."""
+
+    name: str
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_heads: PositiveInt
+    seq_length: PositiveInt
+    vocab_size: PositiveInt
+    ffn_hidden_size: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise _FieldError(
+                "num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}"
+            )
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+# --------------------------------------------------------------------------- training settings
+
+
+class TrainingSettings(_Spec):
+    """What the planner may vary and what it must respect, besides the hardware."""
+
+    global_batch_size: PositiveInt = Field(description="sequences per optimizer step")
+    micro_batch_sizes: list[PositiveInt] = Field(default=[1, 2, 4], min_length=1)
+    tp_degrees: list[PositiveInt] = Field(default=[1, 2, 4, 8], min_length=1)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    bytes_per_param: PositiveFloat = Field(
+        default=16.0,
+        description="weights + gradients + optimizer state per parameter; mixed-precision Adam: "
+        "2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + 4 + 4 (Adam moments) = 16",
+    )
+    activation_recompute: bool = Field(default=True, description="recompute each block's activations in backward")
+    framework_reserve_gb: NonNegativeFloat = Field(
+        default=2.0, description="per-GPU memory held by CUDA context, allocator and communication buffers"
+    )
+
+    @field_validator("tp_degrees")
+    @classmethod
+    def _powers_of_two(cls, v: list[int]) -> list[int]:
+        bad = [t for t in v if t & (t - 1)]
+        if bad:
+            raise ValueError(f"expected powers of two, got {bad[0]}")
+        return sorted(set(v))
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _sorted(cls, v: list[int]) -> list[int]:
+        return sorted(set(v))
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def check_batch(self, micro_batch_size: int) -> None:
+        if self.global_batch_size % micro_batch_size:
+            raise HetrainError(
+                f"global batch size {self.global_batch_size} is not divisible by micro-batch size {micro_batch_size}"
+            )
+
+
+# --------------------------------------------------------------------------- loading
+
+S = TypeVar("S", bound=BaseModel)
+
+
+class _FieldError(ValueError):
+    """Raised inside validators so the message can name the exact field path."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _loc_to_str(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+_PYDANTIC_HINTS = {
+    "missing": "is required",
+    "extra_forbidden": "is not a known field",
+}
+
+
+def describe_validation_error(source: str, err: ValidationError) -> str:
+    """First error of a pydantic ValidationError as one line naming source and field."""
+    first = err.errors()[0]
+    ctx_err = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, _FieldError):
+        where, what = ctx_err.field, ctx_err.message
+        prefix = _loc_to_str(first["loc"])
+        if prefix != "(top level)":
+            where = f"{prefix}.{where}"
+    else:
+        where = _loc_to_str(first["loc"])
+        kind = first["type"]
+        if kind in _PYDANTIC_HINTS:
+            what = _PYDANTIC_HINTS[kind]
+        else:
+            msg = re.sub(r"^Value error, ", "", first["msg"])
+            what = f"expected {msg[0].lower() + msg[1:]}" if not msg.lower().startswith("expected") else msg
+            if "input" in first and kind not in ("missing",):
+                what += f", got {first['input']!r}"
+    more = len(err.errors()) - 1
+    tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"{source}: {where}: {what}{tail}"
+
+
+def load_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise HetrainError(f"{p}: file not found")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise HetrainError(f"{p}: {where}invalid YAML ({problem})") from None
+
+
+def parse_spec(cls: type[S], data: Any, source: str) -> S:
+    if not isinstance(data, dict):
+        raise HetrainError(f"{source}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error(source, e)) from None
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    return parse_spec(ClusterSpec, load_yaml(path), str(path))
+
+
+def load_model(path: str | Path) -> ModelSpec:
+    return parse_spec(ModelSpec, load_yaml(path), str(path))

@@ -1,0 +1,87 @@
+"""Turn a chosen set of templates into a concrete plan: micro-batches, devices, layer ranges."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from hetrain.costmodel import CostModel, Estimate
+from hetrain.plan import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
+from hetrain.specs import ClusterSpec
+from solver.space import Space, Template
+
+
+def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total: int) -> list[int] | None:
+    """Micro-batches per pipeline minimising max_p(m_p tau_p + fill_p), each m_p >= 1.
+
+    Greedy is exact here: every pipeline's finish time grows with each micro-batch it takes,
+    so giving the next micro-batch to whichever pipeline would finish earliest never hurts.
+    """
+    n = len(tau_s)
+    if n == 0 or total < n:
+        return None
+    counts = [1] * n
+    heap = [(2 * tau_s[i] + fill_s[i], i) for i in range(n)]
+    heapq.heapify(heap)
+    for _ in range(total - n):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, ((counts[i] + 1) * tau_s[i] + fill_s[i], i))
+    return counts
+
+
+def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template]) -> Plan | None:
+    """Concrete plan for one copy of each template in ``templates`` (repeats allowed).
+
+    Groups of a class are handed out node by node, so consecutive stages of one class land
+    on one node where they can and copies of a template line up on the same nodes, which
+    keeps their layers' gradient all-reduces inside nodes where possible.
+    """
+    settings, model = cost.settings, cost.model
+    M = settings.global_batch_size // space.micro_batch_size
+    counts = allocate_microbatches([t.tau_s for t in templates], [t.fill_s for t in templates], M)
+    if counts is None:
+        return None
+    t = space.tp
+    # free groups per class: list of (node, [device indices]) in node order
+    free: list[list[tuple[str, list[int]]]] = []
+    for cls in space.classes:
+        pool = []
+        for node, groups in zip(cls.nodes, cls.groups_per_node):
+            for g in range(groups):
+                pool.append((node, list(range(g * t, (g + 1) * t))))
+        free.append(pool)
+    pipelines = []
+    order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, i))
+    built: dict[int, PipelinePlan] = {}
+    for i in order:
+        tpl = templates[i]
+        stages, start, prev_node = [], 0, None
+        for cls_idx, blocks in zip(tpl.classes, tpl.blocks):
+            pool = free[cls_idx]
+            if not pool:
+                raise ValueError("templates use more groups than the cluster has")
+            pick = next((j for j, (node, _) in enumerate(pool) if node == prev_node), 0)
+            node, idx = pool.pop(pick)
+            gpu = space.classes[cls_idx].gpu
+            stages.append(StagePlan(devices=[f"{node}/{k}" for k in idx], gpu=gpu, layers=(start, start + blocks)))
+            start += blocks
+            prev_node = node
+        built[i] = PipelinePlan(num_microbatches=counts[i], stages=stages)
+    pipelines = [built[i] for i in range(len(templates))]
+    return Plan(
+        model=model,
+        cluster=cluster.name,
+        global_batch_size=settings.global_batch_size,
+        micro_batch_size=space.micro_batch_size,
+        tp=t,
+        pipelines=pipelines,
+        training=settings,
+    )
+
+
+def finish(plan: Plan, cost: CostModel, solver_info: dict) -> tuple[Plan, Estimate]:
+    """Attach the cost model's prediction and the solver report to a plan."""
+    est = cost.estimate(plan)
+    plan = plan.model_copy(update={"predicted": Predicted(**est.to_predicted()), "solver": SolverInfo(**solver_info)})
+    return plan, est

@@ -1,0 +1,63 @@
+"""The referee: enumerate every plan the MILP searches and score each with the full cost model.
+
+The space is the MILP's: for every TP degree and micro-batch size, every multiset of
+pipeline templates that fits in the cluster's TP groups (any number of copies, idle groups
+allowed), with micro-batches split optimally among them. Unlike the MILP, which plans with
+per-scope approximations of gradient-sync bandwidth and the pipeline count, every candidate
+here is assembled into a concrete plan and predicted exactly. Practical up to about 8 GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hetrain.costmodel import CostModel
+from hetrain.errors import HetrainError, NoPlanError
+from hetrain.specs import ClusterSpec
+from solver.assemble import assemble, finish
+from solver.planner import PlanResult, explain_no_plan, spaces
+from solver.space import Template
+
+MAX_CANDIDATES = 2_000_000
+
+
+def _multisets(templates: list[Template], available: list[int], max_pipelines: int, start: int = 0):
+    """Every non-empty multiset of templates whose group usage fits ``available``."""
+    for j in range(start, len(templates)):
+        usage = templates[j].usage
+        if all(u <= a for u, a in zip(usage, available)) and max_pipelines >= 1:
+            rest = [a - u for a, u in zip(available, usage)]
+            yield [templates[j]]
+            for tail in _multisets(templates, rest, max_pipelines - 1, j):
+                yield [templates[j]] + tail
+
+
+def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12) -> PlanResult:
+    if cluster.num_devices > max_devices:
+        raise HetrainError(
+            f"the exhaustive planner enumerates every plan and is limited to {max_devices} GPUs; "
+            f"cluster '{cluster.name}' has {cluster.num_devices}"
+        )
+    t0 = time.perf_counter()
+    best = None
+    seen = 0
+    for space in spaces(cluster, cost):
+        M = cost.settings.global_batch_size // space.micro_batch_size
+        for combo in _multisets(space.templates, space.available, M):
+            seen += 1
+            if seen > MAX_CANDIDATES:
+                raise HetrainError(f"more than {MAX_CANDIDATES:,} candidate plans: cluster too large to enumerate")
+            plan = assemble(cluster, cost, space, combo)
+            if plan is None:
+                continue
+            est = cost.estimate(plan)
+            if est.over_capacity():
+                continue
+            if best is None or est.iteration_time_s < best[0]:
+                best = (est.iteration_time_s, plan)
+    if best is None:
+        raise NoPlanError(explain_no_plan(cluster, cost))
+    info = {"planner": "exhaustive", "status": "optimal", "gap": 0.0,
+            "wall_s": round(time.perf_counter() - t0, 4), "candidates": seen}
+    plan, est = finish(best[1], cost, info)
+    return PlanResult(plan, est)

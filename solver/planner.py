@@ -1,0 +1,170 @@
+"""Planner entry points: hetrain (MILP), megatron, whale and exhaustive, all on one cost model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from hetrain.costmodel import GB, CostModel, Estimate, total_params
+from hetrain.errors import HetrainError, NoPlanError
+from hetrain.plan import Plan
+from hetrain.profile import Profile
+from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+from solver.assemble import assemble, finish
+from solver.milp import solve_templates
+from solver.space import Space, build_space
+
+PLANNERS = ("hetrain", "megatron", "whale", "exhaustive")
+# (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
+# still assembled and scored exactly: the MILP's sync estimate is conservative.
+PRUNE_MARGIN = 0.02
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    estimate: Estimate
+
+
+def tp_candidates(model: ModelSpec, settings: TrainingSettings, cluster: ClusterSpec) -> list[int]:
+    biggest_node = max(n.count for n in cluster.nodes)
+    return [
+        t
+        for t in settings.tp_degrees
+        if model.hidden_size % t == 0 and model.num_heads % t == 0 and t <= biggest_node
+    ]
+
+
+def mbs_candidates(settings: TrainingSettings) -> list[int]:
+    ok = [b for b in settings.micro_batch_sizes if settings.global_batch_size % b == 0]
+    if not ok:
+        raise HetrainError(
+            f"global batch size {settings.global_batch_size} is not divisible by any micro-batch size in "
+            f"{settings.micro_batch_sizes}"
+        )
+    return ok
+
+
+def spaces(cluster: ClusterSpec, cost: CostModel, max_depth: int | None = None) -> Iterator[Space]:
+    for t in tp_candidates(cost.model, cost.settings, cluster):
+        for b in mbs_candidates(cost.settings):
+            yield build_space(cluster, cost, t, b, max_depth=max_depth)
+
+
+def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
+    """Why nothing fits, in the user's terms."""
+    model, st = cost.model, cost.settings
+    need = total_params(model) * st.bytes_per_param / GB
+    have = cluster.total_memory_gb()
+    usable = have - cluster.num_devices * st.framework_reserve_gb
+    if need > usable:
+        return (
+            f"{model.name} needs at least {need:,.0f} GB for weights and optimizer state; cluster "
+            f"'{cluster.name}' has {have:,.0f} GB ({usable:,.0f} GB after the {st.framework_reserve_gb:g} GB "
+            f"per-GPU framework reserve)"
+        )
+    tps = tp_candidates(model, st, cluster)
+    if not tps:
+        return (
+            f"no TP degree in {st.tp_degrees} divides hidden_size {model.hidden_size} and num_heads "
+            f"{model.num_heads} of {model.name} and fits on a node"
+        )
+    return (
+        f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and optimizer state) "
+        f"fits in the cluster's {have:,.0f} GB only in aggregate: no pipeline of at most "
+        f"{model.num_layers} stages with tp in {tps} holds all {model.num_layers} blocks plus the activations "
+        f"of its in-flight micro-batches; try activation_recompute, a smaller micro-batch or larger GPUs"
+    )
+
+
+def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int], float]]:
+    """(label, groups available per class, gradient all-reduce bandwidth) for each scope."""
+    nodes_with_groups = {n for c in space.classes for n, g in zip(c.nodes, c.groups_per_node) if g}
+    scopes = [("all nodes", space.available, cluster.min_bandwidth_gbps(frozenset(nodes_with_groups)))]
+    if len(nodes_with_groups) > 1:
+        for c in space.classes:
+            biggest = max(range(len(c.nodes)), key=lambda i: c.groups_per_node[i])
+            avail = [0] * len(space.classes)
+            avail[c.index] = c.groups_per_node[biggest]
+            scopes.append((f"node {c.nodes[biggest]}", avail, c.intra_bw_gbps))
+    return scopes
+
+
+def plan_hetrain(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    time_limit_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
+    t0 = time.perf_counter()
+    best: tuple[float, Plan, dict] | None = None
+    solves, templates, worst_gap, statuses = 0, 0, 0.0, set()
+    M_of = lambda b: cost.settings.global_batch_size // b  # noqa: E731
+    best_milp_s: float | None = None
+    for space in spaces(cluster, cost):
+        templates += len(space.templates)
+        if not space.templates:
+            continue
+        for label, avail, bw in _sync_scopes(cluster, space):
+            if progress:
+                progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
+            prune = best_milp_s * (1 + PRUNE_MARGIN) if best_milp_s is not None else None
+            res = solve_templates(space, M_of(space.micro_batch_size), avail, bw,
+                                  time_limit_s=time_limit_s, prune_above_s=prune)
+            if res is None:
+                continue
+            solves += res.solves
+            statuses.add(res.status)
+            best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
+            plan = assemble(cluster, cost, space, res.chosen)
+            if plan is None:
+                continue
+            est = cost.estimate(plan)
+            if est.over_capacity():
+                continue
+            if best is None or est.iteration_time_s < best[0]:
+                worst_gap = res.gap
+                best = (est.iteration_time_s, plan, {"scope": label, "milp_objective_s": round(res.objective_s, 6)})
+    if best is None:
+        raise NoPlanError(explain_no_plan(cluster, cost))
+    _, plan, extra = best
+    info = {
+        "planner": "hetrain",
+        "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
+        "gap": worst_gap,
+        "wall_s": round(time.perf_counter() - t0, 4),
+        "milp_solves": solves,
+        "templates": templates,
+        **extra,
+    }
+    plan, est = finish(plan, cost, info)
+    return PlanResult(plan, est)
+
+
+def make_plan(
+    planner: str,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    settings: TrainingSettings,
+    profile: Profile | None = None,
+    time_limit_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    cost = CostModel(cluster, model, settings, profile)
+    if planner == "hetrain":
+        return plan_hetrain(cluster, cost, time_limit_s=time_limit_s, progress=progress)
+    if planner == "megatron":
+        from solver.baselines import plan_megatron
+
+        return plan_megatron(cluster, cost)
+    if planner == "whale":
+        from solver.baselines import plan_whale
+
+        return plan_whale(cluster, cost)
+    if planner == "exhaustive":
+        from solver.exhaustive import plan_exhaustive
+
+        return plan_exhaustive(cluster, cost)
+    raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")

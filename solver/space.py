@@ -1,0 +1,228 @@
+"""The search space: TP group classes, pipeline templates and their layer splits.
+
+Symmetry is what keeps the planner small. With the TP degree ``t`` fixed, a node of ``c``
+GPUs yields ``c // t`` TP groups, and groups of one GPU type on nodes with the same links
+are interchangeable: they form one *class*, and the planner only counts how many groups of
+each class it uses. A *template* is a pipeline shape: an ordered list of classes (one per
+stage) with a layer split. Pipelines built from one template behave identically, so the
+MILP chooses how many copies of each template to build and how many micro-batches each
+gets, not which GPU goes where.
+
+Stage order inside a template is canonical: GPUs with more memory come first, because 1F1B
+keeps ``S - k`` micro-batches in flight on stage ``k``, the most on the first stage. Layer
+splits are the ones that minimise the pipeline's bottleneck stage time subject to each
+stage's memory (``split_layers``), ties broken towards less total work.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import cached_property
+
+from hetrain.costmodel import CostModel, UnitCosts
+from hetrain.specs import ClusterSpec
+
+
+@dataclass(frozen=True)
+class GroupClass:
+    """Interchangeable TP groups: same GPU type, same intra-node link, no special inter-node links."""
+
+    index: int
+    gpu: str
+    intra_bw_gbps: float
+    nodes: tuple[str, ...]
+    groups_per_node: tuple[int, ...]
+    units: UnitCosts
+
+    @property
+    def count(self) -> int:
+        return sum(self.groups_per_node)
+
+
+def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int) -> list[GroupClass]:
+    merged: dict[tuple, list[tuple[str, int]]] = {}
+    for node in cluster.nodes:
+        groups = node.count // tp
+        if groups == 0:
+            continue
+        key: tuple = (node.gpu, node.intra_node_bandwidth_gbps)
+        if cluster.has_link_override(node.name):
+            key += (node.name,)  # a node with its own links is a class of its own
+        merged.setdefault(key, []).append((node.name, groups))
+    classes = []
+    for i, ((gpu, bw, *_), members) in enumerate(merged.items()):
+        units = cost.unit_costs(gpu, bw, tp, micro_batch_size)
+        classes.append(
+            GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), units)
+        )
+    return classes
+
+
+def class_link_gbps(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> float:
+    """Bandwidth between consecutive stages on groups of classes a and b."""
+    if a.index == b.index:
+        if max(a.groups_per_node) >= 2:
+            return a.intra_bw_gbps  # assembly keeps same-class neighbours on one node
+        return cluster.min_bandwidth_gbps(frozenset(a.nodes)) if len(a.nodes) > 1 else a.intra_bw_gbps
+    if len(a.nodes) == 1 and len(b.nodes) == 1:
+        return cluster.bandwidth_gbps(a.nodes[0], b.nodes[0])
+    return cluster.inter_node_bandwidth_gbps  # merged classes have no link overrides
+
+
+def split_layers(
+    num_layers: int, block_s: list[float], extra_s: list[float], max_blocks: list[int]
+) -> list[int] | None:
+    """Blocks per stage minimising max_k(n_k block_s[k] + extra_s[k]) with 1 <= n_k <= max_blocks[k].
+
+    Binary search over the candidate bottleneck values, then give surplus back from the
+    slowest stages so total work is smallest. None when the stages cannot hold the model.
+    """
+    S = len(block_s)
+    if any(c < 1 for c in max_blocks) or sum(max_blocks) < num_layers or S > num_layers:
+        return None
+
+    def fill(tau: float) -> list[int] | None:
+        n = [min(max_blocks[k], int((tau - extra_s[k]) / block_s[k] + 1e-9)) for k in range(S)]
+        return n if all(v >= 1 for v in n) and sum(n) >= num_layers else None
+
+    candidates = sorted({n * block_s[k] + extra_s[k] for k in range(S) for n in range(1, max_blocks[k] + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fill(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    n = fill(candidates[lo])
+    if n is None:
+        return None
+    surplus = sum(n) - num_layers
+    for k in sorted(range(S), key=lambda k: -block_s[k]):
+        give = min(surplus, n[k] - 1)
+        n[k] -= give
+        surplus -= give
+    return n
+
+
+@dataclass(frozen=True)
+class Template:
+    """A pipeline shape: stage classes in order, blocks per stage, and its 1F1B time terms.
+
+    ``T_pipe(m) = m * tau_s + fill_s`` for m micro-batches (see hetrain.costmodel).
+    """
+
+    classes: tuple[int, ...]
+    blocks: tuple[int, ...]
+    stage_s: tuple[float, ...]
+    p2p_s: tuple[float, ...]
+    grad_bytes: tuple[float, ...]  # per stage, per TP rank
+    opt_s: tuple[float, ...]  # per stage optimizer step
+    num_classes: int
+
+    @cached_property
+    def tau_s(self) -> float:
+        return max(max(self.stage_s), max((2 * e for e in self.p2p_s), default=0.0))
+
+    @cached_property
+    def fill_s(self) -> float:
+        return sum(self.stage_s) + 2 * sum(self.p2p_s) - self.tau_s
+
+    @cached_property
+    def usage(self) -> tuple[int, ...]:
+        u = [0] * self.num_classes
+        for c in self.classes:
+            u[c] += 1
+        return tuple(u)
+
+    def time_s(self, num_microbatches: int) -> float:
+        return num_microbatches * self.tau_s + self.fill_s
+
+    def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
+        """Gradient all-reduce + optimizer step of its slowest stage, among ``num_pipelines`` pipelines."""
+        phi = 2 * (num_pipelines - 1) / num_pipelines
+        return max(phi * g / (sync_bw_gbps * 1e9) + o for g, o in zip(self.grad_bytes, self.opt_s))
+
+
+def stage_order(classes: list[GroupClass], members: tuple[int, ...]) -> tuple[int, ...]:
+    """Canonical stage order: most memory first, then fastest, then class index."""
+    return tuple(sorted(members, key=lambda c: (-classes[c].units.capacity_bytes, classes[c].units.block_s, c)))
+
+
+def build_template(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    classes: list[GroupClass],
+    members: tuple[int, ...],
+    tp: int,
+    micro_batch_size: int,
+) -> Template | None:
+    order = stage_order(classes, members)
+    S = len(order)
+    L = cost.model.num_layers
+    units = [classes[c].units for c in order]
+    first = [k == 0 for k in range(S)]
+    last = [k == S - 1 for k in range(S)]
+    max_blocks = [units[k].max_blocks(first[k], last[k], S - k) for k in range(S)]
+    extra = [units[k].stage_time_s(0, first[k], last[k]) for k in range(S)]
+    blocks = split_layers(L, [u.block_s for u in units], extra, max_blocks)
+    if blocks is None:
+        return None
+    b = micro_batch_size
+    stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
+    p2p = tuple(
+        cost.p2p_bytes(b) / (class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]) * 1e9) for k in range(S - 1)
+    )
+    grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
+    opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
+    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes))
+
+
+@dataclass
+class Space:
+    """Everything the planners search for one (tp, micro-batch size)."""
+
+    tp: int
+    micro_batch_size: int
+    classes: list[GroupClass]
+    templates: list[Template]
+
+    @property
+    def available(self) -> list[int]:
+        return [c.count for c in self.classes]
+
+
+def build_space(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    tp: int,
+    micro_batch_size: int,
+    max_depth: int | None = None,
+    max_classes_per_pipeline: int = 3,
+) -> Space:
+    """Enumerate the templates (multisets of classes, canonical order) that fit in memory."""
+    classes = group_classes(cluster, cost, tp, micro_batch_size)
+    avail = [c.count for c in classes]
+    L = cost.model.num_layers
+    depth_cap = min(L, sum(avail), max_depth or L)
+    templates: list[Template] = []
+    for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
+        for chosen in itertools.combinations(range(len(classes)), kinds):
+            for depth in range(kinds, depth_cap + 1):
+                for counts in _compositions(depth, [avail[c] for c in chosen]):
+                    members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
+                    t = build_template(cluster, cost, classes, members, tp, micro_batch_size)
+                    if t is not None:
+                        templates.append(t)
+    return Space(tp, micro_batch_size, classes, templates)
+
+
+def _compositions(total: int, caps: list[int]):
+    """Positive integer vectors of len(caps) summing to total, each <= its cap."""
+    if len(caps) == 1:
+        if 1 <= total <= caps[0]:
+            yield (total,)
+        return
+    for first in range(1, min(caps[0], total - len(caps) + 1) + 1):
+        for rest in _compositions(total - first, caps[1:]):
+            yield (first,) + rest
