@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ PLANNERS = ("hetrain", "megatron", "whale", "exhaustive")
 # (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
 # still assembled and scored exactly: the MILP's sync estimate is conservative.
 PRUNE_MARGIN = 0.02
+# clusters with at most this many nodes get a scope per subset of nodes
+MAX_SUBSET_NODES = 4
 
 
 @dataclass
@@ -79,15 +82,29 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
 
 
 def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int], float]]:
-    """(label, groups available per class, gradient all-reduce bandwidth) for each scope."""
-    nodes_with_groups = {n for c in space.classes for n, g in zip(c.nodes, c.groups_per_node) if g}
-    scopes = [("all nodes", space.available, cluster.min_bandwidth_gbps(frozenset(nodes_with_groups)))]
-    if len(nodes_with_groups) > 1:
+    """(label, groups available per class, gradient all-reduce bandwidth) for each scope.
+
+    A scope restricts the plan to some nodes so the MILP knows the slowest link its
+    all-reduces cross: every subset of nodes on small clusters, else each class's biggest
+    node alone and all nodes together.
+    """
+    holders = [(c.index, n, g) for c in space.classes for n, g in zip(c.nodes, c.groups_per_node) if g]
+    nodes = sorted({n for _, n, _ in holders})
+    scopes = [("all nodes", space.available, cluster.min_bandwidth_gbps(frozenset(nodes)))]
+    if len(nodes) <= MAX_SUBSET_NODES:
+        subsets = [set(sub) for k in range(1, len(nodes)) for sub in itertools.combinations(nodes, k)]
+    else:
+        subsets = []
         for c in space.classes:
             biggest = max(range(len(c.nodes)), key=lambda i: c.groups_per_node[i])
-            avail = [0] * len(space.classes)
-            avail[c.index] = c.groups_per_node[biggest]
-            scopes.append((f"node {c.nodes[biggest]}", avail, c.intra_bw_gbps))
+            subsets.append({c.nodes[biggest]})
+    for sub in subsets:
+        avail = [0] * len(space.classes)
+        for cls, n, g in holders:
+            if n in sub:
+                avail[cls] += g
+        label = "node " + ",".join(sorted(sub)) if len(sub) == 1 else "nodes " + ",".join(sorted(sub))
+        scopes.append((label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
     return scopes
 
 
@@ -118,15 +135,19 @@ def plan_hetrain(
             solves += res.solves
             statuses.add(res.status)
             best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
-            plan = assemble(cluster, cost, space, res.chosen)
-            if plan is None:
-                continue
-            est = cost.estimate(plan)
-            if est.over_capacity():
-                continue
-            if best is None or est.iteration_time_s < best[0]:
-                worst_gap = res.gap
-                best = (est.iteration_time_s, plan, {"scope": label, "milp_objective_s": round(res.objective_s, 6)})
+            # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
+            # the full cost model decides among its best answer for each pipeline count
+            for chosen in res.candidates:
+                plan = assemble(cluster, cost, space, chosen)
+                if plan is None:
+                    continue
+                est = cost.estimate(plan)
+                if est.over_capacity():
+                    continue
+                if best is None or est.iteration_time_s < best[0]:
+                    worst_gap = res.gap
+                    best = (est.iteration_time_s, plan,
+                            {"scope": label, "milp_objective_s": round(res.objective_s, 6)})
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
     _, plan, extra = best

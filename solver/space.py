@@ -24,6 +24,9 @@ from hetrain.costmodel import CostModel, UnitCosts
 from hetrain.specs import ClusterSpec
 
 
+DEPTH_SLACK = 3
+
+
 @dataclass(frozen=True)
 class GroupClass:
     """Interchangeable TP groups: same GPU type, same intra-node link, no special inter-node links."""
@@ -199,22 +202,58 @@ def build_space(
     micro_batch_size: int,
     max_depth: int | None = None,
     max_classes_per_pipeline: int = 3,
+    depth_slack: int = DEPTH_SLACK,
 ) -> Space:
-    """Enumerate the templates (multisets of classes, canonical order) that fit in memory."""
+    """Enumerate the templates (multisets of classes, canonical order) that fit in memory.
+
+    For each combination of classes, depths run from the shallowest that fits to
+    ``depth_slack`` deeper (deeper pipelines only add bubble unless micro-batches are
+    scarce, so the window also reaches the depth that spreads M micro-batches over every
+    group). Dominated templates (another uses no more groups of any class and is no slower
+    in bottleneck, fill and post-backward time) are dropped: they can never be needed.
+    """
     classes = group_classes(cluster, cost, tp, micro_batch_size)
     avail = [c.count for c in classes]
     L = cost.model.num_layers
+    M = cost.settings.global_batch_size // micro_batch_size
     depth_cap = min(L, sum(avail), max_depth or L)
+    scarce_depth = -(-sum(avail) // M)  # with fewer micro-batches than groups, pipelines must be this deep
     templates: list[Template] = []
     for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
         for chosen in itertools.combinations(range(len(classes)), kinds):
+            shallowest = None
             for depth in range(kinds, depth_cap + 1):
+                if shallowest is not None and depth > max(shallowest + depth_slack, scarce_depth):
+                    break
+                found = False
                 for counts in _compositions(depth, [avail[c] for c in chosen]):
                     members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
                     t = build_template(cluster, cost, classes, members, tp, micro_batch_size)
                     if t is not None:
                         templates.append(t)
-    return Space(tp, micro_batch_size, classes, templates)
+                        found = True
+                if found and shallowest is None:
+                    shallowest = depth
+    return Space(tp, micro_batch_size, classes, _undominated(templates))
+
+
+def _undominated(templates: list[Template]) -> list[Template]:
+    keep: list[Template] = []
+    for t in sorted(templates, key=lambda t: (sum(t.usage), t.tau_s, t.fill_s)):
+        if not any(_dominates(o, t) for o in keep):
+            keep.append(t)
+    return keep
+
+
+def _dominates(o: Template, t: Template) -> bool:
+    """o is never worse than t: no more groups of any class, no slower in any time term.
+
+    post-backward: post_o(x) <= x max(g_o) + max(o_o) <= x g_t[k] + o_t[k] <= post_t(x), k = argmax g_t.
+    """
+    if not (o.tau_s <= t.tau_s and o.fill_s <= t.fill_s and all(a <= b for a, b in zip(o.usage, t.usage))):
+        return False
+    k = max(range(len(t.grad_bytes)), key=lambda i: t.grad_bytes[i])
+    return max(o.grad_bytes) <= t.grad_bytes[k] and max(o.opt_s) <= t.opt_s[k]
 
 
 def _compositions(total: int, caps: list[int]):
