@@ -22,6 +22,8 @@ PLANNERS = ("hetrain", "megatron", "whale", "exhaustive")
 PRUNE_MARGIN = 0.02
 # clusters with at most this many nodes get a scope per subset of nodes
 MAX_SUBSET_NODES = 4
+# plans of 1..ALIGNED_COPIES identical pipelines (and the most that fit) are scored exactly too
+ALIGNED_COPIES = 8
 
 
 @dataclass
@@ -120,10 +122,31 @@ def plan_hetrain(
     solves, templates, worst_gap, statuses = 0, 0, 0.0, set()
     M_of = lambda b: cost.settings.global_batch_size // b  # noqa: E731
     best_milp_s: float | None = None
+
+    def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
+        nonlocal best, worst_gap
+        plan = assemble(cluster, cost, space, chosen)
+        if plan is None:
+            return
+        est = cost.estimate(plan)
+        if est.over_capacity():
+            return
+        if best is None or est.iteration_time_s < best[0]:
+            worst_gap = gap
+            extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
+            best = (est.iteration_time_s, plan, extra)
+
     for space in spaces(cluster, cost):
         templates += len(space.templates)
         if not space.templates:
             continue
+        # Copies of one template line up stage by stage, so each block's gradient all-reduce can
+        # stay inside one node: the MILP's per-scope link model cannot see that, the cost model can.
+        M = M_of(space.micro_batch_size)
+        for tpl in space.templates:
+            most = min(min(a // u for a, u in zip(space.available, tpl.usage) if u), M)
+            for copies in sorted({most, *range(1, min(most, ALIGNED_COPIES) + 1)}):
+                consider(space, [tpl] * copies, "aligned copies", None, 0.0)
         for label, avail, bw in _sync_scopes(cluster, space):
             if progress:
                 progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
@@ -138,16 +161,7 @@ def plan_hetrain(
             # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
             # the full cost model decides among its best answer for each pipeline count
             for chosen in res.candidates:
-                plan = assemble(cluster, cost, space, chosen)
-                if plan is None:
-                    continue
-                est = cost.estimate(plan)
-                if est.over_capacity():
-                    continue
-                if best is None or est.iteration_time_s < best[0]:
-                    worst_gap = res.gap
-                    best = (est.iteration_time_s, plan,
-                            {"scope": label, "milp_objective_s": round(res.objective_s, 6)})
+                consider(space, chosen, label, res.objective_s, res.gap)
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
     _, plan, extra = best
