@@ -1,0 +1,22 @@
+# `make demo` and `make test` work on a fresh machine from a clean clone: they create .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on this machine; pyproject keeps torch>=2.5
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/hetrain plan --cluster examples/clusters/paper-3types.yaml --model examples/models/gpt-13b.yaml --global-batch-size 512 --compare
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/plan_quality.py
+	$(PY) bench/solver_scale.py

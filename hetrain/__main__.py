@@ -1,0 +1,3 @@
+from hetrain.cli import main
+
+main()

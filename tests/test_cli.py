@@ -1,0 +1,74 @@
+"""The `hetrain plan` and `hetrain estimate` commands, end to end in a subprocess."""
+
+import json
+
+from conftest import EXAMPLES
+
+
+def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
+    out_file = tmp_path / "plan.json"
+    r = cli("plan", "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--model",
+            str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "128", "--compare", "--out", str(out_file))
+    assert r.returncode == 0, r.stderr
+    for word in ("hetrain", "megatron", "whale", "tokens/s", "vs megatron"):
+        assert word in r.stdout
+    plan = json.loads(out_file.read_text())
+    assert plan["schema"] == "hetrain.plan/v1"
+    for key in ("model", "cluster", "global_batch_size", "micro_batch_size", "tp", "pipelines", "predicted", "solver"):
+        assert key in plan
+    assert set(plan["solver"]) >= {"planner", "status", "gap", "wall_s"}
+    stage = plan["pipelines"][0]["stages"][0]
+    assert set(stage) == {"devices", "gpu", "layers"}
+
+    est = cli("estimate", "--plan", str(out_file), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--json")
+    assert est.returncode == 0, est.stderr
+    pred = json.loads(est.stdout)
+    assert abs(pred["iteration_time_s"] - plan["predicted"]["iteration_time_s"]) < 1e-4
+    assert pred["fits"] is True
+
+
+def test_plan_json_and_planner_choice(cli):
+    r = cli("plan", "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--model",
+            str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "64", "--planner", "megatron", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["solver"]["planner"] == "megatron"
+
+
+def test_estimate_rejects_bad_hand_written_plans(cli, tmp_path):
+    cluster = str(EXAMPLES / "clusters/paper-12gpu.yaml")
+    model = json.loads(json.dumps({"name": "m", "num_layers": 4, "hidden_size": 1024, "num_heads": 8,
+                                   "seq_length": 512, "vocab_size": 1000}))
+    base = {"schema": "hetrain.plan/v1", "model": model, "cluster": "paper-12gpu", "global_batch_size": 8,
+            "micro_batch_size": 1, "tp": 1}
+    cases = [
+        ([{"num_microbatches": 8, "stages": [{"devices": ["a100/0"], "gpu": "A100-80G", "layers": [0, 3]}]}],
+         "stages cover blocks [0, 3) but m has 4"),
+        ([{"num_microbatches": 8, "stages": [{"devices": ["a100/9"], "gpu": "A100-80G", "layers": [0, 4]}]}],
+         "device 'a100/9' is not in cluster"),
+        ([{"num_microbatches": 8, "stages": [{"devices": ["v100/0"], "gpu": "A100-80G", "layers": [0, 4]}]}],
+         "is a V100-32G, but the stage says A100-80G"),
+        ([{"num_microbatches": 5, "stages": [{"devices": ["a100/0"], "gpu": "A100-80G", "layers": [0, 4]}]}],
+         "pipelines process 5 micro-batches"),
+        ([{"num_microbatches": 4, "stages": [{"devices": ["a100/0"], "gpu": "A100-80G", "layers": [0, 4]}]},
+          {"num_microbatches": 4, "stages": [{"devices": ["a100/0"], "gpu": "A100-80G", "layers": [0, 4]}]}],
+         "used more than once"),
+    ]
+    for pipelines, expected in cases:
+        p = tmp_path / "p.json"
+        p.write_text(json.dumps({**base, "pipelines": pipelines}))
+        r = cli("estimate", "--plan", str(p), "--cluster", cluster)
+        assert r.returncode == 2, (expected, r.stdout, r.stderr)
+        assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_estimate_reports_memory_overflow(cli, tmp_path):
+    plan = {"schema": "hetrain.plan/v1",
+            "model": {"name": "gpt-13b", "num_layers": 40, "hidden_size": 5120, "num_heads": 40, "seq_length": 2048,
+                      "vocab_size": 50257},
+            "cluster": "paper-12gpu", "global_batch_size": 8, "micro_batch_size": 1, "tp": 1,
+            "pipelines": [{"num_microbatches": 8, "stages": [{"devices": ["rtx/0"], "gpu": "RTX3090", "layers": [0, 40]}]}]}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(plan))
+    r = cli("estimate", "--plan", str(p), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"))
+    assert r.returncode == 1
+    assert "device rtx/0 needs" in r.stderr and "has 24.0 GB" in r.stderr

@@ -1,0 +1,101 @@
+"""The cost model's formulas on plans small enough to check by hand."""
+
+import pytest
+
+from hetrain.costmodel import (
+    GB,
+    CostModel,
+    block_forward_flops,
+    block_params,
+    ring_allreduce_s,
+    train_flops_per_sequence,
+)
+from hetrain.plan import PipelinePlan, Plan, StagePlan
+from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+
+MODEL = ModelSpec(name="m", num_layers=4, hidden_size=1024, num_heads=8, seq_length=512, vocab_size=1000)
+CLUSTER = ClusterSpec.model_validate({
+    "name": "c", "inter_node_bandwidth_gbps": 10,
+    "nodes": [{"name": "a", "gpu": "A100-80G", "count": 2, "intra_node_bandwidth_gbps": 100},
+              {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 50}],
+})
+SETTINGS = TrainingSettings(global_batch_size=8, activation_recompute=False)
+
+
+def plan(pipelines, tp=1, mbs=1):
+    return Plan(model=MODEL, cluster="c", global_batch_size=8, micro_batch_size=mbs, tp=tp, pipelines=pipelines)
+
+
+def test_block_params_and_flops():
+    h = 1024
+    assert block_params(MODEL) == 12 * h * h + 9 * h + 4 * h
+    assert block_forward_flops(MODEL, 2) == 2 * (2 * 512 * 12 * h * h + 4 * 512 * 512 * h)
+
+
+def test_ring_allreduce():
+    assert ring_allreduce_s(1e9, 1, 10) == 0
+    assert ring_allreduce_s(1e9, 2, 10) == pytest.approx(0.1)
+    assert ring_allreduce_s(1e9, 4, 10) == pytest.approx(0.15)
+
+
+def test_single_device_time_is_flops_over_speed():
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    p = plan([PipelinePlan(num_microbatches=8, stages=[StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 4))])])
+    est = cost.estimate(p)
+    flops = 8 * train_flops_per_sequence(MODEL, activation_recompute=False)
+    compute = flops / (312e12 * 0.5)
+    assert est.pipeline_s == pytest.approx(compute, rel=0.01)  # embedding lookup adds a hair
+    assert est.sync_s == {}
+
+
+def test_pipeline_1f1b_and_p2p():
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    stages = [StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 1)),
+              StagePlan(devices=["b/0"], gpu="V100-32G", layers=(1, 4))]
+    est = cost.estimate(plan([PipelinePlan(num_microbatches=8, stages=stages)]))
+    pe = est.pipelines[0]
+    e = 512 * 1024 * 2 / (10 * GB)
+    assert pe.p2p_s == [pytest.approx(e)]
+    assert pe.bottleneck_s == max(pe.stage_s)
+    assert pe.time_s == pytest.approx(7 * pe.bottleneck_s + sum(pe.stage_s) + 2 * e)
+
+
+def test_gradient_sync_among_holders_over_slowest_link():
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    one = [StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 4))]
+    two = [StagePlan(devices=["a/1"], gpu="A100-80G", layers=(0, 2)),
+           StagePlan(devices=["b/0"], gpu="V100-32G", layers=(2, 4))]
+    est = cost.estimate(plan([PipelinePlan(num_microbatches=4, stages=one), PipelinePlan(num_microbatches=4, stages=two)]))
+    layer_bytes = block_params(MODEL) * 2
+    intra = ring_allreduce_s(layer_bytes, 2, 100)  # blocks 0-1: a/0 with a/1
+    inter = ring_allreduce_s(layer_bytes, 2, 10)  # blocks 2-3: a/0 with b/0
+    emb = ring_allreduce_s((1000 * 1024 + 512 * 1024) * 2, 2, 100)
+    head = ring_allreduce_s((1000 * 1024 + 2048) * 2, 2, 10)
+    assert est.sync_s["a/1"] == pytest.approx(2 * intra + emb)
+    assert est.sync_s["b/0"] == pytest.approx(2 * inter + head)
+    assert est.sync_s["a/0"] == pytest.approx(2 * intra + 2 * inter + emb + head)
+
+
+def test_memory_grows_with_in_flight_microbatches_and_shrinks_with_tp():
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    u1 = cost.unit_costs("A100-80G", 100, 1, 1)
+    u2 = cost.unit_costs("A100-80G", 100, 2, 1)
+    assert u1.stage_memory_bytes(2, True, False, 4) > u1.stage_memory_bytes(2, True, False, 1)
+    assert u2.stage_memory_bytes(2, True, True, 1) < u1.stage_memory_bytes(2, True, True, 1)
+    assert u1.block_param_bytes == 16 * block_params(MODEL)
+    assert u1.max_blocks(True, True, 1) >= 4
+
+
+def test_recompute_trades_memory_for_time():
+    on = CostModel(CLUSTER, MODEL, TrainingSettings(global_batch_size=8, activation_recompute=True))
+    off = CostModel(CLUSTER, MODEL, SETTINGS)
+    u_on, u_off = on.unit_costs("V100-32G", 50, 1, 1), off.unit_costs("V100-32G", 50, 1, 1)
+    assert u_on.block_s == pytest.approx(u_off.block_s * 4 / 3)
+    assert u_on.block_act_bytes < u_off.block_act_bytes
+
+
+def test_tp_adds_allreduces_over_the_node_link():
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    u1, u2 = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("A100-80G", 100, 2, 1)
+    comm = 4 * ring_allreduce_s(512 * 1024 * 2, 2, 100)
+    assert u2.block_s == pytest.approx(u1.block_s / 2 + comm)

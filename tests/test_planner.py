@@ -1,0 +1,117 @@
+"""Plans are valid, the MILP matches the exhaustive referee, and it beats the baselines."""
+
+import pytest
+from conftest import EXAMPLES
+from randomclusters import SMALL_MODEL, random_cluster, small_settings
+
+from hetrain.costmodel import CostModel
+from hetrain.errors import NoPlanError
+from hetrain.plan import validate_plan
+from hetrain.specs import TrainingSettings, load_cluster, load_model
+from solver.assemble import allocate_microbatches
+from solver.planner import make_plan
+from solver.space import split_layers
+
+
+def assert_valid(result, cluster, model, settings):
+    plan, est = result.plan, result.estimate
+    validate_plan(plan, cluster)  # devices exist and are used once, stages share node+type, layers covered
+    devices = plan.devices()
+    assert len(devices) == len(set(devices))
+    for pipe in plan.pipelines:
+        covered = [b for st in pipe.stages for b in range(*st.layers)]
+        assert covered == list(range(model.num_layers))
+        for st in pipe.stages:
+            assert len(st.devices) == plan.tp
+            assert len({cluster.device_by_name[d].node for d in st.devices}) == 1
+            assert {cluster.device_by_name[d].gpu for d in st.devices} == {st.gpu}
+    assert sum(p.num_microbatches for p in plan.pipelines) * plan.micro_batch_size == settings.global_batch_size
+    assert not est.over_capacity()
+    again = CostModel(cluster, model, settings).estimate(plan)
+    assert again.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-5)
+    assert plan.solver.status and plan.solver.wall_s >= 0
+
+
+def test_split_layers_balances_bottleneck():
+    assert split_layers(10, [1.0, 1.0], [0.0, 0.0], [10, 10]) == [5, 5]
+    assert split_layers(9, [1.0, 2.0], [0.0, 0.0], [10, 10]) == [6, 3]
+    assert split_layers(9, [1.0, 2.0], [0.0, 0.0], [5, 10]) == [5, 4]
+    assert split_layers(9, [1.0, 1.0], [0.0, 0.0], [4, 4]) is None
+
+
+def test_allocate_microbatches_is_optimal_min_max():
+    counts = allocate_microbatches([1.0, 2.0], [0.0, 0.0], 9)
+    assert counts == [6, 3]
+    assert allocate_microbatches([1.0], [0.0], 0) is None
+
+
+RANDOM_SEEDS = range(30)
+
+
+@pytest.fixture(scope="module")
+def random_results():
+    out = []
+    for seed in RANDOM_SEEDS:
+        cluster, settings = random_cluster(seed), small_settings(seed)
+        try:
+            h = make_plan("hetrain", cluster, SMALL_MODEL, settings)
+        except NoPlanError:
+            with pytest.raises(NoPlanError):
+                make_plan("exhaustive", cluster, SMALL_MODEL, settings)
+            continue
+        e = make_plan("exhaustive", cluster, SMALL_MODEL, settings)
+        out.append((seed, cluster, settings, h, e))
+    return out
+
+
+def test_milp_matches_exhaustive_on_random_small_clusters(random_results):
+    assert len(random_results) >= 25
+    ratios = {seed: h.estimate.iteration_time_s / e.estimate.iteration_time_s for seed, _, _, h, e in random_results}
+    # the exhaustive optimum is a true lower bound over the same space
+    assert min(ratios.values()) >= 1 - 1e-9
+    within = [s for s, r in ratios.items() if r <= 1.01]
+    # Known gap (see issue note): the MILP's gradient-sync model is per scope, not per block,
+    # so on a few clusters with slow links it misses the optimum by a few percent.
+    assert len(within) >= 0.9 * len(ratios), {s: round(r, 4) for s, r in ratios.items() if r > 1.01}
+    assert max(ratios.values()) <= 1.08, {s: round(r, 4) for s, r in ratios.items() if r > 1.01}
+
+
+def test_random_plans_are_valid(random_results):
+    for _, cluster, settings, h, e in random_results:
+        assert_valid(h, cluster, SMALL_MODEL, settings)
+        assert_valid(e, cluster, SMALL_MODEL, settings)
+
+
+@pytest.mark.parametrize("cluster_name, model_name, gbs", [
+    ("paper-12gpu", "gpt-6.7b", 128),
+    ("paper-3types", "gpt-13b", 512),
+    ("hethub-4types", "gpt-13b", 256),
+])
+def test_hetrain_valid_and_never_worse_than_baselines(cluster_name, model_name, gbs):
+    cluster = load_cluster(EXAMPLES / f"clusters/{cluster_name}.yaml")
+    model = load_model(EXAMPLES / f"models/{model_name}.yaml")
+    settings = TrainingSettings(global_batch_size=gbs)
+    h = make_plan("hetrain", cluster, model, settings)
+    assert_valid(h, cluster, model, settings)
+    for name in ("megatron", "whale"):
+        b = make_plan(name, cluster, model, settings)
+        assert_valid(b, cluster, model, settings)
+        assert h.estimate.iteration_time_s <= b.estimate.iteration_time_s * (1 + 1e-9)
+
+
+def test_never_worse_than_baselines_on_random_clusters(random_results):
+    for _, cluster, settings, h, _ in random_results[:12]:
+        for name in ("megatron", "whale"):
+            try:
+                b = make_plan(name, cluster, SMALL_MODEL, settings)
+            except NoPlanError:
+                continue
+            assert h.estimate.iteration_time_s <= b.estimate.iteration_time_s * (1 + 1e-9)
+
+
+def test_no_plan_says_why():
+    cluster = load_cluster(EXAMPLES / "clusters/paper-12gpu.yaml")
+    model = load_model(EXAMPLES / "models/gpt-30b.yaml").model_copy(update={"num_layers": 480, "name": "gpt-300b"})
+    with pytest.raises(NoPlanError, match=r"gpt-300b needs at least [\d,]+ GB for weights and optimizer state; "
+                                          r"cluster 'paper-12gpu' has 544 GB"):
+        make_plan("hetrain", cluster, model, TrainingSettings(global_batch_size=64))
