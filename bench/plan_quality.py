@@ -1,0 +1,68 @@
+"""Plan quality: tokens/s of hetrain, megatron and whale vs the upper bound, per model x cluster.
+
+The upper bound is the sum over GPUs of what each would reach training alone at the cost
+model's efficiency (no memory limit, no communication, no bubble). Prints a table, writes
+bench/results/plan_quality.json.
+"""
+
+from __future__ import annotations
+
+from _common import ROOT, print_table, write_results
+
+from hetrain.costmodel import CostModel
+from hetrain.errors import NoPlanError
+from hetrain.specs import TrainingSettings, load_cluster, load_model
+from solver.planner import make_plan
+
+CASES = [
+    ("paper-12gpu", "gpt-6.7b", 512),
+    ("paper-12gpu", "gpt-13b", 512),
+    ("paper-3types", "gpt-6.7b", 512),
+    ("paper-3types", "gpt-13b", 512),
+    ("paper-3types", "gpt-30b", 512),
+    ("paper-32gpu", "gpt-13b", 512),
+    ("paper-32gpu", "gpt-30b", 512),
+    ("hethub-4types", "gpt-13b", 512),
+    ("hethub-4types", "gpt-30b", 512),
+]
+
+
+def main() -> None:
+    rows = []
+    for cluster_name, model_name, gbs in CASES:
+        cluster = load_cluster(ROOT / f"examples/clusters/{cluster_name}.yaml")
+        model = load_model(ROOT / f"examples/models/{model_name}.yaml")
+        settings = TrainingSettings(global_batch_size=gbs)
+        bound = CostModel(cluster, model, settings).upper_bound_tokens_per_s()
+        row = {"cluster": cluster_name, "model": model_name, "gpus": cluster.num_devices, "upper_bound": bound}
+        for planner in ("hetrain", "megatron", "whale"):
+            try:
+                r = make_plan(planner, cluster, model, settings)
+                row[planner] = r.estimate.tokens_per_s
+                if planner == "hetrain":
+                    row["solve_s"] = r.plan.solver.wall_s
+                    row["layout"] = f"tp{r.plan.tp} mb{r.plan.micro_batch_size} x{len(r.plan.pipelines)}"
+            except NoPlanError:
+                row[planner] = 0.0
+        if row["hetrain"] == 0:
+            row.update(of_bound=0, vs_megatron=0, vs_whale=0)
+        else:
+            row["of_bound"] = row["hetrain"] / bound
+            row["vs_megatron"] = row["hetrain"] / row["megatron"] if row["megatron"] else float("inf")
+            row["vs_whale"] = row["hetrain"] / row["whale"] if row["whale"] else float("inf")
+        rows.append(row)
+        print(f"{cluster_name} {model_name}: hetrain {row['hetrain']:,.0f} tok/s ({row['of_bound']:.0%} of bound)",
+              flush=True)
+    print_table(
+        "Plan quality (predicted tokens/s; global batch 512 x 2048 tokens)",
+        rows,
+        [("cluster", "cluster"), ("model", "model"), ("GPUs", "gpus"), ("upper bound", "{upper_bound:,.0f}"),
+         ("hetrain", "{hetrain:,.0f}"), ("megatron", "{megatron:,.0f}"), ("whale", "{whale:,.0f}"),
+         ("hetrain / bound", "{of_bound:.1%}"), ("vs megatron", "{vs_megatron:.2f}x"),
+         ("vs whale", "{vs_whale:.2f}x"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
+    )
+    print(f"\nwrote {write_results('plan_quality', rows)}")
+
+
+if __name__ == "__main__":
+    main()

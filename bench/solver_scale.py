@@ -1,0 +1,57 @@
+"""Solver scale: hetrain planner wall time and gap from 8 to ~1024 GPUs.
+
+Clusters are generated from a 4-type mix (A100-80G, H100-SXM, V100-32G, RTX3090) in nodes of
+8 (smaller ones in nodes of 4), the model is gpt-13b (gpt-30b for the largest), global batch
+512. Prints a table, writes bench/results/solver_scale.json.
+"""
+
+from __future__ import annotations
+
+import time
+
+from _common import ROOT, print_table, write_results
+
+from hetrain.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+from solver.planner import make_plan
+
+MIX = [("a100", "A100-80G", 300), ("h100", "H100-SXM", 450), ("v100", "V100-32G", 150), ("rtx", "RTX3090", 16)]
+
+
+def generated(num_gpus: int, types: int) -> ClusterSpec:
+    per_node = 4 if num_gpus <= 16 else 8
+    nodes_total = num_gpus // per_node
+    nodes = []
+    for i in range(nodes_total):
+        prefix, gpu, bw = MIX[i % types]
+        nodes.append({"name": f"{prefix}-{i}", "gpu": gpu, "count": per_node, "intra_node_bandwidth_gbps": bw})
+    return ClusterSpec.model_validate({"name": f"gen-{num_gpus}", "nodes": nodes, "inter_node_bandwidth_gbps": 25})
+
+
+def main() -> None:
+    cases = [(generated(8, 2), "gpt-6.7b"), (generated(16, 3), "gpt-6.7b"), (generated(32, 3), "gpt-13b"),
+             (generated(64, 4), "gpt-13b"), (generated(128, 4), "gpt-13b"), (generated(256, 4), "gpt-13b"),
+             (load_cluster(ROOT / "examples/clusters/large-1024.yaml"), "gpt-30b")]
+    rows = []
+    for cluster, model_name in cases:
+        model = load_model(ROOT / f"examples/models/{model_name}.yaml")
+        settings = TrainingSettings(global_batch_size=512)
+        t0 = time.perf_counter()
+        r = make_plan("hetrain", cluster, model, settings)
+        wall = time.perf_counter() - t0
+        s = r.plan.solver
+        rows.append({"cluster": cluster.name, "gpus": cluster.num_devices,
+                     "types": len({n.gpu for n in cluster.nodes}), "model": model_name, "wall_s": wall,
+                     "gap": s.gap, "status": s.status, "milp_solves": s.model_extra.get("milp_solves"),
+                     "templates": s.model_extra.get("templates"), "pipelines": len(r.plan.pipelines),
+                     "tokens_per_s": r.estimate.tokens_per_s})
+        print(f"{cluster.name}: {wall:.2f} s", flush=True)
+    print_table("Solver scale (hetrain planner, global batch 512, 2-core machine)", rows,
+                [("cluster", "cluster"), ("GPUs", "gpus"), ("types", "types"), ("model", "model"),
+                 ("wall s", "{wall_s:.2f}"), ("gap", "{gap:.1e}"), ("status", "status"),
+                 ("MILP solves", "milp_solves"), ("templates", "templates"), ("pipelines", "pipelines"),
+                 ("tokens/s", "{tokens_per_s:,.0f}")])
+    print(f"\nwrote {write_results('solver_scale', rows)}")
+
+
+if __name__ == "__main__":
+    main()
