@@ -51,7 +51,6 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
             for g in range(groups):
                 pool.append((node, list(range(g * t, (g + 1) * t))))
         free.append(pool)
-    pipelines = []
     order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, i))
     built: dict[int, PipelinePlan] = {}
     for i in order:
@@ -85,3 +84,13 @@ def finish(plan: Plan, cost: CostModel, solver_info: dict) -> tuple[Plan, Estima
     est = cost.estimate(plan)
     plan = plan.model_copy(update={"predicted": Predicted(**est.to_predicted()), "solver": SolverInfo(**solver_info)})
     return plan, est
+
+
+def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template]
+          ) -> tuple[Plan, Estimate] | None:
+    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory."""
+    plan = assemble(cluster, cost, space, templates)
+    if plan is None:
+        return None
+    est = cost.estimate(plan)
+    return None if est.over_capacity() else (plan, est)

@@ -14,7 +14,7 @@ import time
 from hetrain.costmodel import CostModel
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.specs import ClusterSpec
-from solver.assemble import assemble, finish
+from solver.assemble import finish, score
 from solver.planner import PlanResult, explain_no_plan, spaces
 from solver.space import Template
 
@@ -47,14 +47,9 @@ def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12
             seen += 1
             if seen > MAX_CANDIDATES:
                 raise HetrainError(f"more than {MAX_CANDIDATES:,} candidate plans: cluster too large to enumerate")
-            plan = assemble(cluster, cost, space, combo)
-            if plan is None:
-                continue
-            est = cost.estimate(plan)
-            if est.over_capacity():
-                continue
-            if best is None or est.iteration_time_s < best[0]:
-                best = (est.iteration_time_s, plan)
+            scored = score(cluster, cost, space, combo)
+            if scored is not None and (best is None or scored[1].iteration_time_s < best[0]):
+                best = (scored[1].iteration_time_s, scored[0])
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
     info = {"planner": "exhaustive", "status": "optimal", "gap": 0.0,

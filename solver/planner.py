@@ -12,7 +12,7 @@ from hetrain.errors import HetrainError, NoPlanError
 from hetrain.plan import Plan
 from hetrain.profile import Profile
 from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.assemble import assemble, finish
+from solver.assemble import finish, score
 from solver.milp import solve_templates
 from solver.space import Space, build_space
 
@@ -125,12 +125,10 @@ def plan_hetrain(
 
     def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
         nonlocal best, worst_gap
-        plan = assemble(cluster, cost, space, chosen)
-        if plan is None:
+        scored = score(cluster, cost, space, chosen)
+        if scored is None:
             return
-        est = cost.estimate(plan)
-        if est.over_capacity():
-            return
+        plan, est = scored
         if best is None or est.iteration_time_s < best[0]:
             worst_gap = gap
             extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
