@@ -44,12 +44,11 @@ def main() -> None:
                     row["layout"] = f"tp{r.plan.tp} mb{r.plan.micro_batch_size} x{len(r.plan.pipelines)}"
             except NoPlanError:
                 row[planner] = 0.0
-        if row["hetrain"] == 0:
-            row.update(of_bound=0, vs_megatron=0, vs_whale=0)
-        else:
-            row["of_bound"] = row["hetrain"] / bound
-            row["vs_megatron"] = row["hetrain"] / row["megatron"] if row["megatron"] else float("inf")
-            row["vs_whale"] = row["hetrain"] / row["whale"] if row["whale"] else float("inf")
+        row["of_bound"] = row["hetrain"] / bound
+        for base in ("megatron", "whale"):  # a ratio only where both planners found a plan
+            ratio = row["hetrain"] / row[base] if row[base] and row["hetrain"] else None
+            row[f"vs_{base}"] = ratio
+            row[f"vs_{base}_text"] = f"{ratio:.2f}x" if ratio else "no plan fits"
         rows.append(row)
         print(f"{cluster_name} {model_name}: hetrain {row['hetrain']:,.0f} tok/s ({row['of_bound']:.0%} of bound)",
               flush=True)
@@ -58,8 +57,8 @@ def main() -> None:
         rows,
         [("cluster", "cluster"), ("model", "model"), ("GPUs", "gpus"), ("upper bound", "{upper_bound:,.0f}"),
          ("hetrain", "{hetrain:,.0f}"), ("megatron", "{megatron:,.0f}"), ("whale", "{whale:,.0f}"),
-         ("hetrain / bound", "{of_bound:.1%}"), ("vs megatron", "{vs_megatron:.2f}x"),
-         ("vs whale", "{vs_whale:.2f}x"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
+         ("hetrain / bound", "{of_bound:.1%}"), ("vs megatron", "vs_megatron_text"),
+         ("vs whale", "vs_whale_text"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
     )
     print(f"\nwrote {write_results('plan_quality', rows)}")
 

@@ -145,17 +145,6 @@ class ClusterSpec(_Spec):
     def total_memory_gb(self) -> float:
         return sum(n.count * self.gpu_type(n.gpu).memory_gb for n in self.nodes)
 
-    def without_nodes(self, lost: list[str]) -> ClusterSpec:
-        """The cluster left after losing some nodes (recovery re-plans on it)."""
-        unknown = [n for n in lost if n not in self.node_by_name]
-        if unknown:
-            raise HetrainError(f"lost node '{unknown[0]}' is not in cluster '{self.name}'")
-        keep = [n for n in self.nodes if n.name not in lost]
-        if not keep:
-            raise HetrainError(f"losing {', '.join(lost)} leaves cluster '{self.name}' with no nodes")
-        links = [lk for lk in self.links if not set(lk.nodes) & set(lost)]
-        return self.model_copy(update={"nodes": keep, "links": links})
-
 
 # --------------------------------------------------------------------------- model
 

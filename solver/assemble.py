@@ -43,14 +43,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     if counts is None:
         return None
     t = space.tp
-    # free groups per class: list of (node, [device indices]) in node order
-    free: list[list[tuple[str, list[int]]]] = []
-    for cls in space.classes:
-        pool = []
-        for node, groups in zip(cls.nodes, cls.groups_per_node):
-            for g in range(groups):
-                pool.append((node, list(range(g * t, (g + 1) * t))))
-        free.append(pool)
+    # free groups per class: node -> group numbers, nodes in cluster order
+    free = [{node: list(range(n)) for node, n in zip(c.nodes, c.groups_per_node) if n} for c in space.classes]
     order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, i))
     built: dict[int, PipelinePlan] = {}
     for i in order:
@@ -60,10 +54,13 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
             pool = free[cls_idx]
             if not pool:
                 raise ValueError("templates use more groups than the cluster has")
-            pick = next((j for j, (node, _) in enumerate(pool) if node == prev_node), 0)
-            node, idx = pool.pop(pick)
+            node = prev_node if prev_node in pool else next(iter(pool))
+            g = pool[node].pop(0)
+            if not pool[node]:
+                del pool[node]
             gpu = space.classes[cls_idx].gpu
-            stages.append(StagePlan(devices=[f"{node}/{k}" for k in idx], gpu=gpu, layers=(start, start + blocks)))
+            stages.append(StagePlan(devices=[f"{node}/{k}" for k in range(g * t, (g + 1) * t)], gpu=gpu,
+                                    layers=(start, start + blocks)))
             start += blocks
             prev_node = node
         built[i] = PipelinePlan(num_microbatches=counts[i], stages=stages)

@@ -18,7 +18,8 @@ from hetrain.errors import NoPlanError
 from hetrain.plan import PipelinePlan, Plan, StagePlan
 from hetrain.specs import ClusterSpec
 from solver.assemble import allocate_microbatches, finish
-from solver.planner import PlanResult, explain_no_plan, mbs_candidates, spaces, tp_candidates
+from solver.planner import PlanResult, explain_no_plan, tp_and_micro_batch
+from solver.space import group_classes
 
 
 def _even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -49,33 +50,36 @@ def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
     N, L, G = len(devices), cost.model.num_layers, cost.settings.global_batch_size
     best = None
     tried = 0
-    for t in tp_candidates(cost.model, cost.settings, cluster):
-        for b in mbs_candidates(cost.settings):
-            M = G // b
-            for p in (p for p in range(1, L + 1) if L % p == 0 and p * t <= N):
-                for d in range(N // (t * p), 0, -1):
-                    if M % d:
-                        continue
-                    ranks = devices[: t * p * d]
-                    groups = [ranks[i : i + t] for i in range(0, len(ranks), t)]
-                    if any(len({g.node for g in grp}) > 1 for grp in groups):
-                        continue  # Megatron keeps TP inside a node
-                    split = _even_split(L, p)
-                    pipes = []
-                    for r in range(d):
-                        stages = [
-                            StagePlan(
-                                devices=[x.name for x in groups[k * d + r]], gpu=groups[k * d + r][0].gpu,
-                                layers=split[k],
-                            )
-                            for k in range(p)
-                        ]
-                        pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
-                    plan = _plan(cost, cluster, t, b, pipes)
-                    est = cost.estimate(plan)
-                    tried += 1
-                    if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
-                        best = (est.iteration_time_s, plan)
+    grids = [
+        (t, b, p, d)
+        for t, b in tp_and_micro_batch(cluster, cost)
+        for p in range(1, L + 1)
+        if L % p == 0 and p * t <= N
+        for d in range(N // (t * p), 0, -1)
+        if (G // b) % d == 0
+    ]
+    for t, b, p, d in grids:
+        M = G // b
+        ranks = devices[: t * p * d]
+        groups = [ranks[i : i + t] for i in range(0, len(ranks), t)]
+        if any(len({g.node for g in grp}) > 1 for grp in groups):
+            continue  # Megatron keeps TP inside a node
+        split = _even_split(L, p)
+        pipes = []
+        for r in range(d):
+            stages = [
+                StagePlan(
+                    devices=[x.name for x in groups[k * d + r]], gpu=groups[k * d + r][0].gpu,
+                    layers=split[k],
+                )
+                for k in range(p)
+            ]
+            pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
+        plan = _plan(cost, cluster, t, b, pipes)
+        est = cost.estimate(plan)
+        tried += 1
+        if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
+            best = (est.iteration_time_s, plan)
     if best is None:
         raise NoPlanError("no Megatron grid fits: " + explain_no_plan(cluster, cost))
     info = {"planner": "megatron", "status": "optimal", "gap": 0.0,
@@ -89,11 +93,10 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
     L, G = cost.model.num_layers, cost.settings.global_batch_size
     best = None
     tried = 0
-    for space in spaces(cluster, cost, max_depth=1):  # only the group classes are needed
-        t, b = space.tp, space.micro_batch_size
+    for t, b in tp_and_micro_batch(cluster, cost):
         M = G // b
         groups = []  # (block_s, node, device indices, gpu): fastest groups first
-        for c in space.classes:
+        for c in group_classes(cluster, cost, t, b):
             for node, n in zip(c.nodes, c.groups_per_node):
                 for g in range(n):
                     groups.append((c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,10 +52,14 @@ def mbs_candidates(settings: TrainingSettings) -> list[int]:
     return ok
 
 
-def spaces(cluster: ClusterSpec, cost: CostModel, max_depth: int | None = None) -> Iterator[Space]:
-    for t in tp_candidates(cost.model, cost.settings, cluster):
-        for b in mbs_candidates(cost.settings):
-            yield build_space(cluster, cost, t, b, max_depth=max_depth)
+def tp_and_micro_batch(cluster: ClusterSpec, cost: CostModel) -> Iterator[tuple[int, int]]:
+    """The small discrete choices enumerated outside the MILP."""
+    return itertools.product(tp_candidates(cost.model, cost.settings, cluster), mbs_candidates(cost.settings))
+
+
+def spaces(cluster: ClusterSpec, cost: CostModel) -> Iterator[Space]:
+    for t, b in tp_and_micro_batch(cluster, cost):
+        yield build_space(cluster, cost, t, b)
 
 
 def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
@@ -119,38 +124,29 @@ def plan_hetrain(
     """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
     t0 = time.perf_counter()
     best: tuple[float, Plan, dict] | None = None
-    solves, templates, worst_gap, statuses = 0, 0, 0.0, set()
-    M_of = lambda b: cost.settings.global_batch_size // b  # noqa: E731
+    solves, templates, best_gap, statuses = 0, 0, 0.0, set()
     best_milp_s: float | None = None
 
     def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
-        nonlocal best, worst_gap
+        nonlocal best, best_gap
         scored = score(cluster, cost, space, chosen)
         if scored is None:
             return
         plan, est = scored
         if best is None or est.iteration_time_s < best[0]:
-            worst_gap = gap
+            best_gap = gap
             extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
             best = (est.iteration_time_s, plan, extra)
 
-    for space in spaces(cluster, cost):
+    all_spaces = [sp for sp in spaces(cluster, cost) if sp.templates]
+    for space in all_spaces:
         templates += len(space.templates)
-        if not space.templates:
-            continue
-        # Copies of one template line up stage by stage, so each block's gradient all-reduce can
-        # stay inside one node: the MILP's per-scope link model cannot see that, the cost model can.
-        M = M_of(space.micro_batch_size)
-        for tpl in space.templates:
-            most = min(min(a // u for a, u in zip(space.available, tpl.usage) if u), M)
-            for copies in sorted({most, *range(1, min(most, ALIGNED_COPIES) + 1)}):
-                consider(space, [tpl] * copies, "aligned copies", None, 0.0)
+        M = cost.settings.global_batch_size // space.micro_batch_size
         for label, avail, bw in _sync_scopes(cluster, space):
             if progress:
                 progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
             prune = best_milp_s * (1 + PRUNE_MARGIN) if best_milp_s is not None else None
-            res = solve_templates(space, M_of(space.micro_batch_size), avail, bw,
-                                  time_limit_s=time_limit_s, prune_above_s=prune)
+            res = solve_templates(space, M, avail, bw, time_limit_s=time_limit_s, prune_above_s=prune)
             if res is None:
                 continue
             solves += res.solves
@@ -160,13 +156,28 @@ def plan_hetrain(
             # the full cost model decides among its best answer for each pipeline count
             for chosen in res.candidates:
                 consider(space, chosen, label, res.objective_s, res.gap)
+    # Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
+    # inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
+    # those whose time without any gradient sync would beat the best plan are worth scoring.
+    for space in all_spaces:
+        M = cost.settings.global_batch_size // space.micro_batch_size
+        aligned = []
+        for tpl in space.templates:
+            most = min(tpl.max_copies(space.available), M)
+            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)}:
+                no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
+                aligned.append((no_sync_s, copies, tpl))
+        for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
+            if best is not None and no_sync_s >= best[0]:
+                break
+            consider(space, [tpl] * copies, "aligned copies", None, 0.0)
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
     _, plan, extra = best
     info = {
         "planner": "hetrain",
         "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
-        "gap": worst_gap,
+        "gap": best_gap,
         "wall_s": round(time.perf_counter() - t0, 4),
         "milp_solves": solves,
         "templates": templates,

@@ -138,8 +138,9 @@ class Template:
             u[c] += 1
         return tuple(u)
 
-    def time_s(self, num_microbatches: int) -> float:
-        return num_microbatches * self.tau_s + self.fill_s
+    def max_copies(self, available: list[int]) -> int:
+        """How many pipelines of this shape fit in ``available`` groups per class."""
+        return min(a // u for a, u in zip(available, self.usage) if u)
 
     def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
         """Gradient all-reduce + optimizer step of its slowest stage, among ``num_pipelines`` pipelines."""
@@ -187,6 +188,7 @@ class Space:
 
     tp: int
     micro_batch_size: int
+    num_layers: int
     classes: list[GroupClass]
     templates: list[Template]
 
@@ -200,7 +202,6 @@ def build_space(
     cost: CostModel,
     tp: int,
     micro_batch_size: int,
-    max_depth: int | None = None,
     max_classes_per_pipeline: int = 3,
     depth_slack: int = DEPTH_SLACK,
 ) -> Space:
@@ -216,7 +217,7 @@ def build_space(
     avail = [c.count for c in classes]
     L = cost.model.num_layers
     M = cost.settings.global_batch_size // micro_batch_size
-    depth_cap = min(L, sum(avail), max_depth or L)
+    depth_cap = min(L, sum(avail))
     scarce_depth = -(-sum(avail) // M)  # with fewer micro-batches than groups, pipelines must be this deep
     templates: list[Template] = []
     for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
@@ -234,7 +235,7 @@ def build_space(
                         found = True
                 if found and shallowest is None:
                     shallowest = depth
-    return Space(tp, micro_batch_size, classes, _undominated(templates))
+    return Space(tp, micro_batch_size, L, classes, _undominated(templates))
 
 
 def _undominated(templates: list[Template]) -> list[Template]:

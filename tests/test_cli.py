@@ -36,8 +36,8 @@ def test_plan_json_and_planner_choice(cli):
 
 def test_estimate_rejects_bad_hand_written_plans(cli, tmp_path):
     cluster = str(EXAMPLES / "clusters/paper-12gpu.yaml")
-    model = json.loads(json.dumps({"name": "m", "num_layers": 4, "hidden_size": 1024, "num_heads": 8,
-                                   "seq_length": 512, "vocab_size": 1000}))
+    model = {"name": "m", "num_layers": 4, "hidden_size": 1024, "num_heads": 8, "seq_length": 512,
+             "vocab_size": 1000}
     base = {"schema": "hetrain.plan/v1", "model": model, "cluster": "paper-12gpu", "global_batch_size": 8,
             "micro_batch_size": 1, "tp": 1}
     cases = [
