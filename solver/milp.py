@@ -38,6 +38,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
+from solver.assemble import allocate_microbatches
 from solver.space import Space, Template
 
 # pipeline counts the MILP plans for one by one (exact gradient-sync ring factor)
@@ -123,6 +124,13 @@ class TemplateMilp:
         return chosen
 
 
+def achieved_s(chosen: list[Template], milp: TemplateMilp, M: int) -> float:
+    """Iteration time (as the MILP charges it) of a chosen set with micro-batches split optimally."""
+    post = {id(t): p for t, p in zip(milp.templates, milp.post_s)}
+    counts = allocate_microbatches([t.tau_s for t in chosen], [t.fill_s + post[id(t)] for t in chosen], M)
+    return max(m * t.tau_s + t.fill_s + post[id(t)] for m, t in zip(counts, chosen))
+
+
 def simple_upper_bound_s(
     templates: list[Template], available: list[int], M: int, num_pipelines: int, sync_bw_gbps: float,
     num_copies: tuple[int, int] = (1, 1 << 30),
@@ -168,32 +176,43 @@ def solve_templates(
     if not templates:
         return None
     lo = max(fluid_lower_bound_s(space, available, M), min(t.tau_s + t.fill_s for t in templates))
+    min_tau, min_fill = min(t.tau_s for t in templates), min(t.fill_s for t in templates)
     milp: TemplateMilp | None = None
     best: tuple[float, float] | None = None  # (T found, T proven infeasible)
     candidates: list[list[Template]] = []
     counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
     if max_pipes > EXACT_PIPELINE_COUNTS:
         counts.append((EXACT_PIPELINE_COUNTS + 1, max_pipes))
+    plans = []  # per pipeline count: (upper bound, lower bound, d_lo, d_hi, post)
     for d_lo, d_hi in counts:
         hi = simple_upper_bound_s(templates, available, M, d_hi, sync_bw_gbps, num_copies=(d_lo, d_hi))
         if hi is None:  # no single-template plan has this many pipelines: a bound any plan meets
             hi = simple_upper_bound_s(templates, available, M, d_hi, sync_bw_gbps)
-        for limit in (prune_above_s, best[0] * (1 + CANDIDATE_MARGIN) if best else None):
-            if limit is not None:
-                hi = min(hi, limit)
+        if prune_above_s is not None:
+            hi = min(hi, prune_above_s)
         post = [t.post_s(d_hi, sync_bw_gbps) for t in templates]
-        if lo + min(post) >= hi:
-            continue
+        # some pipeline takes at least ceil(M / D) micro-batches
+        low_d = max(lo, math.ceil(M / d_hi) * min_tau + min_fill) + min(post)
+        if low_d < hi:
+            plans.append((hi, low_d, d_lo, d_hi, post))
+    # most promising counts first, so the rest are cut short by the best found
+    for hi, low, d_lo, d_hi, post in sorted(plans, key=lambda p: p[0]):
+        if best is not None:
+            hi = min(hi, best[0] * (1 + CANDIDATE_MARGIN))
+            if low >= hi:
+                continue
         if milp is None:
             milp = TemplateMilp(templates, available, M, time_limit_s)
         milp.set_pipeline_count(d_lo, d_hi, post)
-        top, low = hi, lo
-        chosen = milp.cover(top * (1 + rel_tol))
-        while chosen is not None and (top - low) > rel_tol * top:
+        chosen = milp.cover(hi * (1 + rel_tol))
+        top = achieved_s(chosen, milp, M) if chosen is not None else hi
+        # refine to rel_tol, or until this count provably cannot beat the best (its answer is
+        # still a candidate for the full cost model)
+        while chosen is not None and (top - low) > rel_tol * top and (best is None or low < best[0]):
             mid = (low + top) / 2
             got = milp.cover(mid)
-            if got is not None:
-                top, chosen = mid, got
+            if got is not None:  # the answer may finish well before mid: jump to what it achieves
+                top, chosen = achieved_s(got, milp, M), got
             else:
                 low = mid
         if chosen is not None:
