@@ -225,6 +225,89 @@ def estimate(
         raise typer.Exit(1)
 
 
+@app.command()
+@user_errors
+def train(
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
+    model: Annotated[Path | None, typer.Option(help="model YAML; must be the model the plan is for")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="cluster YAML: checks the plan, applies `emulate` on CPU")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="train until this many steps are done")] = 100,
+    data: Annotated[Path | None, typer.Option(help="text file read as byte-level tokens (default: synthetic)")] = None,
+    metrics: Annotated[Path | None, typer.Option(help="per-step JSONL (default RUN_DIR/metrics.jsonl)")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<plan name>)")] = None,
+    optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
+    lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+    max_grad_norm: Annotated[float, typer.Option(help="clip gradients to this global norm (0: off)")] = 1.0,
+    seed: Annotated[int, typer.Option(help="weights and data seed")] = 0,
+    print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
+    main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
+    dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
+):
+    """Train the plan's model under the plan: one process per device, through accelerate launch."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from hetrain.launch import launch, node_commands, write_config
+    from hetrain.layout import build_layout
+    from hetrain.plan import load_plan, validate_plan
+    from hetrain.runtime import RunConfig
+    from hetrain.specs import load_cluster, load_model
+    from pydantic import ValidationError
+
+    pl = load_plan(plan_file)
+    if model is not None:
+        spec = load_model(model)
+        if spec != pl.model:
+            raise HetrainError(f"{plan_file}: the plan is for model '{pl.model.name}', not the '{spec.name}' in {model}"
+                               if spec.name != pl.model.name else
+                               f"{plan_file}: the plan's '{pl.model.name}' differs from {model} "
+                               f"({', '.join(k for k in spec.model_fields if getattr(spec, k) != getattr(pl.model, k))})")
+    if cluster is not None:
+        try:
+            validate_plan(pl, load_cluster(cluster))
+        except HetrainError as e:
+            raise HetrainError(f"{plan_file}: {e}") from None
+    elif pl.model.hidden_size % pl.tp or pl.model.num_heads % pl.tp:
+        raise HetrainError(f"{plan_file}: tp {pl.tp} must divide hidden_size {pl.model.hidden_size} "
+                           f"and num_heads {pl.model.num_heads} of {pl.model.name}")
+    layout = build_layout(pl)
+    run_dir = run_dir or Path("runs") / plan_file.stem
+    try:
+        config = RunConfig(
+            plan=str(plan_file.resolve()), cluster=str(cluster.resolve()) if cluster else None, steps=steps,
+            data=str(data.resolve()) if data else None, metrics=str(metrics.resolve()) if metrics else None,
+            optimizer=optimizer, lr=lr, max_grad_norm=max_grad_norm or None, seed=seed,
+            dump_dir=str(dump_dir.resolve()) if dump_dir else None,
+        )
+    except ValidationError as e:
+        from hetrain.specs import describe_validation_error
+
+        raise HetrainError(describe_validation_error("options", e)) from None
+    if print_launch:
+        path = write_config(config, run_dir.resolve())
+        out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
+        for cmd in node_commands(layout, str(path), main_address, 29500, run_dir.name):
+            out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
+        return
+    out.print(f"training {pl.model.name} on {layout.world_size} processes "
+              f"({len(pl.pipelines)} pipelines, tp {pl.tp}); run directory {run_dir}", highlight=False)
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeRemainingColumn(), console=out, transient=False)
+    with progress:
+        task = progress.add_task("train", total=steps, info="starting processes")
+
+        def show(record: dict) -> None:
+            progress.update(task, completed=record["step"] + 1,
+                            info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+
+        records = launch(config, layout, run_dir, on_record=show)
+    if records:
+        tail = records[len(records) // 2:] or records
+        mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
+        out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
+                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
+                  highlight=False)
+
+
 def main() -> None:
     app()
 

@@ -38,6 +38,17 @@ class _Spec(BaseModel):
 # --------------------------------------------------------------------------- cluster
 
 
+class EmulateSpec(_Spec):
+    """Make a CPU node act like a slower, smaller GPU (tests and benchmarks on one machine).
+
+    The runtime stretches the node's stage compute by ``slowdown`` and stops with an
+    out-of-memory error naming the device when it needs more than ``memory_gb``. Ignored on GPUs.
+    """
+
+    slowdown: float = Field(default=1.0, ge=1.0, description="compute takes this many times longer")
+    memory_gb: PositiveFloat | None = Field(default=None, description="memory budget per device, GB")
+
+
 class NodeSpec(_Spec):
     """One machine: ``count`` GPUs of one type joined by a link of ``intra_node_bandwidth_gbps`` GB/s."""
 
@@ -47,6 +58,7 @@ class NodeSpec(_Spec):
     intra_node_bandwidth_gbps: PositiveFloat = Field(description="GB/s between two GPUs of this node")
     spot: bool = False
     price_per_gpu_hour: NonNegativeFloat | None = None
+    emulate: EmulateSpec | None = None
 
 
 class LinkSpec(_Spec):

@@ -1,0 +1,189 @@
+"""Per-stage compute timing, CPU emulation of slower GPUs, and a memory meter with a budget.
+
+All three hook into a stage module from outside (forward hooks plus two identity autograd
+functions that mark where the stage's backward starts and ends), so the model stays plain.
+
+* Timing: forward and backward seconds of each micro-batch, summed per step.
+* Emulated slowdown (``emulate.slowdown`` on a CPU node): after each forward and backward the
+  rank sleeps ``(slowdown - 1)`` times what it just computed, so it behaves like a device that
+  many times slower, without burning the cores the other emulated devices share.
+* Memory: model states (parameters, gradients, optimizer state; exact, from the tensors) plus
+  the activations saved for backward that are alive (tracked through saved-tensor hooks,
+  de-duplicated by storage). On CPU there is no allocator to ask; on GPUs the meter reads
+  ``torch.cuda.max_memory_allocated`` instead. Crossing ``memory_budget_gb`` raises
+  ``DeviceOutOfMemory`` naming the device, which ends the whole job instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from hetrain.errors import HetrainError
+
+GB = 1e9
+
+
+class DeviceOutOfMemory(HetrainError):
+    pass
+
+
+class _BackwardStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, meter: StageMeter) -> torch.Tensor:
+        ctx.meter = meter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.meter._backward_started = time.perf_counter()
+        return grad, None
+
+
+class _BackwardEnd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, meter: StageMeter) -> torch.Tensor:
+        ctx.meter = meter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.meter._backward_done()
+        return grad, None
+
+
+class _Saved:
+    """A saved-for-backward tensor; tells the meter when autograd lets go of it."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: StageMeter, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class StageMeter:
+    def __init__(
+        self,
+        module: nn.Module,
+        device_name: str,
+        *,
+        slowdown: float = 1.0,
+        memory_budget_gb: float | None = None,
+    ) -> None:
+        self.module = module
+        self.device_name = device_name
+        self.slowdown = slowdown
+        self.memory_budget_gb = memory_budget_gb
+        self.compute_s = 0.0  # this step, including the emulated slowdown
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+        self.state_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, refs]
+        self._live_bytes = 0
+        self._param_ptrs: set[int] = set()
+        self._forward_started = 0.0
+        self._backward_started: float | None = None
+        self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+        embedding = getattr(module, "tok_embedding", None)
+        if embedding is not None:  # the first stage's input is token ids: mark the end on the embedding output
+            embedding.register_forward_hook(lambda _m, _a, out: _BackwardEnd.apply(out, self))
+
+    # -- memory
+    def set_model_states(self, optimizer_state_factor: float) -> None:
+        """Bytes of parameters + gradients + optimizer state, before the first step allocates them."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.module.parameters()]
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in local}
+        param_bytes = sum(t.numel() * t.element_size() for t in local)
+        self.state_bytes = int(param_bytes * (2 + optimizer_state_factor))
+        self.peak_bytes = max(self.peak_bytes, self.state_bytes)
+        self._check("for parameters, gradients and optimizer state")
+
+    def _check(self, what: str) -> None:
+        if self.memory_budget_gb is None:
+            return
+        used = self.state_bytes + self._live_bytes
+        if used > self.memory_budget_gb * GB:
+            raise DeviceOutOfMemory(
+                f"device {self.device_name} is out of memory: needs {used / GB:.3f} GB {what}, "
+                f"its budget is {self.memory_budget_gb:g} GB"
+            )
+
+    def _pack(self, t: torch.Tensor) -> object:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs or t.device.type == "meta":
+            return t
+        entry = self._live.get(ptr)
+        if entry is None:
+            nbytes = t.untyped_storage().nbytes()
+            self._live[ptr] = [nbytes, 1]
+            self._live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.state_bytes + self._live_bytes)
+        else:
+            entry[1] += 1
+        return _Saved(t, self, ptr)
+
+    @staticmethod
+    def _unpack(saved: object) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._live_bytes -= entry[0]
+            del self._live[ptr]
+
+    # -- timing and slowdown
+    def _pre_forward(self, _module: nn.Module, args: tuple) -> tuple | None:
+        self._forward_started = time.perf_counter()
+        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_ctx.__enter__()
+        x = args[0]
+        if torch.is_grad_enabled() and x.is_floating_point() and x.requires_grad:
+            return (_BackwardEnd.apply(x, self), *args[1:])
+        return None
+
+    def _post_forward(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if self._saved_ctx is not None:
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+        elapsed = self._stretch(time.perf_counter() - self._forward_started)
+        self.forward_s += elapsed
+        self._check("for activations in flight")
+        if torch.is_grad_enabled() and out.requires_grad:
+            out = _BackwardStart.apply(out, self)
+        return out
+
+    def _backward_done(self) -> None:
+        if self._backward_started is None:
+            return
+        self.backward_s += self._stretch(time.perf_counter() - self._backward_started)
+        self._backward_started = None
+
+    def _stretch(self, elapsed_s: float) -> float:
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * elapsed_s)
+            return elapsed_s * self.slowdown
+        return elapsed_s
+
+    def take_step_stats(self) -> dict[str, float]:
+        """This step's compute seconds and the peak memory so far; resets the step counters."""
+        stats = {"forward_s": self.forward_s, "backward_s": self.backward_s,
+                 "compute_s": self.forward_s + self.backward_s, "peak_memory_gb": self.peak_gb()}
+        self.forward_s = self.backward_s = 0.0
+        return stats
+
+    def peak_gb(self) -> float:
+        if torch.cuda.is_available() and next(self.module.parameters()).is_cuda:
+            return torch.cuda.max_memory_allocated() / GB
+        return self.peak_bytes / GB

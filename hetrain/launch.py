@@ -1,0 +1,190 @@
+"""Start the processes of a plan: ``accelerate launch`` per node, or ``torchrun`` where node sizes differ.
+
+One machine (the emulated cluster, or one GPU node): a single ``accelerate launch`` with one
+process per device of the plan. Several machines: one command per node. accelerate runs
+``num_processes / num_machines`` processes on every node, so when the plan uses different
+numbers of devices per node we emit ``torchrun`` with c10d rendezvous instead, which accepts
+a different ``--nproc-per-node`` on each node. Either way each process learns its node from
+``HETRAIN_NODE`` and its device from ``LOCAL_RANK``, so rendezvous order does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.layout import Layout
+from hetrain.runtime import RunConfig
+
+WORKER = ["-m", "hetrain.worker"]
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    node: str
+    env: dict[str, str]
+    argv: list[str]
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+def _cpu_env() -> dict[str, str]:
+    return {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
+
+
+def local_command(layout: Layout, config_path: str, port: int) -> NodeCommand:
+    """All ranks on this machine, as one ``accelerate launch``."""
+    n = layout.world_size
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", str(n),
+            "--main_process_port", str(port), "--monitor_interval", "0.2"]
+    if n > 1:
+        argv.insert(3, "--multi_gpu")
+    if torch.cuda.is_available():
+        argv += ["--gpu_ids", "all"]
+    return NodeCommand("*", _cpu_env(), argv + WORKER + [config_path])
+
+
+def node_commands(layout: Layout, config_path: str, main_address: str, port: int, run_id: str) -> list[NodeCommand]:
+    """One command per node of the plan; run each on its node (the first node hosts the rendezvous)."""
+    counts = {node: len(ranks) for node, ranks in layout.nodes.items()}
+    machines = len(counts)
+    out = []
+    for k, (node, count) in enumerate(counts.items()):
+        env = {"HETRAIN_NODE": node, **_cpu_env()}
+        if len(set(counts.values())) == 1:
+            argv = ["accelerate", "launch", "--multi_gpu", "--num_machines", str(machines), "--machine_rank", str(k),
+                    "--num_processes", str(layout.world_size), "--main_process_ip", main_address,
+                    "--main_process_port", str(port)]
+        else:
+            argv = ["torchrun", "--nnodes", str(machines), "--nproc-per-node", str(count), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{main_address}:{port}", "--rdzv-id", run_id]
+        out.append(NodeCommand(node, env, argv + WORKER + [config_path]))
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(config: RunConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(config.model_dump_json(indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2) -> Iterator[dict]:
+    """Yield metric records as rank 0 appends them, until the launch exits."""
+    pos = 0
+    while True:
+        done = proc.poll() is not None
+        if path.exists():
+            with path.open() as f:
+                f.seek(pos)
+                while line := f.readline():
+                    if not line.endswith("\n"):
+                        break
+                    pos += len(line.encode())
+                    yield json.loads(line)
+        if done:
+            return
+        time.sleep(poll_s)
+
+
+def _worker_error(log: Path) -> str | None:
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if "hetrain: error: " in line:
+            return line.split("hetrain: error: ", 1)[1]
+    return None
+
+
+def stop(proc: subprocess.Popen, run_dir: Path, grace_s: float = 10.0) -> None:
+    """Interrupt the launcher (it stops its workers), then make sure no worker survives."""
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in worker_pids(run_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def worker_pids(run_dir: Path) -> list[int]:
+    """PIDs of this run's workers that are still alive (checked against their command line)."""
+    config = str((run_dir / "config.json").resolve())
+    alive = []
+    for pid_file in (run_dir / "pids").glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if config in cmdline:
+            alive.append(pid)
+    return alive
+
+
+def launch(config: RunConfig, layout: Layout, run_dir: Path,
+           on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run training on this machine; returns the metric records. Raises HetrainError on failure."""
+    run_dir = run_dir.resolve()
+    if config.metrics is None:
+        config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
+    metrics = Path(config.metrics)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.unlink(missing_ok=True)
+    config_path = write_config(config, run_dir)
+    cmd = local_command(layout, str(config_path), free_port())
+    log = run_dir / "launch.log"
+    env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir)}
+    records: list[dict] = []
+    with log.open("w") as log_f:
+        proc = subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            for record in follow_metrics(metrics, proc):
+                records.append(record)
+                if on_record:
+                    on_record(record)
+        except BaseException:
+            stop(proc, run_dir)
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.wait()
+    if proc.returncode != 0:
+        stop(proc, run_dir)
+        reason = _worker_error(log)
+        if reason:
+            raise HetrainError(reason)
+        raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
+    return records

@@ -1,0 +1,144 @@
+"""Who does what: a plan turned into ranks, process groups and gradient buckets.
+
+Pure bookkeeping, no torch.distributed: the launcher uses it to count processes per node,
+every worker uses it to find its role and to create the same groups in the same order.
+
+Ranks are numbered node by node (nodes in order of first appearance in the plan, devices by
+index within a node), which is how ``accelerate launch`` / ``torchrun`` number the processes
+of multi-node jobs: node ``k`` runs ranks ``[offset_k, offset_k + count_k)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetrain.plan import Plan
+
+
+@dataclass(frozen=True)
+class Role:
+    """One rank's place in the plan."""
+
+    rank: int
+    device: str
+    node: str
+    pipeline: int
+    stage: int
+    tp_rank: int
+    layers: tuple[int, int]
+    num_stages: int
+    num_microbatches: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class SyncBucket:
+    """Parameters one rank all-reduces with exactly the other ranks that hold them.
+
+    ``layers`` is a half-open block range; ``embedding``/``head`` add the first/last stage's
+    extra parameters. ``ranks`` holds one rank per pipeline, all with the same TP rank.
+    """
+
+    ranks: tuple[int, ...]
+    layers: tuple[int, int]
+    embedding: bool = False
+    head: bool = False
+
+
+@dataclass
+class Layout:
+    plan: Plan
+    roles: list[Role]
+    nodes: dict[str, list[int]]  # node -> its ranks, in rank order
+    tp_groups: list[tuple[int, ...]] = field(default_factory=list)  # one per stage
+    pp_groups: list[tuple[int, ...]] = field(default_factory=list)  # one per (pipeline, tp rank)
+    buckets: list[SyncBucket] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.roles)
+
+    def buckets_of(self, rank: int) -> list[SyncBucket]:
+        return [b for b in self.buckets if rank in b.ranks]
+
+    def sync_groups(self) -> list[tuple[int, ...]]:
+        """Distinct rank sets that all-reduce gradients, in a fixed order."""
+        return list(dict.fromkeys(b.ranks for b in self.buckets))
+
+    def tp_group_of(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.tp_groups if rank in g)
+
+    def pp_group_of(self, rank: int) -> tuple[int, ...]:
+        return next(g for g in self.pp_groups if rank in g)
+
+
+def build_layout(plan: Plan) -> Layout:
+    node_of = {d: d.split("/", 1)[0] for d in plan.devices()}
+    nodes: dict[str, list[str]] = {}
+    for dev in plan.devices():
+        nodes.setdefault(node_of[dev], []).append(dev)
+    order = [d for node in nodes.values() for d in sorted(node, key=lambda d: int(d.rsplit("/", 1)[1]))]
+    rank_of = {d: r for r, d in enumerate(order)}
+
+    roles: dict[int, Role] = {}
+    tp_groups: list[tuple[int, ...]] = []
+    stage_ranks: list[list[tuple[int, ...]]] = []  # [pipeline][stage] -> ranks by tp rank
+    for p, pipe in enumerate(plan.pipelines):
+        stage_ranks.append([])
+        for s, stage in enumerate(pipe.stages):
+            ranks = tuple(rank_of[d] for d in stage.devices)
+            tp_groups.append(ranks)
+            stage_ranks[p].append(ranks)
+            for j, dev in enumerate(stage.devices):
+                roles[rank_of[dev]] = Role(
+                    rank=rank_of[dev], device=dev, node=node_of[dev], pipeline=p, stage=s, tp_rank=j,
+                    layers=tuple(stage.layers), num_stages=len(pipe.stages),
+                    num_microbatches=pipe.num_microbatches,
+                )
+    pp_groups = [
+        tuple(stages[s][j] for s in range(len(stages))) for stages in stage_ranks for j in range(plan.tp)
+    ]
+    return Layout(
+        plan=plan,
+        roles=[roles[r] for r in range(len(order))],
+        nodes={n: [rank_of[d] for d in order if node_of[d] == n] for n in nodes},
+        tp_groups=tp_groups,
+        pp_groups=pp_groups,
+        buckets=_buckets(plan, stage_ranks) if len(plan.pipelines) > 1 else [],
+    )
+
+
+def _buckets(plan: Plan, stage_ranks: list[list[tuple[int, ...]]]) -> list[SyncBucket]:
+    """Cut the blocks at every pipeline's stage boundary; merge neighbours with the same holders."""
+    cuts = sorted({0, plan.model.num_layers} | {s.layers[0] for p in plan.pipelines for s in p.stages})
+
+    def holders(layer: int, j: int) -> tuple[int, ...]:
+        out = []
+        for p, pipe in enumerate(plan.pipelines):
+            s = next(i for i, st in enumerate(pipe.stages) if st.layers[0] <= layer < st.layers[1])
+            out.append(stage_ranks[p][s][j])
+        return tuple(out)
+
+    buckets: list[SyncBucket] = []
+    for j in range(plan.tp):
+        first = tuple(stages[0][j] for stages in stage_ranks)
+        last = tuple(stages[-1][j] for stages in stage_ranks)
+        items = [SyncBucket(first, (0, 0), embedding=True)]
+        items += [SyncBucket(holders(lo, j), (lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
+        items.append(SyncBucket(last, (plan.model.num_layers,) * 2, head=True))
+        merged: list[SyncBucket] = []
+        for b in items:
+            if merged and merged[-1].ranks == b.ranks:
+                m = merged.pop()
+                b = SyncBucket(b.ranks, (min(m.layers[0], b.layers[0]), max(m.layers[1], b.layers[1])),
+                               m.embedding or b.embedding, m.head or b.head)
+            merged.append(b)
+        buckets += merged
+    return buckets

@@ -1,0 +1,128 @@
+"""A plain decoder-only GPT built from a ``ModelSpec``; parallelism is applied elsewhere.
+
+Blocks live in a ``ModuleDict`` keyed by their global index, so a pipeline stage is the
+same class holding a contiguous range of blocks and parameter names (``layers.7.attn.wq.weight``)
+are identical whichever plan built the stage: checkpoints and gradient buckets line up
+across plans. The embedding lives on the first stage, the final norm and LM head on the last
+(untied, so no weight is shared between stages).
+
+Initialisation is a pure function of (seed, parameter name): every stage, on every plan,
+starts from exactly the weights a single-process model would have.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hetrain.specs import ModelSpec
+
+INIT_STD = 0.02
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden_size // num_heads
+        self.wq = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wk = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wv = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.wo = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w2 = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(spec.hidden_size)
+        self.attn = Attention(spec.hidden_size, spec.num_heads)
+        self.mlp_norm = nn.LayerNorm(spec.hidden_size)
+        self.mlp = MLP(spec.hidden_size, spec.ffn_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """The whole model, or one pipeline stage of it (blocks ``[first_layer, end_layer)``)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layers: tuple[int, int] | None = None,
+        *,
+        has_embedding: bool | None = None,
+        has_head: bool | None = None,
+        activation_recompute: bool = False,
+    ) -> None:
+        super().__init__()
+        lo, hi = layers if layers is not None else (0, spec.num_layers)
+        if not 0 <= lo < hi <= spec.num_layers:
+            raise ValueError(f"layers [{lo}, {hi}) outside the {spec.num_layers} blocks of {spec.name}")
+        self.spec = spec
+        self.layer_range = (lo, hi)
+        self.activation_recompute = activation_recompute
+        first = lo == 0 if has_embedding is None else has_embedding
+        last = hi == spec.num_layers if has_head is None else has_head
+        self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
+        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(lo, hi)})
+        self.norm = nn.LayerNorm(spec.hidden_size) if last else None
+        self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits out."""
+        if self.tok_embedding is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_embedding(x) + self.pos_embedding(positions)
+        for block in self.layers.values():
+            if self.activation_recompute and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic per parameter name, so any stage of any plan matches the full model."""
+        for name, param in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Mean next-token cross entropy over the tokens of ``logits``, times ``scale``.
+
+    The runtime passes ``scale = micro_batch_size / global_batch_size`` so that summing the
+    micro-batch losses of every pipeline gives the mean over the global batch.
+    """
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return loss * scale

@@ -1,0 +1,322 @@
+"""Run one rank of a plan: build its stage, apply TP, pipeline it, sync gradients, step.
+
+The pieces follow torchtitan's split: ``GPT`` (hetrain.model) is plain; ``parallelize_stage``
+applies tensor parallelism to it; ``Trainer`` owns the loop. What is specific to
+heterogeneous plans is ``sync_gradients``: each pipeline holds the whole model, cut at
+different places, so each gradient bucket is all-reduced among exactly the ranks (one per
+pipeline, same TP rank) that hold those layers. The loss of every micro-batch is scaled by
+``micro_batch_size / global_batch_size`` and pipelines never rescale, so after the SUM
+all-reduce each gradient is the gradient of the mean loss over the whole global batch, as on
+one device, however the batch was split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hetrain.data import PipelineSampler, TokenSource, pipeline_slices
+from hetrain.errors import HetrainError
+from hetrain.instrument import StageMeter
+from hetrain.layout import Layout, Role, SyncBucket, build_layout
+from hetrain.model import GPT, lm_loss
+from hetrain.plan import Plan, load_plan
+from hetrain.specs import EmulateSpec, load_cluster
+
+
+class RunConfig(BaseModel):
+    """What every rank of one training run reads (written by ``hetrain train``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: str
+    cluster: str | None = None  # for emulated nodes; optional on real GPUs
+    steps: PositiveInt = 100
+    start_step: int = 0
+    data: str | None = None
+    seed: int = 0
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    activation_recompute: bool | None = None  # None: what the plan's training settings say
+    metrics: str | None = None
+    dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
+    threads_per_rank: PositiveInt = 1
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+TP_PLAN = {
+    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(),
+}
+
+
+def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP per block: column-wise into attention heads and the MLP, row-wise out."""
+    for block in stage.layers.values():
+        parallelize_module(block, tp_mesh, TP_PLAN)
+
+
+def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
+    names = []
+    if bucket.embedding and stage.tok_embedding is not None:
+        names += ["tok_embedding", "pos_embedding"]
+    lo, hi = bucket.layers
+    names += [f"layers.{i}" for i in range(lo, hi) if str(i) in stage.layers]
+    if bucket.head and stage.head is not None:
+        names += ["norm", "head"]
+    return [p for n in names for p in stage.get_submodule(n).parameters()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, plan: Plan, layout: Layout, role: Role, groups: dict,
+                 emulate: EmulateSpec | None, device: torch.device) -> None:
+        self.config, self.plan, self.layout, self.role, self.device = config, plan, layout, role, device
+        settings = plan.settings()
+        recompute = settings.activation_recompute if config.activation_recompute is None else config.activation_recompute
+        model = GPT(plan.model, role.layers, activation_recompute=recompute)
+        model.init_weights(config.seed)
+        model.to(device)
+        if plan.tp > 1:
+            parallelize_stage(model, DeviceMesh.from_group(groups["tp"], device.type))
+        self.model = model
+        self.meter = StageMeter(
+            model, role.device,
+            slowdown=emulate.slowdown if emulate else 1.0,
+            memory_budget_gb=emulate.memory_gb if emulate else None,
+        )
+        if config.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+
+        stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups["pp"])
+        scale = plan.micro_batch_size / plan.global_batch_size
+        self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=partial(lm_loss, scale=scale),
+                                     scale_grads=False)
+        offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
+                                        plan.micro_batch_size)[role.pipeline]
+        source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
+        self.sampler = PipelineSampler(source, plan.global_batch_size, offset, count)
+        self.buckets = [(groups["sync"][b.ranks], bucket_params(model, b))
+                        for b in layout.buckets_of(role.rank)]
+        self.buckets = [(g, ps) for g, ps in self.buckets if ps]
+        # Replicated parameters (norms, embeddings, head) are counted once per TP group in the norm.
+        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+
+    # -- one step
+    def train_step(self, step: int) -> dict:
+        started = time.perf_counter()
+        inputs, targets = self.sampler.batch(step)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        losses: list[torch.Tensor] = []
+        role = self.role
+        if role.num_stages == 1:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif role.is_first:
+            self.schedule.step(inputs)
+        elif role.is_last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        compute_done = time.perf_counter()
+        self.sync_gradients()
+        synced = time.perf_counter()
+
+        # One world all-reduce: pipeline 0 contributes the squared gradient norm, every
+        # pipeline's last stage its share of the loss.
+        norm_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if role.pipeline == 0:
+            for p in self.norm_params:
+                if p.grad is not None:
+                    norm_sq += _local(p.grad).double().pow(2).sum()
+        loss = sum(float(x.detach()) for x in losses) if role.is_last and role.tp_rank == 0 else 0.0
+        totals = torch.stack([norm_sq, torch.tensor(loss, dtype=torch.float64, device=self.device)])
+        dist.all_reduce(totals)
+        grad_norm = float(totals[0].sqrt())
+        if self.config.max_grad_norm is not None:
+            coef = self.config.max_grad_norm / (grad_norm + 1e-6)
+            if coef < 1.0:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        _local(p.grad).mul_(coef)
+        if self.config.dump_dir and step == self.config.start_step:
+            self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        ended = time.perf_counter()
+        stats = self.meter.take_step_stats()
+        step_s = ended - started
+        return {
+            "step": step, "loss": float(totals[1]), "grad_norm": grad_norm, "step_time_s": step_s,
+            "rank": role.rank, "device": role.device, "pipeline": role.pipeline, "stage": role.stage,
+            "tp_rank": role.tp_rank, "schedule_s": compute_done - started, "sync_s": synced - compute_done,
+            "compute_s": stats["compute_s"], "idle_s": max(0.0, step_s - stats["compute_s"]),
+            "peak_memory_gb": stats["peak_memory_gb"],
+        }
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket."""
+        for group, params in self.buckets:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(_local(p.grad))
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+    def _dump(self, what: str, tensors: dict[str, torch.Tensor | None]) -> None:
+        full = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+                for n, t in tensors.items() if t is not None}
+        if self.role.tp_rank == 0:
+            out = Path(self.config.dump_dir) / f"{what}-rank{self.role.rank}.pt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(full, out)
+
+    def dump_params(self) -> None:
+        if self.config.dump_dir:
+            self._dump("params", dict(self.model.named_parameters()))
+
+
+# --------------------------------------------------------------------------- process setup
+
+
+def _layout_rank(layout: Layout) -> int:
+    """This process's rank in the plan: from HETRAIN_NODE + LOCAL_RANK on multi-node launches."""
+    node = os.environ.get("HETRAIN_NODE")
+    if not node:
+        return int(os.environ.get("RANK", 0))
+    if node not in layout.nodes:
+        raise HetrainError(f"HETRAIN_NODE={node} is not a node of the plan (plan nodes: {', '.join(layout.nodes)})")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if local >= len(layout.nodes[node]):
+        raise HetrainError(
+            f"node {node} started {local + 1}+ processes but the plan uses {len(layout.nodes[node])} of its devices"
+        )
+    return layout.nodes[node][local]
+
+
+def _make_groups(layout: Layout, to_dist: list[int], layout_rank: int) -> dict:
+    """Create every group on every rank in the same order; keep this rank's."""
+
+    def new(ranks: tuple[int, ...]):
+        return dist.new_group([to_dist[r] for r in ranks])
+
+    role = layout.roles[layout_rank]
+    groups: dict = {"sync": {}}
+    for ranks in layout.tp_groups:
+        g = new(ranks)
+        if layout_rank in ranks:
+            groups["tp"] = g
+    for ranks in layout.pp_groups:
+        g = new(ranks)
+        if layout_rank in ranks:
+            groups["pp"] = g
+    for ranks in layout.sync_groups():
+        g = new(ranks)
+        if layout_rank in ranks:
+            groups["sync"][ranks] = g
+    assert role.rank == layout_rank
+    return groups
+
+
+def run(config: RunConfig) -> None:
+    plan = load_plan(config.plan)
+    layout = build_layout(plan)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != layout.world_size:
+        raise HetrainError(
+            f"{config.plan}: the plan uses {layout.world_size} devices, one process each, "
+            f"but {world} processes were launched"
+        )
+    if plan.model.hidden_size % plan.tp or plan.model.num_heads % plan.tp:
+        raise HetrainError(f"{config.plan}: tp {plan.tp} must divide hidden_size {plan.model.hidden_size} "
+                           f"and num_heads {plan.model.num_heads}")
+    emulate = None
+    if config.cluster:
+        cluster = load_cluster(config.cluster)
+    use_cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    dist.init_process_group("nccl" if use_cuda else "gloo", world_size=world)
+    try:
+        my_layout_rank = _layout_rank(layout)
+        claimed = [None] * world
+        dist.all_gather_object(claimed, my_layout_rank)
+        if sorted(claimed) != list(range(world)):
+            raise HetrainError(f"processes claim plan ranks {claimed}; each device of the plan needs exactly one")
+        to_dist = [0] * world
+        for dist_rank, r in enumerate(claimed):
+            to_dist[r] = dist_rank
+        role = layout.roles[my_layout_rank]
+        if config.cluster:
+            node = next((n for n in cluster.nodes if n.name == role.node), None)
+            emulate = node.emulate if node is not None else None
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", torch.cuda.current_device())
+            emulate = None  # emulation is for CPU runs only
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(config.threads_per_rank)
+        groups = _make_groups(layout, to_dist, my_layout_rank)
+        trainer = Trainer(config, plan, layout, role, groups, emulate, device)
+        _loop(trainer, config, world)
+        trainer.dump_params()
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _loop(trainer: Trainer, config: RunConfig, world: int) -> None:
+    plan = trainer.plan
+    tokens_per_step = plan.global_batch_size * plan.model.seq_length
+    metrics = open(config.metrics, "a") if config.metrics and dist.get_rank() == 0 else None
+    try:
+        for step in range(config.start_step, config.steps):
+            row = trainer.train_step(step)
+            rows = [None] * world
+            dist.all_gather_object(rows, row)
+            if metrics is not None:
+                step_s = max(r["step_time_s"] for r in rows)
+                record = {
+                    "step": step, "loss": row["loss"], "grad_norm": row["grad_norm"],
+                    "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+                    "time": time.time(),
+                    "ranks": [{k: r[k] for k in ("rank", "device", "pipeline", "stage", "tp_rank", "compute_s",
+                                                 "idle_s", "sync_s", "peak_memory_gb")} for r in rows],
+                }
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+    finally:
+        if metrics is not None:
+            metrics.close()

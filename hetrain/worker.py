@@ -1,0 +1,41 @@
+"""Entry point of every training process: ``python -m hetrain.worker RUN_DIR/config.json``.
+
+``hetrain train`` starts it through ``accelerate launch`` (or ``torchrun`` for nodes with
+different device counts). Errors a user can fix print one line and exit 2; the launcher then
+stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from hetrain.errors import HetrainError
+from hetrain.runtime import RunConfig, run
+from hetrain.specs import describe_validation_error
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hetrain.worker RUN_CONFIG.json", file=sys.stderr)
+        sys.exit(2)
+    rank = os.environ.get("RANK", "0")
+    pids = Path(args[0]).resolve().parent / "pids"  # lets the launcher make sure no worker outlives it
+    pids.mkdir(exist_ok=True)
+    (pids / f"{os.getpid()}.pid").write_text(str(os.getpid()))
+    try:
+        run(RunConfig.load(args[0]))
+    except ValidationError as e:
+        print(f"hetrain: error: {describe_validation_error(args[0], e)}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except HetrainError as e:
+        print(f"hetrain: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+
+if __name__ == "__main__":
+    main()
