@@ -299,7 +299,11 @@ def train(
             progress.update(task, completed=record["step"] + 1,
                             info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
 
-        records = launch(config, layout, run_dir, on_record=show)
+        try:
+            records = launch(config, layout, run_dir, on_record=show)
+        except KeyboardInterrupt:
+            err.print("interrupted: every training process of this run has been stopped")
+            raise typer.Exit(130) from None
     if records:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)

@@ -21,22 +21,24 @@ Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
 
 Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
     backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
-    2 (t-1)/t * bytes / bw_intra(node). One all-reduce for the vocab-parallel embedding.
+    2 (t-1)/t * bytes / bw_intra(node) + lat. One all-reduce for the vocab-parallel embedding.
+    ``lat`` is the cluster's ``collective_latency_us``, charged once per collective or send.
 
 Pipeline, per stage k of pipeline p and micro-batch:
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
           stage, +LM head on the last),
-    e_k = b s h B_act / bw(node_k, node_k+1) for the activation sent forward (the gradient
+    e_k = b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the gradient
           comes back the same size).
     1F1B: T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
           tau_p = max(max_k c_k, max_k 2 e_k)   (steady state runs at the slowest stage or link).
 
 Data parallelism across pipelines of different shapes. D = number of pipelines. Block l's
     gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
-    the slowest link among their nodes:
-        sync(l) = 2 (D-1)/D * P_blk B_grad / t / bw_min(l),  B_grad = B_act
+    the slowest link among their nodes; blocks held by the same set of stages form one
+    bucket, one collective (as the runtime does):
+        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / bw_min(bucket) + lat,  B_grad = B_act
     (embedding among first stages, head among last stages). A GPU runs the all-reduces of
-    its blocks one after another: sync_d = sum over its blocks.
+    its buckets one after another: sync_d = sum over its buckets.
 
 Optimizer step: every byte of weight, gradient and optimizer state is read and written once:
     opt_d = 2 * bytes_per_param * P_d / memory_bandwidth_g.
@@ -100,10 +102,10 @@ def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> fl
     return mult * model.num_layers * block_forward_flops(model, 1) + 3 * head_forward_flops(model, 1)
 
 
-def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float) -> float:
+def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
     if group_size <= 1:
         return 0.0
-    return 2 * (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB)
+    return 2 * (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,7 @@ class CostModel:
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
+        self.latency_s = cluster.collective_latency_us * 1e-6
 
     # ------------------------------------------------------------------ building blocks
 
@@ -213,7 +216,7 @@ class CostModel:
         flops = g.achievable_flops(st.precision)
         recompute = st.activation_recompute
         msg = b * s * h * act  # one activation tensor of a micro-batch
-        tp_ar = ring_allreduce_s(msg, t, bw)
+        tp_ar = ring_allreduce_s(msg, t, bw, self.latency_s)
         full_block_act = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act / 2
 
         entry = self.profile.lookup(gpu, t, b) if self.profile else None
@@ -252,7 +255,7 @@ class CostModel:
         return micro_batch_size * m.seq_length * m.hidden_size * self.settings.activation_bytes
 
     def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int) -> float:
-        return self.p2p_bytes(micro_batch_size) / (self.cluster.bandwidth_gbps(node_a, node_b) * GB)
+        return self.p2p_bytes(micro_batch_size) / (self.cluster.bandwidth_gbps(node_a, node_b) * GB) + self.latency_s
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         m = self.model
@@ -323,18 +326,25 @@ class CostModel:
                 row += [stage] * (stage.layers[1] - stage.layers[0])
             owners.append(row)
 
-        def run(stages, num_bytes):
+        # bucket -> bytes per TP rank; a bucket is the tuple of stages (one per pipeline) holding it
+        buckets: dict[tuple[int, ...], tuple[list, float]] = {}
+
+        def add(stages, num_bytes):
+            key = tuple(id(st) for st in stages)
+            prev = buckets.get(key, (stages, 0.0))[1]
+            buckets[key] = (stages, prev + num_bytes)
+
+        for layer in range(m.num_layers):
+            add([row[layer] for row in owners], block_params(m) * act / t)
+        add([p.stages[0] for p in plan.pipelines], embed_params(m) * act / t)
+        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
+        for stages, num_bytes in buckets.values():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
                 bw = self.cluster.min_bandwidth_gbps({node_of[d] for d in devs})
-                cost = ring_allreduce_s(num_bytes, D, bw)
+                cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
                 for d in devs:
                     sync[d] = sync.get(d, 0.0) + cost
-
-        for layer in range(m.num_layers):
-            run([row[layer] for row in owners], block_params(m) * act / t)
-        run([p.stages[0] for p in plan.pipelines], embed_params(m) * act / t)
-        run([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
         return sync
 
     def check_memory(self, est: Estimate) -> None:

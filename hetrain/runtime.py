@@ -146,15 +146,20 @@ class Trainer:
         self.sync_gradients()
         synced = time.perf_counter()
 
-        # One world all-reduce: pipeline 0 contributes the squared gradient norm, every
-        # pipeline's last stage its share of the loss.
-        norm_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        # One world all-reduce per step carries the squared gradient norm (pipeline 0
+        # contributes), the loss (every pipeline's last stage its share) and each rank's timings.
+        stats = self.meter.take_step_stats()
+        world = self.layout.world_size
+        totals = torch.zeros(2 + 4 * world, dtype=torch.float64, device=self.device)
         if role.pipeline == 0:
             for p in self.norm_params:
                 if p.grad is not None:
-                    norm_sq += _local(p.grad).double().pow(2).sum()
-        loss = sum(float(x.detach()) for x in losses) if role.is_last and role.tp_rank == 0 else 0.0
-        totals = torch.stack([norm_sq, torch.tensor(loss, dtype=torch.float64, device=self.device)])
+                    totals[0] += _local(p.grad).double().pow(2).sum()
+        if role.is_last and role.tp_rank == 0:
+            totals[1] = sum(float(x.detach()) for x in losses)
+        mine = 2 + 4 * role.rank
+        totals[mine:mine + 4] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
+                                              stats["peak_memory_gb"]], dtype=torch.float64)
         dist.all_reduce(totals)
         grad_norm = float(totals[0].sqrt())
         if self.config.max_grad_norm is not None:
@@ -167,16 +172,15 @@ class Trainer:
             self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        ended = time.perf_counter()
-        stats = self.meter.take_step_stats()
-        step_s = ended - started
-        return {
-            "step": step, "loss": float(totals[1]), "grad_norm": grad_norm, "step_time_s": step_s,
-            "rank": role.rank, "device": role.device, "pipeline": role.pipeline, "stage": role.stage,
-            "tp_rank": role.tp_rank, "schedule_s": compute_done - started, "sync_s": synced - compute_done,
-            "compute_s": stats["compute_s"], "idle_s": max(0.0, step_s - stats["compute_s"]),
-            "peak_memory_gb": stats["peak_memory_gb"],
-        }
+        ranks = []
+        for r, other in enumerate(self.layout.roles):
+            schedule_s, sync_s, compute_s, peak_gb = totals[2 + 4 * r:6 + 4 * r].tolist()
+            ranks.append({"rank": r, "device": other.device, "pipeline": other.pipeline, "stage": other.stage,
+                          "tp_rank": other.tp_rank, "compute_s": compute_s,
+                          "idle_s": max(0.0, schedule_s + sync_s - compute_s), "sync_s": sync_s,
+                          "peak_memory_gb": peak_gb})
+        return {"step": step, "loss": float(totals[1]), "grad_norm": grad_norm,
+                "step_time_s": time.perf_counter() - started, "ranks": ranks}
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -289,7 +293,7 @@ def run(config: RunConfig) -> None:
             torch.set_num_threads(config.threads_per_rank)
         groups = _make_groups(layout, to_dist, my_layout_rank)
         trainer = Trainer(config, plan, layout, role, groups, emulate, device)
-        _loop(trainer, config, world)
+        _loop(trainer, config)
         trainer.dump_params()
         dist.barrier()
     finally:
@@ -297,24 +301,16 @@ def run(config: RunConfig) -> None:
             dist.destroy_process_group()
 
 
-def _loop(trainer: Trainer, config: RunConfig, world: int) -> None:
+def _loop(trainer: Trainer, config: RunConfig) -> None:
     plan = trainer.plan
     tokens_per_step = plan.global_batch_size * plan.model.seq_length
     metrics = open(config.metrics, "a") if config.metrics and dist.get_rank() == 0 else None
     try:
         for step in range(config.start_step, config.steps):
-            row = trainer.train_step(step)
-            rows = [None] * world
-            dist.all_gather_object(rows, row)
+            record = trainer.train_step(step)
             if metrics is not None:
-                step_s = max(r["step_time_s"] for r in rows)
-                record = {
-                    "step": step, "loss": row["loss"], "grad_norm": row["grad_norm"],
-                    "step_time_s": step_s, "tokens_per_s": tokens_per_step / step_s,
-                    "time": time.time(),
-                    "ranks": [{k: r[k] for k in ("rank", "device", "pipeline", "stage", "tp_rank", "compute_s",
-                                                 "idle_s", "sync_s", "peak_memory_gb")} for r in rows],
-                }
+                record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+                record["time"] = time.time()
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
     finally:

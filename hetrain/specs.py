@@ -85,6 +85,11 @@ class ClusterSpec(_Spec):
         default=12.5, description="GB/s between GPUs of two different nodes (12.5 GB/s = 100 Gb/s)"
     )
     links: list[LinkSpec] = Field(default_factory=list)
+    collective_latency_us: NonNegativeFloat = Field(
+        default=0.0,
+        description="fixed cost of every collective or send in microseconds, on top of bytes / bandwidth "
+        "(tens of us for NCCL, milliseconds for gloo on a busy CPU; 0 ignores it, fine for large models)",
+    )
     gpu_types: dict[str, GPUType] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -122,6 +122,7 @@ class Template:
     grad_bytes: tuple[float, ...]  # per stage, per TP rank
     opt_s: tuple[float, ...]  # per stage optimizer step
     num_classes: int
+    sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce
 
     @cached_property
     def tau_s(self) -> float:
@@ -145,7 +146,8 @@ class Template:
     def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
         """Gradient all-reduce + optimizer step of its slowest stage, among ``num_pipelines`` pipelines."""
         phi = 2 * (num_pipelines - 1) / num_pipelines
-        return max(phi * g / (sync_bw_gbps * 1e9) + o for g, o in zip(self.grad_bytes, self.opt_s))
+        lat = self.sync_latency_s if num_pipelines > 1 else 0.0
+        return max(phi * g / (sync_bw_gbps * 1e9) + lat + o for g, o in zip(self.grad_bytes, self.opt_s))
 
 
 def stage_order(classes: list[GroupClass], members: tuple[int, ...]) -> tuple[int, ...]:
@@ -175,11 +177,12 @@ def build_template(
     b = micro_batch_size
     stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
     p2p = tuple(
-        cost.p2p_bytes(b) / (class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]) * 1e9) for k in range(S - 1)
+        cost.p2p_bytes(b) / (class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]) * 1e9) + cost.latency_s
+        for k in range(S - 1)
     )
     grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
     opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
-    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes))
+    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s)
 
 
 @dataclass

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, ROOT, run_cli
 from hetrain.data import TokenSource
+from hetrain.launch import free_port, worker_pids
 from hetrain.layout import build_layout
 from hetrain.model import GPT, lm_loss
 from hetrain.plan import Plan
@@ -93,3 +100,93 @@ def test_asymmetric_plan_matches_single_process(tmp_path: Path, tp: int):
     assert [r["step"] for r in records] == list(range(STEPS))
     for rec, want in zip(records, ref_losses):
         assert abs(rec["loss"] - want) <= 1e-5 * abs(want)
+
+
+# --------------------------------------------------------------------------- emulated cluster and bad input
+
+CLUSTER = EXAMPLES / "clusters" / "cpu-emulated.yaml"
+
+
+@pytest.fixture(scope="module")
+def emulated_plan(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    r = run_cli("plan", "--cluster", str(CLUSTER), "--model", str(TINY), "--global-batch-size", "8",
+                "--precision", "fp32", "--out", str(path))
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def test_emulated_cluster_trains_100_steps_and_loss_falls(tmp_path: Path, emulated_plan: Path):
+    r = run_cli("train", "--plan", str(emulated_plan), "--cluster", str(CLUSTER), "--steps", "100",
+                "--lr", "3e-3", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 100
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    rec = records[-1]
+    assert {r["device"] for r in rec["ranks"]} == {"fast/0", "fast/1", "slow/0", "slow/1"}
+    assert all(r["compute_s"] > 0 and r["peak_memory_gb"] > 0 for r in rec["ranks"])
+    assert rec["tokens_per_s"] > 0
+
+
+def test_world_size_must_match_the_plan(tmp_path: Path):
+    plan = asymmetric_plan(1)  # 3 devices
+    plan.write(tmp_path / "plan.json")
+    (tmp_path / "config.json").write_text(json.dumps({"plan": str(tmp_path / "plan.json"), "steps": 1}))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--main_process_port", str(free_port()), "-m", "hetrain.worker",
+                        str(tmp_path / "config.json")], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "the plan uses 3 devices, one process each, but 2 processes were launched" in r.stderr
+
+
+def test_plan_for_another_model_is_refused(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--model", str(EXAMPLES / "models" / "gpt-13b.yaml"))
+    assert r.returncode == 2
+    assert "the plan is for model 'gpt-tiny', not the 'gpt-13b'" in r.stderr
+
+
+def test_tp_must_divide_hidden_size_and_heads(tmp_path: Path):
+    data = json.loads(asymmetric_plan(1).to_json())
+    for pipe in data["pipelines"]:
+        for stage in pipe["stages"]:
+            node, i = stage["devices"][0].split("/")
+            stage["devices"] = [f"{node}/{3 * int(i) + j}" for j in range(3)]
+    data["tp"] = 3
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"))
+    assert r.returncode == 2
+    assert "tp 3 must divide hidden_size 64 and num_heads 4" in r.stderr
+
+
+def test_emulated_memory_budget_too_small_names_the_device(tmp_path: Path, emulated_plan: Path):
+    small = CLUSTER.read_text().replace("memory_gb: 2}", "memory_gb: 0.001}")
+    assert small != CLUSTER.read_text()
+    (tmp_path / "cluster.yaml").write_text(small)
+    r = run_cli("train", "--plan", str(emulated_plan), "--cluster", str(tmp_path / "cluster.yaml"), "--steps", "5",
+                "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(r"device slow/[01] is out of memory: needs [0-9.]+ GB .*its budget is 0.001 GB", r.stderr), r.stderr
+    assert not worker_pids(tmp_path / "run")
+
+
+def test_ctrl_c_leaves_no_stray_processes(tmp_path: Path, emulated_plan: Path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "train", "--plan", str(emulated_plan), "--cluster",
+                             str(CLUSTER), "--steps", "100000", "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    assert metrics.exists(), proc.communicate(timeout=30)[0]
+    assert len(list((run_dir / "pids").glob("*.pid"))) == 4
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    time.sleep(0.5)
+    assert not worker_pids(run_dir)

@@ -1,0 +1,426 @@
+"""Measure per-layer costs of a GPT on the local device and write them as a ``Profile``.
+
+What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro-batch at a time:
+
+* one transformer block, forward and backward (``block_backward_s`` includes the recomputed
+  forward when profiling with ``activation_recompute``: the block runs under
+  ``torch.utils.checkpoint`` non-reentrant, exactly as ``GPT.forward`` does);
+* the embedding (token + position lookup and their sum) and the head (final LayerNorm, LM
+  head and ``lm_loss``), forward and backward;
+* ``block_activation_bytes``: bytes one block keeps saved for backward for one micro-batch,
+  counted with ``saved_tensors_hooks`` and de-duplicated by storage (parameters excluded), as
+  ``hetrain.instrument.StageMeter`` counts them at run time. With recompute that is just the
+  block input (the checkpoint keeps it to recompute from); without, every tensor autograd saves.
+
+Each time is the median of ``repeats`` runs after ``warmup`` runs, wall clock
+(``time.perf_counter``), with the CUDA device synchronised around each timed region.
+
+Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank computes, on this
+single device, with NO communication: a block whose attention has ``num_heads / tp`` heads
+(``hidden_size / tp`` wide q/k/v, the output projection reading ``hidden_size / tp``) and
+whose MLP is ``ffn_size / tp`` wide, the column/row split ``hetrain.runtime.parallelize_stage``
+applies. The all-reduces are added by the cost model from the cluster's links. The runtime
+does not shard the embedding or the head (every TP rank runs them whole), so they are
+measured whole for every ``tp``.
+
+Emulated GPU types (``emulate.slowdown`` on a CPU node): the runtime makes such a rank sleep
+``(slowdown - 1)`` times each compute it just did, so its compute takes ``slowdown`` times
+the measured time. The profiler predicts that by multiplying the measured times by
+``slowdown`` (it does not sleep); activation bytes are unchanged.
+
+Precision: ``fp32`` runs plain fp32; ``bf16``/``fp16`` run forward under ``torch.autocast``
+with that dtype (parameters stay fp32). Threads: whatever ``torch.set_num_threads`` the
+caller left (CPU ranks of ``hetrain train`` run with ``threads_per_rank``, 1 by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hetrain.errors import HetrainError
+from hetrain.model import INIT_STD, Block, lm_loss
+from hetrain.profile import Profile, ProfileEntry
+from hetrain.specs import ClusterSpec, ModelSpec
+
+Precision = Literal["bf16", "fp16", "fp32"]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def tp_valid(spec: ModelSpec, tp: int) -> bool:
+    """Whether the runtime can split this model ``tp`` ways (tp divides hidden_size and num_heads)."""
+    return tp >= 1 and spec.hidden_size % tp == 0 and spec.num_heads % tp == 0
+
+
+def shard_block(spec: ModelSpec, tp: int) -> Block:
+    """The part of one transformer block that one rank of a ``tp``-way TP group holds.
+
+    q/k/v project to ``hidden_size / tp`` (``num_heads / tp`` heads; ``Attention`` derives the
+    head count from that width), ``wo`` reads it back to ``hidden_size``; the MLP is
+    ``ceil(ffn_size / tp)`` wide (the largest shard when ``tp`` does not divide it, as a
+    DTensor shard on rank 0). LayerNorms stay whole, as in the runtime.
+    """
+    if not tp_valid(spec, tp):
+        raise HetrainError(
+            f"tp {tp} must divide hidden_size {spec.hidden_size} and num_heads {spec.num_heads} of {spec.name}"
+        )
+    block = Block(spec)
+    if tp > 1:
+        h = spec.hidden_size
+        hs, fs = h // tp, -(-spec.ffn_size // tp)
+        attn, mlp = block.attn, block.mlp
+        attn.wq, attn.wk, attn.wv = (nn.Linear(h, hs, bias=False) for _ in range(3))
+        attn.wo = nn.Linear(hs, h, bias=False)
+        mlp.w1 = nn.Linear(h, fs, bias=False)
+        mlp.w2 = nn.Linear(fs, h, bias=False)
+    _init(block)
+    return block
+
+
+class _Embedding(nn.Module):
+    """Token + learned position embedding, computed as ``GPT.forward`` does."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok_embedding(ids) + self.pos_embedding(positions)
+
+
+class _Head(nn.Module):
+    """Final LayerNorm + untied LM head; the loss is applied by the caller with ``lm_loss``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(spec.hidden_size)
+        self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+@torch.no_grad()
+def _init(module: nn.Module, seed: int = 0) -> None:
+    """Same distribution as ``GPT.init_weights`` (the values only matter for realistic numerics)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("norm.bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device, precision: Precision) -> contextlib.AbstractContextManager:
+    dtype = _DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _time_fwd_bwd(
+    forward: Callable[[], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    device: torch.device,
+    precision: Precision,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of ``repeats`` runs after ``warmup`` runs."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        with _autocast(device, precision):
+            out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        backward(out)
+        _sync(device)
+        t2 = time.perf_counter()
+        del out
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> int:
+    """Bytes autograd saves for backward while ``run`` executes, de-duplicated by storage.
+
+    Parameters (and views of them, e.g. a transposed weight) are not activations and are left
+    out, as in ``StageMeter``. The graph is dropped without running backward.
+    """
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs:
+                storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(storages.values())
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_precision(precision: str) -> Precision:
+    if precision not in _DTYPES:
+        raise HetrainError(f"precision: expected one of {', '.join(_DTYPES)}, got {precision!r}")
+    return precision  # type: ignore[return-value]
+
+
+def _measure(
+    spec: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    *,
+    activation_recompute: bool,
+    device: torch.device,
+    precision: Precision,
+    warmup: int,
+    repeats: int,
+    ends: tuple[float, float, float, float] | None = None,
+) -> ProfileEntry:
+    """One entry on the real device (slowdown 1). ``ends``: embed/head times already measured."""
+    b, s, h = micro_batch_size, spec.seq_length, spec.hidden_size
+    gen = torch.Generator().manual_seed(1234 + 7 * b)
+
+    def block_run(block: Block, x: torch.Tensor) -> torch.Tensor:
+        if activation_recompute:
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    # One transformer block (the TP shard of one rank).
+    block = shard_block(spec, tp).to(device)
+    x0 = (torch.randn(b, s, h, generator=gen)).to(device)
+    gy = (torch.randn(b, s, h, generator=gen) * 1e-3).to(device)
+
+    def block_fwd() -> torch.Tensor:
+        # A fresh leaf each run, like a received stage input: its gradient is computed too.
+        return block_run(block, x0.detach().requires_grad_())
+
+    block_fwd_s, block_bwd_s = _time_fwd_bwd(
+        block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats
+    )
+
+    def block_saved() -> torch.Tensor:
+        with _autocast(device, precision):
+            return block_run(block, x0.detach().requires_grad_())
+
+    act_bytes = _saved_bytes(block_saved, block.parameters())
+    del block
+
+    if ends is None:
+        ends = _measure_ends(spec, b, device=device, precision=precision, warmup=warmup, repeats=repeats)
+    embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s = ends
+    return ProfileEntry(
+        tp=tp,
+        micro_batch_size=b,
+        block_forward_s=block_fwd_s,
+        block_backward_s=block_bwd_s,
+        embed_forward_s=embed_fwd_s,
+        embed_backward_s=embed_bwd_s,
+        head_forward_s=head_fwd_s,
+        head_backward_s=head_bwd_s,
+        block_activation_bytes=act_bytes,
+    )
+
+
+def _measure_ends(
+    spec: ModelSpec, b: int, *, device: torch.device, precision: Precision, warmup: int, repeats: int
+) -> tuple[float, float, float, float]:
+    """Embedding and head (norm + LM head + loss) forward/backward seconds for one micro-batch."""
+    s, h, V = spec.seq_length, spec.hidden_size, spec.vocab_size
+    gen = torch.Generator().manual_seed(4321 + 7 * b)
+    ids = torch.randint(V, (b, s), generator=gen).to(device)
+    targets = torch.randint(V, (b, s), generator=gen).to(device)
+
+    embed = _Embedding(spec)
+    _init(embed)
+    embed.to(device)
+    g_embed = (torch.randn(b, s, h, generator=gen) * 1e-3).to(device)
+    embed_fwd_s, embed_bwd_s = _time_fwd_bwd(
+        lambda: embed(ids), lambda y: y.backward(g_embed), device, precision, warmup, repeats
+    )
+    del embed
+
+    head = _Head(spec)
+    _init(head)
+    head.to(device)
+    x0 = torch.randn(b, s, h, generator=gen).to(device)
+
+    def head_fwd() -> torch.Tensor:
+        return lm_loss(head(x0.detach().requires_grad_()), targets)
+
+    head_fwd_s, head_bwd_s = _time_fwd_bwd(head_fwd, lambda loss: loss.backward(), device, precision, warmup, repeats)
+    return embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s
+
+
+def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
+    if slowdown == 1.0:
+        return entry.model_copy()
+    times = {
+        k: getattr(entry, k) * slowdown
+        for k in ("block_forward_s", "block_backward_s", "embed_forward_s", "embed_backward_s",
+                  "head_forward_s", "head_backward_s")
+    }
+    return entry.model_copy(update=times)
+
+
+def profile_entry(
+    spec: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    *,
+    activation_recompute: bool,
+    device: torch.device,
+    slowdown: float = 1.0,
+    warmup: int = 2,
+    repeats: int = 5,
+    precision: Precision = "fp32",
+) -> ProfileEntry:
+    """Measure one ``ProfileEntry``: the TP shard of one rank, one micro-batch, no communication.
+
+    Times are medians over ``repeats`` runs after ``warmup`` runs, multiplied by ``slowdown``
+    (the compute stretch the runtime applies to emulated CPU devices by sleeping
+    ``(slowdown - 1)`` times each compute; no sleeping here). ``block_activation_bytes`` is
+    what one block keeps for backward per in-flight micro-batch (just its input under
+    ``activation_recompute``). See the module docstring for details.
+    """
+    if micro_batch_size < 1:
+        raise HetrainError(f"micro-batch size: expected an integer >= 1, got {micro_batch_size}")
+    if not slowdown > 0:
+        raise HetrainError(f"slowdown: expected a positive number, got {slowdown}")
+    if warmup < 0 or repeats < 1:
+        raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")
+    entry = _measure(
+        spec, tp, micro_batch_size, activation_recompute=activation_recompute, device=_check_device(device),
+        precision=_check_precision(precision), warmup=warmup, repeats=repeats,
+    )
+    return _scaled(entry, slowdown)
+
+
+def profile_model(
+    spec: ModelSpec,
+    *,
+    gpus: dict[str, float],
+    micro_batch_sizes: Iterable[int],
+    tp_degrees: Iterable[int],
+    activation_recompute: bool = True,
+    precision: Precision = "fp32",
+    device: torch.device | str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> Profile:
+    """Profile ``spec`` on the local device for every (tp, micro-batch size), under each GPU type.
+
+    ``gpus`` maps the GPU type name to write entries under to its slowdown factor (1.0 for
+    the real device; ``gpus_from_cluster`` reads them from a cluster's ``emulate`` settings).
+    Each (tp, b) is measured once, on ``device`` (default: the current CUDA device, else CPU);
+    every type's entry is that measurement with times multiplied by its slowdown.
+
+    TP degrees that do not divide ``hidden_size`` and ``num_heads`` are skipped (the runtime
+    cannot run them; the cost model falls back to FLOP estimates there); if none is left this
+    raises ``HetrainError``. ``progress(done, total)`` is called after each measurement.
+    """
+    if not gpus:
+        raise HetrainError("expected at least one GPU type to profile")
+    for name, slowdown in gpus.items():
+        if not slowdown > 0:
+            raise HetrainError(f"GPU type '{name}': slowdown: expected a positive number, got {slowdown}")
+    mbs = sorted(set(micro_batch_sizes))
+    if not mbs or mbs[0] < 1:
+        raise HetrainError(f"micro-batch sizes: expected integers >= 1, got {mbs}")
+    requested = sorted(set(tp_degrees))
+    tps = [t for t in requested if tp_valid(spec, t)]
+    if not tps:
+        raise HetrainError(
+            f"no TP degree among {', '.join(map(str, requested)) or '(none)'} divides hidden_size "
+            f"{spec.hidden_size} and num_heads {spec.num_heads} of {spec.name}"
+        )
+    if warmup < 0 or repeats < 1:
+        raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")
+    dev = _check_device(device)
+    prec = _check_precision(precision)
+
+    total, done = len(tps) * len(mbs), 0
+    devices: dict[str, list[ProfileEntry]] = {name: [] for name in gpus}
+    ends: dict[int, tuple[float, float, float, float]] = {}
+    for b in mbs:
+        ends[b] = _measure_ends(spec, b, device=dev, precision=prec, warmup=warmup, repeats=repeats)
+        for t in tps:
+            entry = _measure(
+                spec, t, b, activation_recompute=activation_recompute, device=dev, precision=prec,
+                warmup=warmup, repeats=repeats, ends=ends[b],
+            )
+            for name, slowdown in gpus.items():
+                devices[name].append(_scaled(entry, slowdown))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    for entries in devices.values():
+        entries.sort(key=lambda e: (e.tp, e.micro_batch_size))
+    return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices)
+
+
+def gpus_from_cluster(cluster: ClusterSpec) -> dict[str, float]:
+    """GPU type -> emulated slowdown of its nodes (1.0 where a node has no ``emulate``).
+
+    Raises ``HetrainError`` when nodes of one type are emulated with different slowdowns (one
+    profile entry per type cannot describe both). Emulation only applies to CPU runs: when
+    profiling on a GPU, the runtime ignores ``emulate`` and so should the caller.
+    """
+    seen: dict[str, dict[float, list[str]]] = {}
+    for node in cluster.nodes:
+        slowdown = node.emulate.slowdown if node.emulate is not None else 1.0
+        seen.setdefault(node.gpu, {}).setdefault(slowdown, []).append(node.name)
+    out: dict[str, float] = {}
+    for gpu, by_slowdown in seen.items():
+        if len(by_slowdown) > 1:
+            detail = "; ".join(f"{', '.join(nodes)}: {s:g}" for s, nodes in sorted(by_slowdown.items()))
+            raise HetrainError(
+                f"{cluster.name}: nodes of GPU type '{gpu}' are emulated with different slowdowns ({detail}); "
+                "give each slowdown its own GPU type"
+            )
+        (out[gpu],) = by_slowdown
+    return out
