@@ -225,6 +225,72 @@ def estimate(
         raise typer.Exit(1)
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise HetrainError(f"{option}: expected comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise HetrainError(f"{option}: expected positive integers, got '{text}'")
+    return values
+
+
+@app.command()
+@user_errors
+def profile(
+    model: Annotated[Path, typer.Option(help="model YAML file")],
+    out_file: Annotated[Path, typer.Option("--out", help="where to write the profile JSON (hetrain.profile/v1)")],
+    micro_batch_sizes: Annotated[str, typer.Option(help="comma-separated micro-batch sizes")] = "1,2,4",
+    tp: Annotated[str, typer.Option(help="comma-separated TP degrees (each rank's shard is timed)")] = "1,2",
+    gpu: Annotated[str | None, typer.Option(help="GPU type to file the entries under (default: this device)")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="file entries under each GPU type of this cluster, "
+                                                       "scaled by its `emulate.slowdown` on CPU")] = None,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32 (CPU: fp32)")] = "fp32",
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="profile without activation recompute")] = False,
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads, as each training rank uses")] = 1,
+):
+    """Measure per-layer forward/backward time and activation memory on this device."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from hetrain.profiler import gpus_from_cluster, profile_model
+    from hetrain.specs import load_cluster, load_model
+
+    spec = load_model(model)
+    mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
+    tps = _int_list(tp, "--tp")
+    if cluster is not None and gpu is not None:
+        raise HetrainError("give either --gpu or --cluster, not both")
+    if cluster is not None:
+        gpus = gpus_from_cluster(load_cluster(cluster))
+        if torch.cuda.is_available():
+            gpus = {name: 1.0 for name in gpus}  # emulation is for CPU runs only
+    else:
+        name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        gpus = {name: 1.0}
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    with Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), console=err) as bar:
+        task = bar.add_task("profile", total=len(mbs) * len(tps))
+        prof = profile_model(spec, gpus=gpus, micro_batch_sizes=mbs, tp_degrees=tps,
+                             activation_recompute=not no_recompute, precision=precision,
+                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp")
+    tmp.write_text(prof.to_json() + "\n")
+    tmp.replace(out_file)
+    table = Table(title=f"{spec.name} per micro-batch, one rank's TP shard", title_justify="left")
+    for col in ("gpu", "tp", "micro-batch", "block fwd ms", "block bwd ms", "head fwd+bwd ms", "block act MB"):
+        table.add_column(col, justify="left" if col == "gpu" else "right")
+    for name, entries in prof.devices.items():
+        for e in entries:
+            table.add_row(name, str(e.tp), str(e.micro_batch_size), f"{e.block_forward_s * 1e3:.2f}",
+                          f"{e.block_backward_s * 1e3:.2f}", f"{(e.head_forward_s + e.head_backward_s) * 1e3:.2f}",
+                          f"{(e.block_activation_bytes or 0) / 1e6:.2f}")
+    out.print(table)
+    out.print(f"profile written to {out_file}", highlight=False)
+
+
 @app.command()
 @user_errors
 def train(

@@ -1,0 +1,181 @@
+"""The profiler on gpt-tiny: entries per (GPU type, tp, micro-batch), emulated slowdowns,
+activation bytes, the JSON round trip, and the cost model using what was measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EXAMPLES
+from hetrain.costmodel import CostModel
+from hetrain.errors import HetrainError
+from hetrain.model import Block
+from hetrain.plan import PipelinePlan, Plan, StagePlan, validate_plan
+from hetrain.profile import load_profile
+from hetrain.profiler import gpus_from_cluster, profile_entry, profile_model, shard_block
+from hetrain.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+
+SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
+CLUSTER = load_cluster(EXAMPLES / "clusters" / "cpu-emulated.yaml")
+CPU = torch.device("cpu")
+MBS, TPS = [1, 2], [1, 2]
+TIMES = ("block_forward_s", "block_backward_s", "embed_forward_s", "embed_backward_s",
+         "head_forward_s", "head_backward_s")
+FAST, SLOW = "cpu-fast", "cpu-slow"
+
+
+@pytest.fixture(scope="module")
+def gpus() -> dict[str, float]:
+    return gpus_from_cluster(CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def profile(gpus):
+    return profile_model(SPEC, gpus=gpus, micro_batch_sizes=MBS, tp_degrees=TPS, activation_recompute=True,
+                         device=CPU, warmup=1, repeats=3)
+
+
+@pytest.fixture(scope="module")
+def profile_no_recompute(gpus):
+    return profile_model(SPEC, gpus=gpus, micro_batch_sizes=MBS, tp_degrees=TPS, activation_recompute=False,
+                         device=CPU, warmup=1, repeats=3)
+
+
+def test_gpus_from_cluster_reads_emulate():
+    gpus = gpus_from_cluster(CLUSTER)
+    expected = {n.gpu: (n.emulate.slowdown if n.emulate else 1.0) for n in CLUSTER.nodes}
+    assert gpus == expected
+    assert set(gpus) == {FAST, SLOW}
+    assert gpus[SLOW] > gpus[FAST]
+
+
+def test_gpus_from_cluster_rejects_disagreeing_nodes():
+    data = CLUSTER.model_dump()
+    data["nodes"].append({**data["nodes"][0], "name": "fast2", "emulate": {"slowdown": 7.0}})
+    cluster = ClusterSpec.model_validate(data)
+    with pytest.raises(HetrainError, match="cpu-fast.*fast2"):
+        gpus_from_cluster(cluster)
+
+
+def test_entries_for_every_type_tp_and_micro_batch(profile, gpus):
+    assert profile.model == SPEC
+    assert profile.activation_recompute is True and profile.precision == "fp32"
+    assert set(profile.devices) == set(gpus)
+    for gpu in gpus:
+        assert len(profile.devices[gpu]) == len(TPS) * len(MBS)
+        for t in TPS:
+            for b in MBS:
+                entry = profile.lookup(gpu, t, b)
+                assert entry is not None, (gpu, t, b)
+                for k in TIMES:
+                    assert getattr(entry, k) > 0, (gpu, t, b, k)
+
+
+def test_slow_type_is_derived_by_its_slowdown(profile, gpus):
+    ratio = gpus[SLOW] / gpus[FAST]
+    for t in TPS:
+        for b in MBS:
+            fast, slow = profile.lookup(FAST, t, b), profile.lookup(SLOW, t, b)
+            for k in TIMES:
+                assert getattr(slow, k) == pytest.approx(ratio * getattr(fast, k), rel=1e-12)
+            assert slow.block_activation_bytes == fast.block_activation_bytes
+
+
+def test_activation_bytes(profile, profile_no_recompute):
+    s, h = SPEC.seq_length, SPEC.hidden_size
+    for t in TPS:
+        rc = [profile.lookup(FAST, t, b).block_activation_bytes for b in MBS]
+        full = [profile_no_recompute.lookup(FAST, t, b).block_activation_bytes for b in MBS]
+        # With recompute a block keeps only its input: b s h fp32 values.
+        assert rc == [b * s * h * 4 for b in MBS]
+        assert full[0] < full[1]
+        assert all(r < f for r, f in zip(rc, full))
+    # A TP shard keeps less than the whole block (the attention and MLP insides are split).
+    assert profile_no_recompute.lookup(FAST, 2, 1).block_activation_bytes < \
+        profile_no_recompute.lookup(FAST, 1, 1).block_activation_bytes
+
+
+def test_profile_entry_slowdown_and_shard_shapes():
+    entry = profile_entry(SPEC, 2, 1, activation_recompute=False, device=CPU, slowdown=3.0, warmup=0, repeats=1)
+    assert entry.tp == 2 and entry.micro_batch_size == 1 and entry.block_forward_s > 0
+    block = shard_block(SPEC, 2)
+    h, f = SPEC.hidden_size, SPEC.ffn_size
+    assert block.attn.wq.weight.shape == (h // 2, h) and block.attn.wo.weight.shape == (h, h // 2)
+    assert block.mlp.w1.weight.shape == (f // 2, h) and block.mlp.w2.weight.shape == (h, f // 2)
+    full = sum(p.numel() for p in Block(SPEC).parameters())
+    norms = 4 * h
+    assert sum(p.numel() for p in block.parameters()) - norms == (full - norms) // 2
+    y = block(torch.randn(2, SPEC.seq_length, h))
+    assert y.shape == (2, SPEC.seq_length, h)
+
+
+def test_invalid_tp_degrees(gpus):
+    with pytest.raises(HetrainError, match="3, 5"):
+        profile_model(SPEC, gpus=gpus, micro_batch_sizes=[1], tp_degrees=[3, 5], device=CPU, warmup=0, repeats=1)
+    calls = []
+    p = profile_model(SPEC, gpus={"cpu": 1.0}, micro_batch_sizes=[1], tp_degrees=[1, 3], device=CPU,
+                      warmup=0, repeats=1, progress=lambda done, total: calls.append((done, total)))
+    assert [(e.tp, e.micro_batch_size) for e in p.devices["cpu"]] == [(1, 1)]
+    assert calls == [(1, 1)]
+
+
+def test_json_round_trip(profile, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(profile.to_json())
+    loaded = load_profile(path)
+    assert loaded == profile
+
+
+def _plan(t: int, b: int) -> Plan:
+    """Two one-stage pipelines: all 6 blocks on a fast TP group and on a slow one."""
+    def stage(node: str, gpu: str) -> StagePlan:
+        return StagePlan(devices=[f"{node}/{j}" for j in range(t)], gpu=gpu, layers=(0, SPEC.num_layers))
+
+    m = 16 // b // 2
+    return Plan(model=SPEC, cluster=CLUSTER.name, global_batch_size=16, micro_batch_size=b, tp=t,
+                pipelines=[PipelinePlan(num_microbatches=m, stages=[stage("fast", FAST)]),
+                           PipelinePlan(num_microbatches=m, stages=[stage("slow", SLOW)])])
+
+
+@pytest.mark.parametrize("t", TPS)
+@pytest.mark.parametrize("b", MBS)
+def test_cost_model_uses_measured_times(profile, gpus, t, b):
+    settings = TrainingSettings(global_batch_size=16, precision="fp32")
+    cost = CostModel(CLUSTER, SPEC, settings, profile)
+    plan = _plan(t, b)
+    validate_plan(plan, CLUSTER)
+    est = cost.estimate(plan)
+    fast_s, slow_s = est.pipelines[0].stage_s[0], est.pipelines[1].stage_s[0]
+
+    def compute(gpu: str) -> float:
+        e = profile.lookup(gpu, t, b)
+        return SPEC.num_layers * (e.block_forward_s + e.block_backward_s) + sum(
+            getattr(e, k) for k in TIMES[2:])
+
+    if t == 1:  # no communication inside a stage: exactly the measured compute
+        assert fast_s == pytest.approx(compute(FAST), rel=1e-9)
+        assert slow_s == pytest.approx(compute(SLOW), rel=1e-9)
+    else:  # TP all-reduces come on top, the same on both nodes (same intra-node bandwidth)
+        assert fast_s > compute(FAST)
+        assert slow_s - fast_s == pytest.approx(compute(SLOW) - compute(FAST), rel=1e-9)
+    # One stage, no bubbles: the pipeline takes its micro-batches times the measured stage time.
+    m = plan.pipelines[0].num_microbatches
+    assert est.pipelines[0].time_s == pytest.approx(m * fast_s, rel=1e-9)
+    # Memory kept per in-flight micro-batch per block is the measured block input.
+    unit = cost.unit_costs(FAST, CLUSTER.node_by_name["fast"].intra_node_bandwidth_gbps, t, b)
+    assert unit.block_act_bytes == profile.lookup(FAST, t, b).block_activation_bytes
+
+
+def test_cost_model_activation_bytes_without_recompute(profile_no_recompute):
+    settings = TrainingSettings(global_batch_size=16, precision="fp32", activation_recompute=False)
+    cost = CostModel(CLUSTER, SPEC, settings, profile_no_recompute)
+    for t in TPS:
+        for b in MBS:
+            unit = cost.unit_costs(FAST, 2.0, t, b)
+            assert unit.block_act_bytes == profile_no_recompute.lookup(FAST, t, b).block_activation_bytes
+
+
+def test_cost_model_rejects_profile_of_another_model(profile):
+    other = SPEC.model_copy(update={"num_layers": 3})
+    with pytest.raises(HetrainError, match="gpt-tiny"):
+        CostModel(CLUSTER, other, TrainingSettings(global_batch_size=16, precision="fp32"), profile)
