@@ -4,9 +4,13 @@ All three hook into a stage module from outside (forward hooks plus two identity
 functions that mark where the stage's backward starts and ends), so the model stays plain.
 
 * Timing: forward and backward seconds of each micro-batch, summed per step.
-* Emulated slowdown (``emulate.slowdown`` on a CPU node): after each forward and backward the
-  rank sleeps ``(slowdown - 1)`` times what it just computed, so it behaves like a device that
-  many times slower, without burning the cores the other emulated devices share.
+* Emulated slowdown (``emulate.slowdown`` on a CPU node): each forward and backward is
+  stretched to ``slowdown`` times the CPU time the rank's thread spent on it, by sleeping for
+  whatever of that the wall clock has not already used. Counting CPU time rather than wall
+  time makes the emulated device's speed independent of how many other emulated devices share
+  this machine's cores: a rank that waited for a core has already spent part of its budget
+  waiting, and sleeps less. The emulation is exact as long as every rank gets at least
+  ``1 / slowdown`` of a core (cpu-emulated.yaml needs 1.5 of the 2 cores here).
 * Memory: model states (parameters, gradients, optimizer state; exact, from the tensors) plus
   the activations saved for backward that are alive (tracked through saved-tensor hooks,
   de-duplicated by storage). On CPU there is no allocator to ask; on GPUs the meter reads
@@ -30,6 +34,10 @@ class DeviceOutOfMemory(HetrainError):
     pass
 
 
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
 class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, meter: StageMeter) -> torch.Tensor:
@@ -38,7 +46,7 @@ class _BackwardStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.meter._backward_started = time.perf_counter()
+        ctx.meter._backward_started = _now()
         return grad, None
 
 
@@ -87,8 +95,8 @@ class StageMeter:
         self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, refs]
         self._live_bytes = 0
         self._param_ptrs: set[int] = set()
-        self._forward_started = 0.0
-        self._backward_started: float | None = None
+        self._forward_started = (0.0, 0.0)  # (wall, thread CPU) seconds
+        self._backward_started: tuple[float, float] | None = None
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
@@ -145,7 +153,7 @@ class StageMeter:
 
     # -- timing and slowdown
     def _pre_forward(self, _module: nn.Module, args: tuple) -> tuple | None:
-        self._forward_started = time.perf_counter()
+        self._forward_started = _now()
         self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_ctx.__enter__()
         x = args[0]
@@ -157,8 +165,7 @@ class StageMeter:
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
-        elapsed = self._stretch(time.perf_counter() - self._forward_started)
-        self.forward_s += elapsed
+        self.forward_s += self._stretch(self._forward_started)
         self._check("for activations in flight")
         if torch.is_grad_enabled() and out.requires_grad:
             out = _BackwardStart.apply(out, self)
@@ -167,14 +174,18 @@ class StageMeter:
     def _backward_done(self) -> None:
         if self._backward_started is None:
             return
-        self.backward_s += self._stretch(time.perf_counter() - self._backward_started)
+        self.backward_s += self._stretch(self._backward_started)
         self._backward_started = None
 
-    def _stretch(self, elapsed_s: float) -> float:
+    def _stretch(self, started: tuple[float, float]) -> float:
+        """Wall seconds since ``started``, after sleeping up to ``slowdown`` x the CPU seconds used."""
+        wall_s, cpu_s = time.perf_counter() - started[0], time.thread_time() - started[1]
         if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * elapsed_s)
-            return elapsed_s * self.slowdown
-        return elapsed_s
+            target_s = self.slowdown * cpu_s
+            if target_s > wall_s:
+                time.sleep(target_s - wall_s)
+                return target_s
+        return wall_s
 
     def take_step_stats(self) -> dict[str, float]:
         """This step's compute seconds and the peak memory so far; resets the step counters."""

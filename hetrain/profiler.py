@@ -12,8 +12,11 @@ What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro
   ``hetrain.instrument.StageMeter`` counts them at run time. With recompute that is just the
   block input (the checkpoint keeps it to recompute from); without, every tensor autograd saves.
 
-Each time is the median of ``repeats`` runs after ``warmup`` runs, wall clock
-(``time.perf_counter``), with the CUDA device synchronised around each timed region.
+Each time is the median of ``repeats`` runs after ``warmup`` runs. On a GPU: wall clock
+(``time.perf_counter``) with the device synchronised around each timed region. On CPU: the
+CPU seconds of the profiling thread (``time.thread_time``), which is what an emulated CPU
+device is charged for (``hetrain.instrument``) and, unlike wall time, does not count the
+moments other processes of this shared machine held the core.
 
 Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank computes, on this
 single device, with NO communication: a block whose attention has ``num_heads / tp`` heads
@@ -151,16 +154,17 @@ def _time_fwd_bwd(
     """Median forward and backward seconds of ``repeats`` runs after ``warmup`` runs."""
     fwd: list[float] = []
     bwd: list[float] = []
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     for i in range(warmup + repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with _autocast(device, precision):
             out = forward()
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         backward(out)
         _sync(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         del out
         if i >= warmup:
             fwd.append(t1 - t0)
