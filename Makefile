@@ -20,3 +20,5 @@ test: setup
 bench: setup
 	$(PY) bench/plan_quality.py
 	$(PY) bench/solver_scale.py
+	$(PY) bench/hetero_train.py
+	$(PY) bench/overhead.py
