@@ -12,6 +12,7 @@ one device, however the batch was split.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -29,6 +30,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hetrain.checkpoint import CheckpointConfig
+from hetrain.checkpointer import Checkpointer, load_training_state
 from hetrain.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.errors import HetrainError
 from hetrain.instrument import StageMeter
@@ -57,6 +60,11 @@ class RunConfig(BaseModel):
     metrics: str | None = None
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
+    run_id: str = "run"
+    checkpoint: CheckpointConfig | None = None
+    resume_from: str | None = None  # fsspec URL of a complete checkpoint step directory; start_step follows it
+    resume_options: dict = {}  # fsspec options for resume_from
+    request_file: str | None = None  # when this file appears (preemption notice), checkpoint at the next step
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -112,6 +120,12 @@ class Trainer:
         else:
             self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+        if config.resume_from:
+            load_training_state(config.resume_from, model, self.optimizer, config.resume_options)
+        self.checkpointer = None
+        if config.checkpoint is not None:
+            self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
+                                             self.optimizer, config.optimizer)
 
         stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups["pp"])
         scale = plan.micro_batch_size / plan.global_batch_size
@@ -147,10 +161,13 @@ class Trainer:
         synced = time.perf_counter()
 
         # One world all-reduce per step carries the squared gradient norm (pipeline 0
-        # contributes), the loss (every pipeline's last stage its share) and each rank's timings.
+        # contributes), the loss (every pipeline's last stage its share), each rank's timings
+        # and, in the last slot, whether any rank was asked for a checkpoint.
         stats = self.meter.take_step_stats()
         world = self.layout.world_size
-        totals = torch.zeros(2 + 4 * world, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(3 + 4 * world, dtype=torch.float64, device=self.device)
+        if self.config.request_file and os.path.exists(self.config.request_file):
+            totals[-1] = 1.0
         if role.pipeline == 0:
             for p in self.norm_params:
                 if p.grad is not None:
@@ -180,7 +197,8 @@ class Trainer:
                           "idle_s": max(0.0, schedule_s + sync_s - compute_s), "sync_s": sync_s,
                           "peak_memory_gb": peak_gb})
         return {"step": step, "loss": float(totals[1]), "grad_norm": grad_norm,
-                "step_time_s": time.perf_counter() - started, "ranks": ranks}
+                "step_time_s": time.perf_counter() - started, "ranks": ranks,
+                "checkpoint_requested": bool(totals[-1] > 0)}
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -205,8 +223,18 @@ class Trainer:
             torch.save(full, out)
 
     def dump_params(self) -> None:
+        """Parameters and optimizer state (``optim/<param>/<key>``), whole tensors, at the end of a run."""
         if self.config.dump_dir:
-            self._dump("params", dict(self.model.named_parameters()))
+            tensors = dict(self.model.named_parameters())
+            names = {p: n for n, p in self.model.named_parameters()}
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim/{names[p]}/{key}"] = value
+            self._dump("params", tensors)
+
+    def is_node_leader(self) -> bool:
+        return self.layout.nodes[self.role.node][0] == self.role.rank
 
 
 # --------------------------------------------------------------------------- process setup
@@ -308,6 +336,16 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
     try:
         for step in range(config.start_step, config.steps):
             record = trainer.train_step(step)
+            ckpt = trainer.checkpointer
+            if ckpt is not None and (record.pop("checkpoint_requested") or step + 1 == config.steps
+                                     or (step + 1) % ckpt.config.every_steps == 0):
+                saved = time.perf_counter()
+                ckpt.save(step)
+                record["checkpoint_s"] = time.perf_counter() - saved
+                if config.request_file and trainer.is_node_leader():
+                    with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
+                        os.replace(config.request_file, config.request_file + f".done-{step}")
+            record.pop("checkpoint_requested", None)
             if metrics is not None:
                 record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
                 record["time"] = time.time()
@@ -316,3 +354,5 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
     finally:
         if metrics is not None:
             metrics.close()
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.close()

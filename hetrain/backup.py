@@ -1,0 +1,116 @@
+"""Background upload of committed checkpoints to a remote fsspec store (S3, R2, MinIO, GCS...).
+
+One ``Uploader`` thread per node (its first rank). After each commit it uploads the files
+that node is first to hold, with retries and exponential backoff. The coordinator's uploader
+(the node of rank 0) then waits until every file of the manifest is in the store with the
+right size, uploads ``.metadata`` and finally the manifest: a remote step without a
+manifest is incomplete and never used. Training only ever enqueues; a slow or failing store
+delays the backup, never a step. When training ends, ``close`` waits (bounded) for the queue.
+
+Credentials come from the environment or the standard AWS configuration (s3fs/botocore);
+only URLs are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from fsspec.core import url_to_fs
+
+from hetrain.checkpoint import MANIFEST, METADATA, CheckpointConfig, join, parse_manifest, prune, step_name
+
+log = logging.getLogger("hetrain.backup")
+T = TypeVar("T")
+
+
+def with_retries(what: str, fn: Callable[[], T], retries: int, first_delay_s: float = 0.5,
+                 max_delay_s: float = 8.0) -> T:
+    """Call ``fn``; on an error wait 0.5, 1, 2, ... s (capped) and try again, ``retries`` more times."""
+    delay = first_delay_s
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # the store's errors are many (botocore, aiohttp, OSError)
+            if attempt == retries:
+                raise
+            log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(e).__name__, e, attempt + 1,
+                        retries, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+    raise AssertionError("unreachable")
+
+
+class Uploader:
+    def __init__(self, config: CheckpointConfig, node: str, coordinator: bool) -> None:
+        assert config.remote_url
+        self.config, self.node, self.coordinator = config, node, coordinator
+        self.local_root = config.node_root(node)
+        self.uploaded: list[int] = []  # steps this node finished (coordinator: with the manifest)
+        self.failed: list[int] = []
+        self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"hetrain-upload-{node}", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, manifest_bytes: bytes) -> None:
+        self._queue.put((step, manifest_bytes))
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Wait for queued uploads (at most ``timeout_s``); True when they all finished."""
+        self._queue.put(None)
+        self._thread.join(self.config.upload_timeout_s if timeout_s is None else timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, manifest_bytes = item
+            try:
+                self.upload(step, manifest_bytes)
+                self.uploaded.append(step)
+            except Exception as e:
+                self.failed.append(step)
+                log.error("backup of step %d from node %s to %s failed: %s: %s", step, self.node,
+                          self.config.remote_url, type(e).__name__, e)
+
+    def upload(self, step: int, manifest_bytes: bytes) -> None:
+        cfg = self.config
+        manifest = parse_manifest(manifest_bytes, "manifest")
+        remote_fs, remote_root = url_to_fs(cfg.remote_url, **cfg.remote_options)
+        local_fs, local_dir = url_to_fs(join(self.local_root, step_name(step)))
+        remote_dir = join(remote_root, step_name(step))
+        started = time.perf_counter()
+        mine = [f for f in manifest.files if f.path != METADATA and f.nodes[0] == self.node]
+        for f in mine:
+            with_retries(f"upload {f.path} of step {step}",
+                         lambda f=f: remote_fs.put_file(join(local_dir, f.path), join(remote_dir, f.path)),
+                         cfg.upload_retries)
+        if not self.coordinator:
+            return
+        others = {f.path: f.size for f in manifest.files if f.path != METADATA and f.nodes[0] != self.node}
+        deadline = time.monotonic() + cfg.upload_timeout_s
+        while others:
+            for path, size in list(others.items()):
+                try:
+                    if remote_fs.size(join(remote_dir, path)) == size:
+                        del others[path]
+                except (FileNotFoundError, OSError):
+                    pass
+            if others:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"other nodes did not upload {', '.join(sorted(others))} "
+                                       f"within {cfg.upload_timeout_s:g} s")
+                time.sleep(0.2)
+                remote_fs.invalidate_cache()
+        with_retries(f"upload {METADATA} of step {step}",
+                     lambda: remote_fs.put_file(join(local_dir, METADATA), join(remote_dir, METADATA)),
+                     cfg.upload_retries)
+        with_retries(f"upload {MANIFEST} of step {step}",
+                     lambda: remote_fs.pipe_file(join(remote_dir, MANIFEST), manifest_bytes), cfg.upload_retries)
+        remote_fs.invalidate_cache()
+        prune(cfg.remote_url, cfg.keep, cfg.remote_options)
+        log.info("step %d backed up to %s (%.1f MB, %.1f s)", step, cfg.remote_url, manifest.total_bytes / 1e6,
+                 time.perf_counter() - started)

@@ -1,0 +1,202 @@
+"""Local-first sharded checkpoints with a manifest that commits them.
+
+Layout, under each node's checkpoint root (any fsspec URL; ``{node}`` in the configured root
+is replaced by the node name, so emulated nodes on one machine get separate directories)::
+
+    <root>/step-00000120/__3_0.distcp     shards written by torch.distributed.checkpoint
+    <root>/step-00000120/.metadata        DCP's index (copied to every node)
+    <root>/step-00000120/manifest.json    written last, atomically: the commit
+
+Every rank writes its own DCP shard into its node's directory (``FsspecWriter`` per rank,
+each pointed at its node's root; DCP only cares that the coordinator's ``.metadata`` names
+each file relative to the checkpoint). When ``dcp.save`` has returned on every rank, the
+ranks gather each file's size and SHA-256, and rank 0 builds the manifest: step, plan,
+model, and every file with the nodes that hold it. Each node's first rank writes the
+``.metadata`` and then the manifest into its directory (temporary name, then rename). A
+directory without a manifest is an unfinished save and is never loaded; the newest
+committed step is. Older steps beyond ``keep`` are removed manifest first.
+
+What is saved (``torch.distributed.checkpoint.state_dict`` with flattened optimizer state, so
+every key names a parameter and loading works into any other TP/PP/DP layout): the model,
+the optimizer (AdamW moments and step counts, or nothing for SGD), and the torch RNG state.
+The data sampler is a pure function of the step, so the manifest's ``step`` is its position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+import fsspec
+from fsspec.core import url_to_fs
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+
+from hetrain.errors import HetrainError
+from hetrain.plan import Plan
+from hetrain.specs import ModelSpec
+
+MANIFEST = "manifest.json"
+METADATA = ".metadata"
+CHECKPOINT_SCHEMA = "hetrain.checkpoint/v1"
+_STEP_PREFIX = "step-"
+
+
+class CheckpointConfig(BaseModel):
+    """Where and how often a run checkpoints (part of the run config every rank reads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
+    every_steps: PositiveInt = 50
+    keep: PositiveInt = 2
+    remote_url: str | None = None  # e.g. s3://bucket/runs/x; uploaded in the background
+    remote_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options, e.g. {"endpoint_url": ...}
+    upload_retries: NonNegativeInt = 5
+    upload_timeout_s: float = 600.0  # how long the manifest upload waits for every node's files
+    peers: dict[str, str] = Field(default_factory=dict)  # node -> URL its checkpoint root is served at
+
+    def node_root(self, node: str) -> str:
+        return self.local_dir.replace("{node}", node).rstrip("/")
+
+    def peer_url(self, node: str) -> str:
+        """Where other nodes read this node's checkpoints: its peer server, else its root."""
+        return self.peers.get(node, self.node_root(node)).rstrip("/")
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str  # relative to the step directory
+    size: NonNegativeInt
+    sha256: str
+    nodes: list[str]  # nodes whose checkpoint root holds it
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_: Literal["hetrain.checkpoint/v1"] = Field(CHECKPOINT_SCHEMA, alias="schema")
+    run_id: str
+    step: NonNegativeInt  # the last completed step; training resumes at step + 1
+    model: ModelSpec
+    plan: Plan
+    optimizer: str
+    created_s: float = Field(default_factory=time.time)
+    files: list[FileEntry]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, indent=1)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def step_name(step: int) -> str:
+    return f"{_STEP_PREFIX}{step:08d}"
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def parse_manifest(text: str | bytes, source: str) -> Manifest:
+    try:
+        return Manifest.model_validate_json(text)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "manifest"
+        raise HetrainError(f"{source}: {where}: {first['msg']}") from None
+
+
+def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write under a temporary name, then rename: readers see the old file or the whole new one."""
+    tmp = f"{path}.tmp"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+
+
+# --------------------------------------------------------------------------- committed steps
+
+
+def committed_steps(root_url: str, storage_options: dict | None = None) -> list[int]:
+    """Steps under ``root_url`` that have a manifest, oldest first."""
+    fs, root = url_to_fs(root_url, **(storage_options or {}))
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for entry in entries:
+        name = PurePosixPath(entry.rstrip("/")).name
+        if name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
+            if fs.exists(join(root, name, MANIFEST)):
+                steps.append(int(name[len(_STEP_PREFIX):]))
+    return sorted(steps)
+
+
+def read_manifest(root_url: str, step: int, storage_options: dict | None = None) -> Manifest:
+    fs, root = url_to_fs(root_url, **(storage_options or {}))
+    path = join(root, step_name(step), MANIFEST)
+    return parse_manifest(fs.cat_file(path), join(root_url, step_name(step), MANIFEST))
+
+
+def prune(root_url: str, keep: int, storage_options: dict | None = None) -> list[int]:
+    """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them."""
+    fs, root = url_to_fs(root_url, **(storage_options or {}))
+    steps = committed_steps(root_url, storage_options)
+    if len(steps) <= keep:
+        return []
+    oldest_kept = steps[-keep]
+    removed = []
+    for entry in fs.ls(root, detail=False):
+        name = PurePosixPath(entry.rstrip("/")).name
+        if not (name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit()):
+            continue
+        step = int(name[len(_STEP_PREFIX):])
+        if step >= oldest_kept:
+            continue
+        manifest = join(root, name, MANIFEST)
+        if fs.exists(manifest):
+            fs.rm_file(manifest)  # uncommit first: a half-deleted step is never mistaken for a checkpoint
+        fs.rm(join(root, name), recursive=True)
+        removed.append(step)
+    return removed
+
+
+def build_manifest(run_id: str, step: int, plan: Plan, optimizer: str,
+                   per_rank: list[tuple[str, list[tuple[str, int, str]]]],
+                   metadata: tuple[int, str]) -> Manifest:
+    """``per_rank``: (node, [(path, size, sha256)]) from every rank; ``metadata``: size and hash of .metadata."""
+    files: dict[str, FileEntry] = {}
+    for node, entries in per_rank:
+        for path, size, digest in entries:
+            entry = files.get(path)
+            if entry is None:
+                files[path] = FileEntry(path=path, size=size, sha256=digest, nodes=[node])
+            elif node not in entry.nodes:
+                entry.nodes.append(node)
+    nodes = sorted({node for node, _ in per_rank})
+    files[METADATA] = FileEntry(path=METADATA, size=metadata[0], sha256=metadata[1], nodes=nodes)
+    return Manifest(run_id=run_id, step=step, model=plan.model, plan=plan, optimizer=optimizer,
+                    files=sorted(files.values(), key=lambda f: f.path))
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()

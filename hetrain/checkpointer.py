@@ -1,0 +1,104 @@
+"""Save and load a training rank's state with torch.distributed.checkpoint (see hetrain.checkpoint).
+
+Every rank of the run calls ``save`` at the same step (it is collective) and ``load`` once
+before training. The state dict comes from ``get_state_dict`` with flattened optimizer
+state: keys are parameter names (``layers.7.mlp.w1.weight``, ``state.layers.7.mlp.w1.weight.exp_avg``),
+values are DTensors under tensor parallelism, so DCP reshards on load into any other plan:
+another TP degree, other pipeline cuts, fewer or more pipelines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import PurePosixPath
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
+from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hetrain.backup import Uploader
+from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, build_manifest, join, prune, sha256_bytes, sha256_file,
+                                step_name, write_atomic)
+from hetrain.layout import Layout, Role
+from hetrain.plan import Plan
+
+log = logging.getLogger("hetrain.checkpoint")
+# Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
+# that step is written, before the commit (as a preempted or crashed node would).
+FAULT_KILL_IN_SAVE = "HETRAIN_FAULT_KILL_IN_SAVE"
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
+
+
+def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        storage_options: dict | None = None) -> None:
+    """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding."""
+    state = training_state(model, optimizer)
+    dcp.load(state, storage_reader=FsspecReader(url, **(storage_options or {})))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=OPTIONS)
+    torch.set_rng_state(state["rng"])
+
+
+class Checkpointer:
+    """One rank's side of saving: its shard into its node's root, then the collective commit."""
+
+    def __init__(self, config: CheckpointConfig, run_id: str, plan: Plan, layout: Layout, role: Role,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_name: str) -> None:
+        self.config, self.run_id, self.plan, self.role = config, run_id, plan, role
+        self.model, self.optimizer, self.optimizer_name = model, optimizer, optimizer_name
+        self.root = config.node_root(role.node)
+        self.node_leader = layout.nodes[role.node][0] == role.rank
+        self.last_saved: int | None = None
+        self.uploader = None
+        if config.remote_url and self.node_leader:
+            self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0)
+
+    def save(self, step: int) -> None:
+        """Collective: write this rank's shard, commit with a manifest on every node, prune, upload."""
+        directory = join(self.root, step_name(step))
+        fs, path = url_to_fs(directory)
+        dcp.save(training_state(self.model, self.optimizer),
+                 storage_writer=FsspecWriter(directory, sync_files=True, overwrite=True))
+        rank = dist.get_rank()
+        if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        mine = []
+        for entry in fs.ls(path, detail=False):
+            name = PurePosixPath(entry).name
+            if name.startswith(f"__{rank}_"):
+                mine.append((name, *sha256_file(fs, join(path, name))))
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.role.node, mine))
+        payload: list = [None, None]
+        if rank == 0:
+            metadata = fs.cat_file(join(path, METADATA))
+            manifest = build_manifest(self.run_id, step, self.plan, self.optimizer_name, gathered,
+                                      (len(metadata), sha256_bytes(metadata)))
+            payload = [metadata, manifest.to_json().encode()]
+        dist.broadcast_object_list(payload)
+        metadata, manifest_bytes = payload
+        if self.node_leader:
+            if not fs.exists(join(path, METADATA)):
+                write_atomic(fs, join(path, METADATA), metadata)
+            write_atomic(fs, join(path, MANIFEST), manifest_bytes)
+        dist.barrier()  # committed on every node before anyone prunes or trains on
+        self.last_saved = step
+        if self.node_leader:
+            prune(self.root, self.config.keep)
+            if self.uploader is not None:
+                self.uploader.submit(step, manifest_bytes)
+
+    def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()

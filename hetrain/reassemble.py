@@ -1,0 +1,186 @@
+"""Reassemble the newest committed checkpoint: surviving peers first, the remote store for the rest.
+
+Sources are fsspec URLs of checkpoint roots: a peer's HTTP server (``hetrain serve``), any
+other filesystem a peer's root is reachable by (``file://`` on a shared disk, ``sftp://``),
+and the remote backup (``s3://``). The newest step whose manifest any source has is chosen;
+for every file of it the candidates are the surviving peers the manifest says hold it, in
+order, then the remote store. A candidate that is unreachable within ``timeout_s``, lacks the
+file, or serves bytes whose size or SHA-256 differ from the manifest is skipped (and
+reported). Files are streamed in parallel, hashed on the way, into ``<dest>.partial`` and
+the directory is renamed to ``dest`` only when every file arrived intact, with the manifest
+written last: an error leaves nothing that could be loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from hetrain.checkpoint import MANIFEST, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name
+from hetrain.errors import HetrainError
+from hetrain.specs import ModelSpec
+
+CHUNK_BYTES = 8 << 20
+PEER_TOKEN_ENV = "HETRAIN_PEER_TOKEN"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint root to read from: a surviving peer (``name`` = node) or the remote store."""
+
+    name: str
+    url: str
+    remote: bool = False
+    options: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def storage_options(self, timeout_s: float) -> dict:
+        """fsspec options with a bounded timeout (and the peer token for HTTP peers)."""
+        options = dict(self.options)
+        if self.url.startswith(("http://", "https://")):
+            import aiohttp
+
+            options.setdefault("client_kwargs", {}).setdefault("timeout", aiohttp.ClientTimeout(total=timeout_s))
+            token = os.environ.get(PEER_TOKEN_ENV)
+            if token:
+                options.setdefault("headers", {})["Authorization"] = f"Bearer {token}"
+        elif self.url.startswith("s3://"):
+            options.setdefault("config_kwargs", {}).update(
+                {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 2}})
+        return options
+
+    def filesystem(self, timeout_s: float) -> tuple[fsspec.AbstractFileSystem, str]:
+        return url_to_fs(self.url, **self.storage_options(timeout_s))
+
+    def steps(self, timeout_s: float) -> list[int]:
+        """Committed steps this source holds (a peer server answers ``/_steps``)."""
+        if self.url.startswith(("http://", "https://")):
+            fs, root = self.filesystem(timeout_s)
+            return sorted(json.loads(fs.cat_file(join(root, "_steps"))))
+        return committed_steps(self.url, self.storage_options(timeout_s))
+
+    def manifest(self, step: int, timeout_s: float) -> Manifest:
+        fs, root = self.filesystem(timeout_s)
+        return parse_manifest(fs.cat_file(join(root, step_name(step), MANIFEST)), join(self.url, step_name(step), MANIFEST))
+
+
+@dataclass
+class FileFetch:
+    path: str
+    size: int
+    source: str  # the source name it came from
+    seconds: float
+    skipped: list[str]  # "source: why" for every candidate that failed first
+
+
+@dataclass
+class FetchReport:
+    step: int
+    dest: str
+    files: list[FileFetch]
+    seconds: float
+
+    def by_source(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.files:
+            out[f.source] = out.get(f.source, 0) + f.size
+        return out
+
+
+def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s: float = 10.0,
+                errors: list[str] | None = None) -> tuple[Manifest, Source]:
+    """The newest committed manifest any source has; a manifest for another model is an error."""
+    best: tuple[int, int, Source] | None = None
+    for order, source in enumerate(sources):
+        try:
+            steps = source.steps(timeout_s)
+        except Exception as e:
+            if errors is not None:
+                errors.append(f"{source.name}: {type(e).__name__}: {e}")
+            continue
+        if steps and (best is None or steps[-1] > best[0]):
+            best = (steps[-1], order, source)
+    if best is None:
+        raise HetrainError("no committed checkpoint on any surviving peer or in the remote store"
+                           + (f" ({'; '.join(errors)})" if errors else ""))
+    manifest = best[2].manifest(best[0], timeout_s)
+    if model is not None and manifest.model != model:
+        raise HetrainError(f"{join(best[2].url, step_name(best[0]), MANIFEST)}: checkpoint is of model "
+                           f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
+                           f"not the run's '{model.name}'")
+    return manifest, best[2]
+
+
+def _copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.AbstractFileSystem, dest_path: str,
+                   timeout_s: float) -> None:
+    fs, root = src.filesystem(timeout_s)
+    digest, size = hashlib.sha256(), 0
+    tmp = dest_path + ".tmp"
+    with fs.open(join(root, step_name(step), entry.path), "rb", block_size=CHUNK_BYTES) as fin, \
+            dest_fs.open(tmp, "wb") as fout:
+        while chunk := fin.read(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+            if size > entry.size:
+                break
+            fout.write(chunk)
+    if size != entry.size or digest.hexdigest() != entry.sha256:
+        dest_fs.rm_file(tmp)
+        raise ValueError(f"checksum mismatch (got {size} bytes, sha256 {digest.hexdigest()[:12]}..., "
+                         f"manifest says {entry.size} bytes, {entry.sha256[:12]}...)")
+    dest_fs.mv(tmp, dest_path)
+
+
+def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
+               timeout_s: float = 10.0, workers: int = 8,
+               progress: Callable[[int, int], None] | None = None) -> FetchReport:
+    """Fetch every file of ``manifest`` into ``dest_url``, verified; peers first, the remote for the rest."""
+    started = time.perf_counter()
+    by_name = {p.name: p for p in peers}
+    dest_fs, dest = url_to_fs(dest_url)
+    partial = dest.rstrip("/") + ".partial"
+    if dest_fs.exists(partial):
+        dest_fs.rm(partial, recursive=True)
+    dest_fs.makedirs(partial, exist_ok=True)
+    total, done = manifest.total_bytes, 0
+
+    def fetch(entry: FileEntry) -> FileFetch:
+        candidates = [by_name[n] for n in entry.nodes if n in by_name] + ([remote] if remote else [])
+        skipped = []
+        for src in candidates:
+            t0 = time.perf_counter()
+            try:
+                _copy_verified(src, entry, manifest.step, dest_fs, join(partial, entry.path), timeout_s)
+                return FileFetch(entry.path, entry.size, src.name, time.perf_counter() - t0, skipped)
+            except Exception as e:
+                why = "not found" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
+                skipped.append(f"{src.name}: {why}")
+        tried = "; ".join(skipped) if skipped else "no surviving peer holds it and no remote store is configured"
+        raise HetrainError(f"checkpoint step {manifest.step}: file {entry.path} could not be fetched from any "
+                           f"source ({tried})")
+
+    fetched: list[FileFetch] = []
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for result in pool.map(fetch, sorted(manifest.files, key=lambda f: -f.size)):
+                fetched.append(result)
+                done += result.size
+                if progress:
+                    progress(done, total)
+        dest_fs.pipe_file(join(partial, MANIFEST), manifest.to_json().encode())
+        if dest_fs.exists(dest):
+            dest_fs.rm(dest, recursive=True)
+        dest_fs.mv(partial, dest, recursive=True)
+    except BaseException:
+        if dest_fs.exists(partial):
+            dest_fs.rm(partial, recursive=True)
+        raise
+    return FetchReport(manifest.step, dest_url, fetched, time.perf_counter() - started)
+

@@ -1,0 +1,62 @@
+"""Shared by the checkpoint and recovery tests: hand-written plans on small CPU clusters, runs, dumps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from conftest import EXAMPLES
+from hetrain.checkpoint import CheckpointConfig
+from hetrain.launch import launch
+from hetrain.layout import build_layout
+from hetrain.plan import Plan
+from hetrain.runtime import RunConfig
+from hetrain.specs import load_model
+
+TINY = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
+GLOBAL_BATCH = 8
+
+
+def plan(tp: int, pipelines: list[tuple[int, list[tuple[str, list[int]]]]], micro_batch_size: int = 1) -> Plan:
+    """``pipelines``: (micro-batches, [(first device, [lo, hi])...]); a stage's devices are tp consecutive ones."""
+
+    def devices(first: str) -> list[str]:
+        node, index = first.split("/")
+        return [f"{node}/{int(index) + j}" for j in range(tp)]
+
+    return Plan.model_validate({
+        "schema": "hetrain.plan/v1", "model": TINY.model_dump(), "cluster": "test",
+        "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro_batch_size, "tp": tp,
+        "pipelines": [{"num_microbatches": m,
+                       "stages": [{"devices": devices(d), "gpu": "cpu", "layers": layers} for d, layers in stages]}
+                      for m, stages in pipelines],
+    })
+
+
+def run(p: Plan, directory: Path, steps: int, *, start_step: int = 0, checkpoint: CheckpointConfig | None = None,
+        resume_from: str | None = None, dump: bool = False, **extra) -> list[dict]:
+    """Train ``p`` with AdamW from ``start_step`` up to ``steps``; returns the metric records."""
+    directory.mkdir(parents=True, exist_ok=True)
+    p.write(directory / "plan.json")
+    config = RunConfig(plan=str(directory / "plan.json"), steps=steps, start_step=start_step, lr=1e-2,
+                       checkpoint=checkpoint, resume_from=resume_from,
+                       dump_dir=str(directory / "dump") if dump else None, **extra)
+    return launch(config, build_layout(p), directory / "run")
+
+
+def dumped_state(p: Plan, directory: Path) -> dict[str, torch.Tensor]:
+    """Whole parameters and optimizer tensors dumped at the end of a run, one copy per name."""
+    state: dict[str, torch.Tensor] = {}
+    for role in build_layout(p).roles:
+        if role.tp_rank == 0:
+            for name, tensor in torch.load(directory / "dump" / f"params-rank{role.rank}.pt").items():
+                if name in state:
+                    assert torch.equal(state[name], tensor), f"replicas of {name} differ"
+                state[name] = tensor
+    return state
+
+
+def metrics(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]

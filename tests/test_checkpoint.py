@@ -1,0 +1,100 @@
+"""Sharded checkpoints on real gloo processes: commit by manifest, pruning, exact resharding, faults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from ckpt_helpers import dumped_state, metrics, plan, run
+from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, committed_steps, read_manifest, sha256_file,
+                                step_name)
+from hetrain.errors import HetrainError
+from hetrain.reassemble import Source, find_latest, reassemble
+
+# Four processes on three nodes: pipeline 0 = a/0 (blocks 0-2) + b/0 (2-6), pipeline 1 = a/1 (0-4) + c/0 (4-6).
+SAVE_PP = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
+# Node c lost: three processes, other cuts and micro-batch shares.
+LOAD_PP = plan(1, [(2, [("a/0", [0, 6])]), (6, [("a/1", [0, 3]), ("b/0", [3, 6])])])
+# Tensor parallel: one pipeline, two TP-2 stages on nodes a and b.
+SAVE_TP = plan(2, [(8, [("a/0", [0, 2]), ("b/0", [2, 6])])])
+# Node b lost: two single-device pipelines, no TP.
+LOAD_TP = plan(1, [(4, [("a/0", [0, 6])]), (4, [("a/1", [0, 6])])])
+
+
+def ckpt_config(tmp: Path, **kw) -> CheckpointConfig:
+    return CheckpointConfig(local_dir=str(tmp / "nodes" / "{node}"), **kw)
+
+
+def test_every_node_commits_its_shards_with_a_manifest(tmp_path: Path):
+    cfg = ckpt_config(tmp_path, every_steps=2, keep=1)
+    run(SAVE_PP, tmp_path / "save", steps=5, checkpoint=cfg)
+    fs = LocalFileSystem()
+    for node in ("a", "b", "c"):
+        root = cfg.node_root(node)
+        # steps 1, 3 (every 2) and 4 (the last) were saved; keep=1 leaves the newest
+        assert committed_steps(root) == [4]
+        assert not (Path(root) / step_name(1)).exists() and not (Path(root) / step_name(3)).exists()
+        manifest = read_manifest(root, 4)
+        assert manifest.step == 4 and manifest.model == SAVE_PP.model and manifest.plan == SAVE_PP
+        held = {f.path for f in manifest.files if node in f.nodes}
+        on_disk = {p.name for p in (Path(root) / step_name(4)).iterdir()} - {MANIFEST}
+        assert held == on_disk and METADATA in held
+        for f in manifest.files:
+            if node in f.nodes:
+                assert sha256_file(fs, str(Path(root) / step_name(4) / f.path)) == (f.size, f.sha256)
+    # each rank's shard lives on its own node only: ranks 0, 1 on a, 2 on b, 3 on c
+    owners = {f.path: f.nodes for f in read_manifest(cfg.node_root("a"), 4).files if f.path != METADATA}
+    assert owners == {"__0_0.distcp": ["a"], "__1_0.distcp": ["a"], "__2_0.distcp": ["b"], "__3_0.distcp": ["c"]}
+
+
+@pytest.mark.parametrize("save_plan,load_plan,lost", [(SAVE_PP, LOAD_PP, "c"), (SAVE_TP, LOAD_TP, "b")],
+                         ids=["pp-4-to-3", "tp2-to-tp1"])
+def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_plan, load_plan, lost):
+    cfg = ckpt_config(tmp_path, every_steps=3)
+    run(save_plan, tmp_path / "save", steps=3, checkpoint=cfg, dump=True)
+    saved = dumped_state(save_plan, tmp_path / "save")
+    assert any(name.startswith("optim/") and name.endswith("exp_avg_sq") for name in saved)
+
+    # Every node's files are read where they are (losing their data is the fault tests' business):
+    # this is about loading into another layout on fewer devices.
+    source = str(tmp_path / "restore")
+    manifest, _ = find_latest([Source(n, cfg.node_root(n)) for n in "abc"], model=save_plan.model)
+    assert manifest.step == 2
+    reassemble(manifest, [Source(n, cfg.node_root(n)) for n in "abc"], None, source)
+    resumed = tmp_path / "load"
+    run(load_plan, resumed, steps=3, start_step=3, resume_from=source, dump=True)
+    loaded = dumped_state(load_plan, resumed)
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+    # Training goes on at step 3 with the same data: the loss matches an uninterrupted run's.
+    straight = tmp_path / "straight"
+    run(save_plan, straight, steps=5)
+    run(load_plan, tmp_path / "cont", steps=5, start_step=3, resume_from=source)
+    want = {r["step"]: r["loss"] for r in metrics(straight)}
+    got = {r["step"]: r["loss"] for r in metrics(tmp_path / "cont")}
+    assert sorted(got) == [3, 4]
+    assert got[3] == pytest.approx(want[3], rel=1e-5)
+    assert got[4] == pytest.approx(want[4], rel=1e-3)
+
+
+def test_rank_killed_during_save_leaves_previous_commit(tmp_path: Path, monkeypatch):
+    cfg = ckpt_config(tmp_path, every_steps=2, keep=3)
+    monkeypatch.setenv("HETRAIN_FAULT_KILL_IN_SAVE", "2:3")  # rank 2 SIGKILLs itself after writing its step-3 shard
+    with pytest.raises(HetrainError):
+        run(SAVE_PP, tmp_path / "save", steps=5, checkpoint=cfg)
+    for node in ("a", "b", "c"):
+        assert committed_steps(cfg.node_root(node)) == [1]
+    assert (Path(cfg.node_root("b")) / step_name(3) / "__2_0.distcp").exists()  # written, never committed
+    # The previous commit loads and training continues from it.
+    monkeypatch.delenv("HETRAIN_FAULT_KILL_IN_SAVE")
+    peers = [Source(n, cfg.node_root(n)) for n in "abc"]
+    manifest, _ = find_latest(peers)
+    assert manifest.step == 1
+    reassemble(manifest, peers, None, str(tmp_path / "restore"))
+    records = run(SAVE_PP, tmp_path / "again", steps=3, start_step=2, resume_from=str(tmp_path / "restore"))
+    assert [r["step"] for r in records] == [2]
