@@ -308,6 +308,15 @@ def train(
     print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
     main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
     dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
+    checkpoint_dir: Annotated[str | None, typer.Option(
+        help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name)")] = None,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="checkpoint every N steps (and at the end)")] = 50,
+    keep: Annotated[int, typer.Option(min=1, help="committed checkpoints to keep, locally and remotely")] = 2,
+    remote: Annotated[str | None, typer.Option(help="back checkpoints up to this URL, e.g. s3://bucket/run")] = None,
+    remote_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL (MinIO, R2, ...)")] = None,
+    peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
+                                                         "(hetrain serve); repeatable")] = None,
+    run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
 ):
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -342,7 +351,10 @@ def train(
             plan=str(plan_file.resolve()), cluster=str(cluster.resolve()) if cluster else None, steps=steps,
             data=str(data.resolve()) if data else None, metrics=str(metrics.resolve()) if metrics else None,
             optimizer=optimizer, lr=lr, max_grad_norm=max_grad_norm or None, seed=seed,
-            dump_dir=str(dump_dir.resolve()) if dump_dir else None,
+            dump_dir=str(dump_dir.resolve()) if dump_dir else None, run_id=run_id or run_dir.name,
+            checkpoint=_checkpoint_config(checkpoint_dir, checkpoint_every, keep, remote, remote_endpoint, peer,
+                                          run_dir),
+            request_file=str((run_dir / "checkpoint.request").resolve()),
         )
     except ValidationError as e:
         from hetrain.specs import describe_validation_error
@@ -376,6 +388,138 @@ def train(
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
                   f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
                   highlight=False)
+
+
+def _checkpoint_config(local_dir: str | None, every: int, keep: int, remote: str | None, endpoint: str | None,
+                       peers: list[str] | None, run_dir: Path):
+    from hetrain.checkpoint import CheckpointConfig
+
+    if local_dir is None and remote is None:
+        return None
+    peer_urls = {}
+    for item in peers or []:
+        node, sep, url = item.partition("=")
+        if not sep or not node or not url:
+            raise HetrainError(f"--peer: expected NODE=URL, got '{item}'")
+        peer_urls[node] = url
+    if local_dir is None:
+        local_dir = str((run_dir / "checkpoints" / "{node}").resolve())
+    elif "://" not in local_dir:
+        local_dir = str(Path(local_dir).resolve())
+    return CheckpointConfig(local_dir=local_dir, every_steps=every, keep=keep, remote_url=remote,
+                            remote_options={"endpoint_url": endpoint} if endpoint else {}, peers=peer_urls)
+
+
+@app.command()
+@user_errors
+def serve(
+    root: Annotated[Path, typer.Option(help="this node's checkpoint root")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8470,
+    token_env: Annotated[str, typer.Option(help="environment variable holding the bearer token (unset: no token)")]
+    = "HETRAIN_PEER_TOKEN",
+):
+    """Serve this node's checkpoints read-only over HTTP for peers' recovery."""
+    import os
+
+    import uvicorn
+
+    from hetrain.peer import make_app
+
+    token = os.environ.get(token_env) or None
+    err.print(f"serving {root} on http://{host}:{port} ({'bearer token required' if token else 'no token'})")
+    uvicorn.run(make_app(root, token), host=host, port=port, log_level="warning")
+
+
+@app.command()
+@user_errors
+def recover(
+    run: Annotated[Path, typer.Option(help="run directory of hetrain train (holds config.json)")],
+    lost_nodes: Annotated[str, typer.Option(help="comma-separated names of the nodes that are gone")],
+    cluster: Annotated[Path | None, typer.Option(help="new cluster file (e.g. with replacement nodes)")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="train until this step (default: as before)")] = None,
+    planner: Annotated[str, typer.Option(help="planner for the survivors")] = "hetrain",
+    timeout_s: Annotated[float, typer.Option(help="seconds before a silent peer counts as gone")] = 10.0,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+):
+    """Re-plan without the lost nodes, reassemble the last checkpoint (peers first), resume training."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from hetrain.recovery import recover as do_recover
+    from solver.planner import make_plan
+
+    lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
+    if not lost:
+        raise HetrainError("--lost-nodes: expected at least one node name")
+
+    def plan_for(cl, model, settings):
+        return make_plan(planner, cl, model, settings).plan
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("recover", total=1.0, info="")
+        result = do_recover(
+            run, lost, plan_for, cluster_file=cluster, steps=steps, timeout_s=timeout_s,
+            on_progress=lambda what, frac: bar.update(task, description=what, completed=frac, info=""),
+            on_record=lambda r: bar.update(task, description="train", completed=1.0,
+                                           info=f"step {r['step']} loss {r['loss']:.3f}"))
+    by_kind = result.bytes_by_kind()
+    summary = {"run": str(result.run_dir), "lost_nodes": lost, "checkpoint_step": result.step,
+               "resumed_at": result.step + 1, "plan": str(result.plan_path), "timings_s": result.timings_s,
+               "bytes_from_peers": by_kind["peers"], "bytes_from_remote": by_kind["remote"],
+               "steps_trained": len(result.records)}
+    if json_out:
+        out.print_json(json.dumps(summary))
+        return
+    table = Table(title=f"recovered {run} from step {result.step} without {', '.join(lost)}", title_justify="left")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    for k, v in result.timings_s.items():
+        table.add_row(k.removesuffix("_s"), f"{v:.2f}")
+    out.print(table)
+    out.print(f"fetched {by_kind['peers'] / 1e6:.1f} MB from peers, {by_kind['remote'] / 1e6:.1f} MB from the "
+              f"remote store; new plan {result.plan_path}; trained {len(result.records)} steps", highlight=False)
+
+
+@app.command()
+@user_errors
+def watch(
+    node: Annotated[str, typer.Option(help="this node's name in the cluster file")],
+    cloud: Annotated[str, typer.Option(help="aws, gcp or azure")],
+    run: Annotated[Path | None, typer.Option(help="run directory: ask its ranks for an emergency checkpoint")] = None,
+    metadata_url: Annotated[str | None, typer.Option(help="metadata endpoint base URL (default: the cloud's)")] = None,
+    poll_s: Annotated[float, typer.Option(help="seconds between polls")] = 5.0,
+    min_checkpoint_s: Annotated[float, typer.Option(help="skip the checkpoint when less time is left")] = 10.0,
+    wait_checkpoint_s: Annotated[float, typer.Option(help="after a request, wait this long for the checkpoint")] = 60.0,
+    hook_command: Annotated[str | None, typer.Option(
+        help="shell command run on a notice; gets HETRAIN_NOTICE (JSON), HETRAIN_NODE, HETRAIN_CHECKPOINT_STEP")] = None,
+):
+    """Watch for a spot preemption notice (or SIGTERM); checkpoint and call a hook when one comes."""
+    import os
+    import subprocess
+
+    from hetrain.preemption import SOURCES, PreemptionWatcher, wait_for_checkpoint
+
+    if cloud not in SOURCES:
+        raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
+    request = (run / "checkpoint.request").resolve() if run else None
+
+    def on_notice(notice, checkpoint: bool) -> None:
+        step = wait_for_checkpoint(request, wait_checkpoint_s) if checkpoint and request else None
+        if checkpoint:
+            err.print(f"emergency checkpoint {'committed at step ' + str(step) if step is not None else 'not confirmed'}")
+        if hook_command:
+            env = {**os.environ, "HETRAIN_NOTICE": json.dumps(notice.to_dict()), "HETRAIN_NODE": node,
+                   "HETRAIN_CHECKPOINT_STEP": "" if step is None else str(step)}
+            subprocess.run(hook_command, shell=True, env=env, check=False)
+
+    watcher = PreemptionWatcher(SOURCES[cloud](metadata_url), node, request_file=request,
+                                min_checkpoint_s=min_checkpoint_s, on_notice=on_notice, poll_s=poll_s,
+                                log=lambda msg: err.print(msg, highlight=False))
+    watcher.install_sigterm()
+    err.print(f"watching {cloud} preemption notices for node {node}", highlight=False)
+    notice = watcher.run()
+    raise typer.Exit(0 if notice is not None else 1)
 
 
 def main() -> None:

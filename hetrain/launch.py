@@ -92,9 +92,8 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
-def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2) -> Iterator[dict]:
-    """Yield metric records as rank 0 appends them, until the launch exits."""
-    pos = 0
+def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2, pos: int = 0) -> Iterator[dict]:
+    """Yield metric records as rank 0 appends them after byte ``pos``, until the launch exits."""
     while True:
         done = proc.poll() is not None
         if path.exists():
@@ -162,7 +161,9 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
         config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
     metrics = Path(config.metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    metrics.unlink(missing_ok=True)
+    if config.resume_from is None:
+        metrics.unlink(missing_ok=True)
+    start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends
     config_path = write_config(config, run_dir)
     cmd = local_command(layout, str(config_path), free_port())
     log = run_dir / "launch.log"
@@ -171,7 +172,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     with log.open("w") as log_f:
         proc = subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            for record in follow_metrics(metrics, proc):
+            for record in follow_metrics(metrics, proc, pos=start_pos):
                 records.append(record)
                 if on_record:
                     on_record(record)

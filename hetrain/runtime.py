@@ -120,8 +120,11 @@ class Trainer:
         else:
             self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+        self.load_s = None
         if config.resume_from:
+            loading = time.perf_counter()
             load_training_state(config.resume_from, model, self.optimizer, config.resume_options)
+            self.load_s = time.perf_counter() - loading
         self.checkpointer = None
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
@@ -346,6 +349,8 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
                     with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
                         os.replace(config.request_file, config.request_file + f".done-{step}")
             record.pop("checkpoint_requested", None)
+            if step == config.start_step and trainer.load_s is not None:
+                record["resume_load_s"] = trainer.load_s  # rank 0's; all ranks load at once
             if metrics is not None:
                 record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
                 record["time"] = time.time()

@@ -1,0 +1,209 @@
+"""Spot preemption notices: poll the cloud's metadata endpoint or catch SIGTERM, then act.
+
+On a notice the watcher (one per node) asks the node's training ranks for an emergency
+checkpoint, if the deadline leaves time for one, by creating the run's request file (the
+ranks agree on it through their per-step all-reduce and checkpoint at the next step), and
+calls a hook (``hetrain watch --hook-command``, or the Prefect event the orchestration
+layer plugs in). It fires once.
+
+Documented endpoints (the base URL is configurable so tests point it at a local fake):
+
+* AWS (IMDSv2): ``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds``, then
+  ``GET /latest/meta-data/spot/instance-action`` with ``X-aws-ec2-metadata-token``: 404 while
+  there is none, else ``{"action": "terminate"|"stop"|"hibernate", "time": "2026-11-22T08:22:00Z"}``
+  (about two minutes ahead).
+* GCP: ``GET /computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google``:
+  ``TRUE`` once preempted; spot VMs get 30 s.
+* Azure: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``:
+  ``{"Events": [{"EventType": "Preempt", "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from hetrain.errors import HetrainError
+
+DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.internal",
+                "azure": "http://169.254.169.254"}
+GCP_SPOT_NOTICE_S = 30.0
+SIGTERM_GRACE_S = 30.0
+
+
+@dataclass
+class Notice:
+    cloud: str  # aws, gcp, azure or signal
+    action: str  # terminate, stop, hibernate, preempt
+    deadline: datetime | None  # UTC; when the machine goes away
+    detail: dict = field(default_factory=dict)
+
+    def seconds_left(self, now: datetime | None = None) -> float | None:
+        if self.deadline is None:
+            return None
+        return (self.deadline - (now or datetime.now(UTC))).total_seconds()
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["deadline"] = self.deadline.isoformat() if self.deadline else None
+        return data
+
+
+def _request(url: str, headers: dict[str, str], method: str = "GET", timeout_s: float = 2.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class AwsSpot:
+    cloud = "aws"
+
+    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
+        self.base = (base_url or DEFAULT_BASE["aws"]).rstrip("/")
+        self.timeout_s = timeout_s
+
+    def poll(self) -> Notice | None:
+        status, token = _request(f"{self.base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
+                                 method="PUT", timeout_s=self.timeout_s)
+        if status != 200:
+            raise HetrainError(f"AWS metadata token request to {self.base} answered {status}")
+        status, body = _request(f"{self.base}/latest/meta-data/spot/instance-action",
+                                {"X-aws-ec2-metadata-token": token.decode()}, timeout_s=self.timeout_s)
+        if status == 404:
+            return None
+        if status != 200:
+            raise HetrainError(f"AWS spot/instance-action at {self.base} answered {status}")
+        data = json.loads(body)
+        deadline = datetime.fromisoformat(data["time"].replace("Z", "+00:00"))
+        return Notice("aws", data.get("action", "terminate"), deadline, data)
+
+
+class GcpPreempted:
+    cloud = "gcp"
+
+    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
+        self.base = (base_url or DEFAULT_BASE["gcp"]).rstrip("/")
+        self.timeout_s = timeout_s
+
+    def poll(self) -> Notice | None:
+        status, body = _request(f"{self.base}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"},
+                                timeout_s=self.timeout_s)
+        if status != 200:
+            raise HetrainError(f"GCP instance/preempted at {self.base} answered {status}")
+        if body.strip().upper() != b"TRUE":
+            return None
+        return Notice("gcp", "preempt", datetime.now(UTC) + timedelta(seconds=GCP_SPOT_NOTICE_S), {})
+
+
+class AzureScheduledEvents:
+    cloud = "azure"
+
+    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
+        self.base = (base_url or DEFAULT_BASE["azure"]).rstrip("/")
+        self.timeout_s = timeout_s
+
+    def poll(self) -> Notice | None:
+        status, body = _request(f"{self.base}/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"},
+                                timeout_s=self.timeout_s)
+        if status != 200:
+            raise HetrainError(f"Azure scheduledevents at {self.base} answered {status}")
+        for event in json.loads(body).get("Events", []):
+            if event.get("EventType") == "Preempt":
+                not_before = event.get("NotBefore")
+                deadline = email.utils.parsedate_to_datetime(not_before) if not_before else None
+                return Notice("azure", "preempt", deadline, event)
+        return None
+
+
+SOURCES = {"aws": AwsSpot, "gcp": GcpPreempted, "azure": AzureScheduledEvents}
+
+
+class PreemptionWatcher:
+    """Poll ``source`` every ``poll_s`` (and catch SIGTERM); on the first notice, act once."""
+
+    def __init__(self, source, node: str, *, request_file: Path | None = None, min_checkpoint_s: float = 10.0,
+                 on_notice: Callable[[Notice, bool], None] | None = None, poll_s: float = 5.0,
+                 log: Callable[[str], None] = print) -> None:
+        self.source, self.node = source, node
+        self.request_file, self.min_checkpoint_s = request_file, min_checkpoint_s
+        self.on_notice, self.poll_s, self.log = on_notice, poll_s, log
+        self.notice: Notice | None = None
+        self._fired = threading.Lock()
+        self.stopped = threading.Event()  # no more polling
+        self.handled = threading.Event()  # the notice was acted on (checkpoint requested, hook returned)
+
+    def handle(self, notice: Notice) -> bool:
+        """Request the emergency checkpoint if there is time, call the hook; False if already handled."""
+        if not self._fired.acquire(blocking=False):
+            return False
+        self.notice = notice
+        self.stopped.set()
+        left = notice.seconds_left()
+        checkpoint = self.request_file is not None and (left is None or left >= self.min_checkpoint_s)
+        if checkpoint:
+            self.request_file.parent.mkdir(parents=True, exist_ok=True)
+            self.request_file.write_text(json.dumps(notice.to_dict()))
+        when = f"{left:.0f} s left" if left is not None else "no deadline given"
+        self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}); "
+                 + ("emergency checkpoint requested" if checkpoint else "no time for a checkpoint"))
+        try:
+            if self.on_notice is not None:
+                self.on_notice(notice, checkpoint)
+        finally:
+            self.handled.set()
+        return True
+
+    def install_sigterm(self, grace_s: float = SIGTERM_GRACE_S) -> None:
+        """SIGTERM (what spot VMs and Kubernetes send first) counts as a notice with ``grace_s`` left."""
+        def on_sigterm(_signum, _frame) -> None:
+            threading.Thread(target=self.handle, args=(Notice("signal", "terminate",
+                                                              datetime.now(UTC) + timedelta(seconds=grace_s)),),
+                             daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def run(self) -> Notice | None:
+        """Poll until a notice arrives (then act on it) or ``stop`` is called; returns the notice."""
+        errors = 0
+        while not self.stopped.is_set():
+            try:
+                notice = self.source.poll()
+                errors = 0
+            except (HetrainError, OSError, ValueError) as e:
+                errors += 1
+                if errors in (1, 10) or errors % 100 == 0:
+                    self.log(f"node {self.node}: polling {self.source.cloud} failed ({e}); still watching")
+                notice = None
+            if notice is not None:
+                self.handle(notice)
+                break
+            self.stopped.wait(self.poll_s)
+        if self.notice is not None:  # a SIGTERM may be handled on another thread: let it finish
+            self.handled.wait()
+        return self.notice
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def wait_for_checkpoint(request_file: Path, timeout_s: float, poll_s: float = 0.2) -> int | None:
+    """The step of the emergency checkpoint once the ranks answered the request (``.done-<step>``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = sorted(request_file.parent.glob(request_file.name + ".done-*"))
+        if done:
+            return max(int(p.name.rsplit("-", 1)[1]) for p in done)
+        time.sleep(poll_s)
+    return None

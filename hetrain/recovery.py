@@ -1,0 +1,143 @@
+"""Recover a run after losing nodes: re-plan for the survivors, reassemble, resume at step + 1.
+
+``recover`` is what ``hetrain recover`` and the Prefect recovery flow call. The planner is
+passed in (``solver`` depends on ``hetrain``, never the reverse). Steps, each timed:
+
+1. *re-plan*: the run's cluster (or a new cluster file, e.g. with replacement nodes) without
+   the lost nodes, same model and training settings;
+2. *fetch*: the newest committed checkpoint, peers first (every surviving node of the old
+   plan, at its peer URL), the remote store for whatever they lack or serve damaged
+   (``hetrain.reassemble``), into ``RUN/restore/step-N``;
+3. *launch* the new plan from ``step + 1`` (DCP reshards while loading): the first metric
+   record gives the load and first-step seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetrain.checkpoint import step_name
+from hetrain.errors import HetrainError
+from hetrain.plan import Plan, load_plan, validate_plan
+from hetrain.reassemble import FetchReport, Source, find_latest, reassemble
+from hetrain.runtime import RunConfig
+from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
+
+Planner = Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]
+
+
+@dataclass
+class RecoveryResult:
+    run_dir: Path
+    lost_nodes: list[str]
+    step: int  # the checkpoint's step; training resumed at step + 1
+    plan: Plan
+    plan_path: Path
+    fetch: FetchReport
+    timings_s: dict[str, float] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out = {"peers": 0, "remote": 0}
+        for f in self.fetch.files:
+            out["remote" if f.source == "remote" else "peers"] += f.size
+        return out
+
+
+def load_run(run_dir: Path) -> RunConfig:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise HetrainError(f"--run {run_dir}: no config.json there (is it the run directory of hetrain train?)")
+    return RunConfig.load(path)
+
+
+def surviving_cluster(cluster: ClusterSpec, lost_nodes: list[str], source: str) -> ClusterSpec:
+    """``cluster`` without ``lost_nodes`` (names it does not have are ignored) and their links."""
+    nodes = [n for n in cluster.nodes if n.name not in lost_nodes]
+    if not nodes:
+        raise HetrainError(f"no nodes of cluster {source} survive losing {', '.join(lost_nodes)}")
+    data = cluster.model_dump()
+    data["nodes"] = [n.model_dump() for n in nodes]
+    data["links"] = [link.model_dump() for link in cluster.links if not set(link.nodes) & set(lost_nodes)]
+    return ClusterSpec.model_validate(data)
+
+
+def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str]) -> tuple[list[Source], Source | None]:
+    ckpt = config.checkpoint
+    if ckpt is None:
+        raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
+    nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
+    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes]
+    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
+    return peers, remote
+
+
+def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_file: Path | None = None,
+            steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True,
+            on_progress: Callable[[str, float], None] | None = None,
+            on_record: Callable[[dict], None] | None = None) -> RecoveryResult:
+    """Re-plan without ``lost_nodes``, reassemble the newest checkpoint and resume training."""
+    from hetrain.launch import launch, write_config
+    from hetrain.layout import build_layout
+
+    run_dir = run_dir.resolve()
+    config = load_run(run_dir)
+    old_plan = load_plan(config.plan)
+    if config.cluster is None and cluster_file is None:
+        raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
+    old_cluster_file = Path(config.cluster) if config.cluster else cluster_file
+    old_nodes = {n.name for n in load_cluster(old_cluster_file).nodes}
+    for node in lost_nodes:
+        if node not in old_nodes:
+            raise HetrainError(f"lost node '{node}' is not a node of cluster {old_cluster_file} "
+                               f"(nodes: {', '.join(sorted(old_nodes))})")
+    cluster_path = cluster_file or old_cluster_file
+    new_cluster = surviving_cluster(load_cluster(cluster_path), lost_nodes, str(cluster_path))
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    plan = planner(new_cluster, old_plan.model, old_plan.settings())
+    validate_plan(plan, new_cluster)
+    timings["replan_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    peers, remote = sources_for(config, old_plan, lost_nodes)
+    manifest, _ = find_latest(peers + ([remote] if remote else []), model=old_plan.model, timeout_s=timeout_s)
+    dest = run_dir / "restore" / step_name(manifest.step)
+    report = reassemble(manifest, peers, remote, str(dest), timeout_s=timeout_s,
+                        progress=(lambda done, total: on_progress("fetch", done / max(total, 1)))
+                        if on_progress else None)
+    timings["fetch_s"] = time.perf_counter() - t0
+
+    plan_path = run_dir / f"plan-from-step-{manifest.step}.json"
+    plan.write(plan_path)
+    new_config = config.model_copy(update={
+        "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "start_step": manifest.step + 1,
+        "steps": steps or config.steps, "resume_from": str(dest), "resume_options": {}})
+    result = RecoveryResult(run_dir, lost_nodes, manifest.step, plan, plan_path, report, timings)
+    if new_config.start_step >= new_config.steps:
+        write_config(new_config, run_dir)
+        return result
+    if not launch_training:
+        write_config(new_config, run_dir)
+        return result
+    t0 = time.perf_counter()
+    first: dict = {}
+
+    def record(r: dict) -> None:
+        if not first:
+            first.update(r, seen_s=time.perf_counter() - t0)
+        if on_record:
+            on_record(r)
+
+    result.records = launch(new_config, build_layout(plan), run_dir, on_record=record)
+    if first:
+        load_s = first.get("resume_load_s", 0.0)
+        timings["load_s"] = load_s
+        timings["first_step_s"] = first["step_time_s"]
+        timings["startup_s"] = max(0.0, first["seen_s"] - first["step_time_s"] - load_s)
+    timings["train_s"] = time.perf_counter() - t0
+    return result
