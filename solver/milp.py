@@ -46,6 +46,19 @@ EXACT_PIPELINE_COUNTS = 8
 # the MILP's sync estimate is conservative, so pipeline counts whose MILP optimum is within
 # this fraction of the best so far are still solved and handed to the full cost model
 CANDIDATE_MARGIN = 0.05
+# seconds HiGHS may spend on one refining solve of the bisection (the first solve for each
+# pipeline count gets the caller's limit). Refining solves just below the optimum are where
+# HiGHS must prove a covering knapsack infeasible, which can take most of a second on a
+# 28-GPU cluster; when one runs out of time that pipeline count stops refining, keeps its
+# best plan, and its unproven interval shows in the reported gap.
+REFINE_TIME_LIMIT_S = 0.05
+
+
+class TimedOut:
+    """HiGHS hit its time limit without an answer: neither feasible nor proven infeasible."""
+
+
+TIMED_OUT = TimedOut()
 
 
 @dataclass
@@ -85,10 +98,11 @@ class TemplateMilp:
         self.model, self.M = m, M
         self.post_s = [0.0] * len(templates)
         self.solver = Highs()
-        self.solver.config.time_limit = time_limit_s
+        self.time_limit_s = time_limit_s
         self.solver.config.load_solution = False
         self.solver.highs_options = {"threads": 1, "output_flag": False}
         self.solves = 0
+        self.timeouts = 0
         self.statuses: set[str] = set()
 
     def set_pipeline_count(self, d_lo: int, d_hi: int, post_s: list[float]) -> None:
@@ -96,8 +110,11 @@ class TemplateMilp:
         self.model.d_hi = min(d_hi, self.M)
         self.post_s = post_s
 
-    def cover(self, T: float) -> list[Template] | None:
-        """Pipelines whose every copy finishes within T and that together absorb M micro-batches."""
+    def cover(self, T: float, time_limit_s: float | None = None) -> list[Template] | None | TimedOut:
+        """Pipelines whose every copy finishes within T and that together absorb M micro-batches.
+
+        None when HiGHS proves there are none, TIMED_OUT when it runs out of time first.
+        """
         m = self.model
         any_ok = False
         for j, tpl in enumerate(self.templates):
@@ -107,14 +124,18 @@ class TemplateMilp:
             any_ok |= cap >= 1
         if not any_ok:
             return None
+        self.solver.config.time_limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         res = self.solver.solve(m)
         self.solves += 1
         tc = res.termination_condition
         if res.best_feasible_objective is None or tc in (
             TerminationCondition.infeasible, TerminationCondition.infeasibleOrUnbounded
         ):
+            if tc == TerminationCondition.maxTimeLimit:
+                self.timeouts += 1
+                return TIMED_OUT
             if tc != TerminationCondition.infeasible:
-                self.statuses.add(tc.name)  # e.g. a time limit without an answer: treated as infeasible
+                self.statuses.add(tc.name)  # anything else without an answer: treated as infeasible
             return None
         self.statuses.add("optimal")
         res.solution_loader.load_vars()
@@ -156,13 +177,49 @@ def fluid_lower_bound_s(space: Space, available: list[int], M: int) -> float:
     return M * space.num_layers / rate if rate else float("inf")
 
 
+def best_of_one_or_two(
+    templates: list[Template], available: list[int], M: int, D: int, post: list[float]
+) -> tuple[float, list[Template]] | None:
+    """Exact optimum, as the MILP charges it, over plans of D <= 2 pipelines, by enumeration.
+
+    One pipeline takes all M micro-batches; two split them at the crossing point of their
+    finish times (checked on both sides). Cheaper than a bisection of MILP solves, whose
+    infeasibility proofs just below the optimum are the slow part.
+    """
+    if D == 1:
+        got = [(M * t.tau_s + t.fill_s + p, [t]) for t, p in zip(templates, post)]
+        return min(got, key=lambda g: g[0]) if got else None
+    if M < 2:
+        return None
+    best = None
+    J = len(templates)
+    for i in range(J):
+        a, pa = templates[i], post[i]
+        left = [v - u for v, u in zip(available, a.usage)]
+        if any(v < 0 for v in left):
+            continue
+        fa = a.fill_s + pa
+        for j in range(i, J):
+            b = templates[j]
+            if any(u > v for u, v in zip(b.usage, left)):
+                continue
+            fb = b.fill_s + post[j]
+            # a takes m, b takes M - m: balance m tau_a + fa = (M - m) tau_b + fb
+            m0 = (M * b.tau_s + fb - fa) / (a.tau_s + b.tau_s)
+            for m in {min(max(int(m0), 1), M - 1), min(max(int(m0) + 1, 1), M - 1)}:
+                t = max(m * a.tau_s + fa, (M - m) * b.tau_s + fb)
+                if best is None or t < best[0]:
+                    best = (t, [a, b])
+    return best
+
+
 def solve_templates(
     space: Space,
     total_microbatches: int,
     available: list[int],
     sync_bw_gbps: float,
     time_limit_s: float = 10.0,
-    rel_tol: float = 5e-4,
+    rel_tol: float = 1e-3,
     prune_above_s: float | None = None,
 ) -> MilpResult | None:
     """Smallest iteration time over plans built from ``space``'s templates within ``available`` groups.
@@ -180,6 +237,7 @@ def solve_templates(
     milp: TemplateMilp | None = None
     best: tuple[float, float] | None = None  # (T found, T proven infeasible)
     candidates: list[list[Template]] = []
+    lows: list[float] = []  # largest time proven infeasible, per pipeline count tried
     counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
     if max_pipes > EXACT_PIPELINE_COUNTS:
         counts.append((EXACT_PIPELINE_COUNTS + 1, max_pipes))
@@ -201,16 +259,28 @@ def solve_templates(
             hi = min(hi, best[0] * (1 + CANDIDATE_MARGIN))
             if low >= hi:
                 continue
+        if d_hi <= 2:  # enumerated exactly
+            got = best_of_one_or_two(templates, available, M, d_hi, post)
+            if got is not None and got[0] < hi * (1 + rel_tol):
+                top, chosen = got[0], got[1]
+                candidates.append(chosen)
+                if best is None or top < best[0]:
+                    best = (top, top)
+            continue
         if milp is None:
             milp = TemplateMilp(templates, available, M, time_limit_s)
         milp.set_pipeline_count(d_lo, d_hi, post)
         chosen = milp.cover(hi * (1 + rel_tol))
+        if chosen is TIMED_OUT:
+            chosen = None
         top = achieved_s(chosen, milp, M) if chosen is not None else hi
         # refine to rel_tol, or until this count provably cannot beat the best (its answer is
         # still a candidate for the full cost model)
         while chosen is not None and (top - low) > rel_tol * top and (best is None or low < best[0]):
             mid = (low + top) / 2
-            got = milp.cover(mid)
+            got = milp.cover(mid, min(time_limit_s, REFINE_TIME_LIMIT_S))
+            if got is TIMED_OUT:
+                break  # unproven below `low`: the gap says so
             if got is not None:  # the answer may finish well before mid: jump to what it achieves
                 top, chosen = achieved_s(got, milp, M), got
             else:
@@ -219,7 +289,13 @@ def solve_templates(
             candidates.append(chosen)
             if best is None or top < best[0]:
                 best = (top, low)
+        lows.append(low)
     if best is None:
         return None
+    best = (best[0], min([best[0]] + lows))  # a count that stopped refining early bounds the gap too
+    if milp is None:
+        return MilpResult(candidates, "optimal", best[0], (best[0] - best[1]) / best[0], 0)
     status = "optimal" if milp.statuses <= {"optimal"} else ",".join(sorted(milp.statuses))
+    if milp.timeouts:
+        status += f" ({milp.timeouts} refining solve{'s' if milp.timeouts > 1 else ''} timed out)"
     return MilpResult(candidates, status, best[0], (best[0] - best[1]) / best[0], milp.solves)

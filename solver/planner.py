@@ -14,8 +14,9 @@ from hetrain.plan import Plan
 from hetrain.profile import Profile
 from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
 from solver.assemble import finish, score
+from solver.improve import improve
 from solver.milp import solve_templates
-from solver.space import Space, build_space
+from solver.space import Space, build_space, group_classes
 
 PLANNERS = ("hetrain", "megatron", "whale", "exhaustive")
 # (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
@@ -25,6 +26,12 @@ PRUNE_MARGIN = 0.02
 MAX_SUBSET_NODES = 4
 # plans of 1..ALIGNED_COPIES identical pipelines (and the most that fit) are scored exactly too
 ALIGNED_COPIES = 8
+# the local-improvement pass starts from this many of the best distinct scored plans (and the
+# best of each TP degree x micro-batch size)
+IMPROVE_STARTS = 3
+# exact scorings the local-improvement pass may spend, in plan-devices (a scoring costs about
+# linear time in the number of devices): 2,500 plans on 8 GPUs, 20 on 1024
+IMPROVE_DEVICE_SCORES = 20_000
 
 
 @dataclass
@@ -126,6 +133,7 @@ def plan_hetrain(
     best: tuple[float, Plan, dict] | None = None
     solves, templates, best_gap, statuses = 0, 0, 0.0, set()
     best_milp_s: float | None = None
+    starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
 
     def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
         nonlocal best, best_gap
@@ -133,13 +141,30 @@ def plan_hetrain(
         if scored is None:
             return
         plan, est = scored
+        key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
+        starts[key] = (est.iteration_time_s, space, chosen)
         if best is None or est.iteration_time_s < best[0]:
             best_gap = gap
             extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
             best = (est.iteration_time_s, plan, extra)
 
-    all_spaces = [sp for sp in spaces(cluster, cost) if sp.templates]
-    for space in all_spaces:
+    # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
+    # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
+    # best plan scored so far is never built.
+    pending = []
+    for t, b in tp_and_micro_batch(cluster, cost):
+        classes = group_classes(cluster, cost, t, b)
+        M = cost.settings.global_batch_size // b
+        rate = sum(c.count / c.units.block_s for c in classes)
+        pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
+    all_spaces = []
+    for fluid_s, t, b in sorted(pending):
+        if best is not None and fluid_s >= best[0]:
+            continue
+        space = build_space(cluster, cost, t, b)
+        if not space.templates:
+            continue
+        all_spaces.append(space)
         templates += len(space.templates)
         M = cost.settings.global_batch_size // space.micro_batch_size
         for label, avail, bw in _sync_scopes(cluster, space):
@@ -173,6 +198,19 @@ def plan_hetrain(
             consider(space, [tpl] * copies, "aligned copies", None, 0.0)
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
+    # The cost model prices gradient sync per block bucket, the MILP per scope: search the
+    # neighbourhood of the best plans found, scored exactly (see solver.improve).
+    ranked = sorted(starts.values(), key=lambda s: s[0])
+    firsts = {}  # the best plan of each (tp, micro-batch size) as well
+    for s in ranked:
+        firsts.setdefault(id(s[1]), s)
+    begin = ranked[:IMPROVE_STARTS] + [s for s in firsts.values() if not any(s is r for r in ranked[:IMPROVE_STARTS])]
+    per_start = max(10, IMPROVE_DEVICE_SCORES // cluster.num_devices // max(1, len(begin)))
+    for _, space, chosen in begin:
+        found = improve(cluster, cost, space, chosen, max_scores=per_start)
+        if found is not None and found[0] < best[0] * (1 - 1e-9):
+            best = (found[0], found[1], {"scope": "local improvement"})
+            best_gap = 0.0
     _, plan, extra = best
     info = {
         "planner": "hetrain",

@@ -1,0 +1,177 @@
+"""Local improvement of an assembled plan, scored by the full cost model.
+
+The MILP (``solver.milp``) charges gradient sync per pipeline over one link per *scope*,
+while the cost model charges it per block bucket over the slowest link among exactly the
+stages that hold the bucket, and adds max over pipelines + max over devices of
+(sync + optimizer). Plans whose pipelines keep some block ranges inside one node (their
+buckets never cross a slow link) are therefore priced too high by the MILP and can be
+missed. This pass starts from the MILP's best answers and searches their neighbourhood in
+the same space (multisets of templates): drop a pipeline, add one, replace one, merge two
+into one, split one into two, or replace two by two. Every neighbour gets a cheap lower
+bound first,
+
+    T >= max(max_p (tau_p + fill_p), (M + sum_p fill_p / tau_p) / sum_p 1 / tau_p)
+         + max_p post_lo_p(D)
+
+(each pipeline takes at least one micro-batch and all M fit within T; post_lo charges each
+stage's gradients over the fastest link it could possibly use), and only neighbours whose
+bound beats the incumbent are assembled and scored exactly. The best improving neighbour is
+taken and the search repeats until none improves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from hetrain.costmodel import CostModel, Estimate
+from hetrain.plan import Plan
+from hetrain.specs import ClusterSpec
+from solver.assemble import score
+from solver.space import Space
+
+# templates considered for insertion: those already in the plan plus this many of the best
+# by throughput per group (keeps the pair moves cheap on 1000-GPU spaces)
+POOL_SIZE = 48
+# exact scorings per improvement run (each is an assembly plus a cost-model estimate)
+MAX_SCORES = 4000
+
+
+class _Neighbourhood:
+    def __init__(self, cluster: ClusterSpec, cost: CostModel, space: Space):
+        self.cluster, self.cost, self.space = cluster, cost, space
+        self.T = space.templates
+        self.M = cost.settings.global_batch_size // space.micro_batch_size
+        inter = [cluster.inter_node_bandwidth_gbps] + [
+            cluster.bandwidth_gbps(a.name, b.name) for a, b in itertools.combinations(cluster.nodes, 2)
+        ]
+        best_inter = max(inter)
+        # fastest link a stage of each class could run its gradient all-reduces over
+        self.best_bw = [max(c.intra_bw_gbps, best_inter) for c in space.classes]
+        self._post: dict[tuple[int, int], float] = {}
+        self.scored: dict[tuple[int, ...], tuple[Plan, Estimate] | None] = {}
+
+    def post_lo(self, j: int, D: int) -> float:
+        key = (j, D)
+        if key not in self._post:
+            t = self.T[j]
+            phi = 2 * (D - 1) / D
+            lat = self.cost.latency_s if D > 1 else 0.0
+            self._post[key] = max(
+                phi * g / (self.best_bw[c] * 1e9) + lat + o for c, g, o in zip(t.classes, t.grad_bytes, t.opt_s)
+            )
+        return self._post[key]
+
+    def lower_bound(self, combo: tuple[int, ...]) -> float:
+        D = len(combo)
+        if D == 0 or D > self.M:
+            return float("inf")
+        ts = [self.T[j] for j in combo]
+        first = max(t.tau_s + t.fill_s for t in ts)
+        fluid = (self.M + sum(t.fill_s / t.tau_s for t in ts)) / sum(1 / t.tau_s for t in ts)
+        return max(first, fluid) + max(self.post_lo(j, D) for j in combo)
+
+    def exact(self, combo: tuple[int, ...]) -> tuple[Plan, Estimate] | None:
+        if combo not in self.scored:
+            self.scored[combo] = score(self.cluster, self.cost, self.space, [self.T[j] for j in combo])
+        return self.scored[combo]
+
+
+def _fits(usage: Sequence[int], free: Sequence[int]) -> bool:
+    return all(u <= f for u, f in zip(usage, free))
+
+
+def _minus(free: Sequence[int], usage: Sequence[int]) -> list[int]:
+    return [f - u for f, u in zip(free, usage)]
+
+
+def _plus(free: Sequence[int], usage: Sequence[int]) -> list[int]:
+    return [f + u for f, u in zip(free, usage)]
+
+
+def _neighbours(combo: tuple[int, ...], pool: list[int], T, available: list[int]):
+    free = list(available)
+    for j in combo:
+        free = _minus(free, T[j].usage)
+    n = len(combo)  # combo is sorted: copies of a template sit side by side
+    distinct = [i for i in range(n) if i == 0 or combo[i] != combo[i - 1]]
+    pairs = {}
+    for a, b in itertools.combinations(range(n), 2):
+        pairs.setdefault((combo[a], combo[b]), (a, b))
+
+    def rest(*drop: int) -> list[int]:
+        out = list(combo)
+        for i in sorted(drop, reverse=True):
+            del out[i]
+        return out
+
+    # add one
+    for t in pool:
+        if _fits(T[t].usage, free):
+            yield rest() + [t]
+    for i in distinct:
+        freed = _plus(free, T[combo[i]].usage)
+        if n > 1:
+            yield rest(i)  # drop one
+        for t1 in pool:
+            if t1 == combo[i] or not _fits(T[t1].usage, freed):
+                continue
+            yield rest(i) + [t1]  # replace one
+            left = _minus(freed, T[t1].usage)
+            for t2 in pool:
+                if t2 >= t1 and _fits(T[t2].usage, left):
+                    yield rest(i) + [t1, t2]  # split one into two
+    for a, b in pairs.values():
+        freed = _plus(_plus(free, T[combo[a]].usage), T[combo[b]].usage)
+        for t1 in pool:
+            if not _fits(T[t1].usage, freed):
+                continue
+            yield rest(a, b) + [t1]  # merge two into one
+            left = _minus(freed, T[t1].usage)
+            for t2 in pool:
+                if t2 >= t1 and _fits(T[t2].usage, left):
+                    yield rest(a, b) + [t1, t2]  # replace two by two
+
+
+def improve(
+    cluster: ClusterSpec, cost: CostModel, space: Space, start: Sequence, max_scores: int = MAX_SCORES
+) -> tuple[float, Plan, Estimate] | None:
+    """Best plan found by best-improvement local search from ``start`` (templates of ``space``)."""
+    nb = _Neighbourhood(cluster, cost, space)
+    T = nb.T
+    index = {id(t): j for j, t in enumerate(T)}
+    combo = tuple(sorted(index[id(t)] for t in start))
+    got = nb.exact(combo)
+    if got is None:
+        return None
+    best_s = got[1].iteration_time_s
+    best = (best_s, got[0], got[1])
+    avail = space.available
+    rate = sorted(
+        range(len(T)), key=lambda j: -(1.0 / (T[j].tau_s * sum(T[j].usage)))
+    )
+    while True:
+        pool = sorted(set(combo) | set(rate[:POOL_SIZE]))
+        seen: set[tuple[int, ...]] = {combo}
+        cands = []
+        for nbr in _neighbours(combo, pool, T, avail):
+            key = tuple(sorted(nbr))
+            if key in seen:
+                continue
+            seen.add(key)
+            lb = nb.lower_bound(key)
+            if lb < best_s * (1 - 1e-9):
+                cands.append((lb, key))
+        cands.sort()
+        improved = None
+        for lb, key in cands:
+            if lb >= best_s * (1 - 1e-9) or len(nb.scored) >= max_scores:
+                break
+            got = nb.exact(key)
+            if got is not None and got[1].iteration_time_s < best_s * (1 - 1e-9):
+                best_s = got[1].iteration_time_s
+                best = (best_s, got[0], got[1])
+                improved = key
+        if improved is None:
+            return best
+        combo = improved
