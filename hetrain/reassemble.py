@@ -118,6 +118,17 @@ def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s
     return manifest, best[2]
 
 
+def _why(e: BaseException) -> str:
+    """A short reason; fsspec's HTTP layer reports a timeout as FileNotFoundError from the real cause."""
+    cause = e.__cause__
+    if isinstance(e, FileNotFoundError) and cause is not None and not isinstance(cause, FileNotFoundError):
+        if "404" not in str(cause):
+            return f"{type(cause).__name__}: {cause}".rstrip(": ")
+    if isinstance(e, FileNotFoundError):
+        return "not found"
+    return f"{type(e).__name__}: {e}".rstrip(": ")
+
+
 def _copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.AbstractFileSystem, dest_path: str,
                    timeout_s: float) -> None:
     fs, root = src.filesystem(timeout_s)
@@ -160,8 +171,7 @@ def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, d
                 _copy_verified(src, entry, manifest.step, dest_fs, join(partial, entry.path), timeout_s)
                 return FileFetch(entry.path, entry.size, src.name, time.perf_counter() - t0, skipped)
             except Exception as e:
-                why = "not found" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
-                skipped.append(f"{src.name}: {why}")
+                skipped.append(f"{src.name}: {_why(e)}")
         tried = "; ".join(skipped) if skipped else "no surviving peer holds it and no remote store is configured"
         raise HetrainError(f"checkpoint step {manifest.step}: file {entry.path} could not be fetched from any "
                            f"source ({tried})")

@@ -1,0 +1,243 @@
+"""Recovery against real parts: a moto S3 server on loopback, HTTP peers on 127.0.0.x, gloo ranks.
+
+One training run (module fixture) leaves a committed checkpoint on three nodes' directories
+and in the bucket; each test copies what it needs and breaks it its own way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import s3fs
+from moto.server import ThreadedMotoServer
+
+from ckpt_helpers import TINY, plan, run
+from hetrain.checkpoint import MANIFEST, CheckpointConfig, committed_steps, read_manifest, step_name
+from hetrain.errors import HetrainError
+from hetrain.launch import free_port, write_config
+from hetrain.peer import PeerServer
+from hetrain.reassemble import Source, find_latest, reassemble
+from hetrain.recovery import recover
+from hetrain.runtime import RunConfig
+from solver.planner import make_plan
+
+BUCKET = "hetrain-test"
+SAVE = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
+CLUSTER_YAML = """
+name: three-nodes
+inter_node_bandwidth_gbps: 1.0
+collective_latency_us: 2000
+gpu_types:
+  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 6, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+  - {name: a, gpu: cpu, count: 2, intra_node_bandwidth_gbps: 2.0}
+  - {name: b, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0}
+  - {name: c, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on loopback; the credentials reach the training processes through the environment."""
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+    fs.mkdir(BUCKET)
+    yield endpoint, fs
+    server.stop()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, s3):
+    """Steps 0-3 on nodes a, b, c; checkpoints at steps 1 and 3, both backed up."""
+    endpoint, fs = s3
+    base = tmp_path_factory.mktemp("trained")
+    cfg = CheckpointConfig(local_dir=str(base / "nodes" / "{node}"), every_steps=2, keep=2,
+                           remote_url=f"s3://{BUCKET}/base", remote_options={"endpoint_url": endpoint})
+    run(SAVE, base / "train", steps=4, checkpoint=cfg)
+    return base, cfg
+
+
+def copy_run(trained, s3, dest: Path, name: str) -> CheckpointConfig:
+    """This test's own copy of the node directories and of the bucket prefix."""
+    base, cfg = trained
+    endpoint, fs = s3
+    shutil.copytree(base / "nodes", dest / "nodes")
+    fs.copy(f"{BUCKET}/base", f"{BUCKET}/{name}", recursive=True)
+    fs.invalidate_cache()
+    return cfg.model_copy(update={"local_dir": str(dest / "nodes" / "{node}"), "remote_url": f"s3://{BUCKET}/{name}"})
+
+
+def remote_source(cfg: CheckpointConfig) -> Source:
+    return Source("remote", cfg.remote_url, remote=True, options=cfg.remote_options)
+
+
+def test_training_backs_checkpoints_up_to_the_bucket(trained, s3):
+    base, cfg = trained
+    assert committed_steps(cfg.remote_url, cfg.remote_options) == [1, 3]
+    remote = read_manifest(cfg.remote_url, 3, cfg.remote_options)
+    assert remote == read_manifest(cfg.node_root("a"), 3)
+    fs = s3[1]
+    for f in remote.files:
+        assert fs.size(f"{BUCKET}/base/{step_name(3)}/{f.path}") == f.size
+
+
+def test_lost_node_recovers_from_peers_and_bucket_and_resumes(trained, s3, tmp_path: Path):
+    """Node c is gone with its disk: a and b serve over HTTP, c's shard comes from the bucket."""
+    cfg = copy_run(trained, s3, tmp_path, "lost-c")
+    shutil.rmtree(cfg.node_root("c"))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER_YAML)
+    with PeerServer(cfg.node_root("a"), host="127.0.0.2") as peer_a, \
+            PeerServer(cfg.node_root("b"), host="127.0.0.3") as peer_b:
+        cfg = cfg.model_copy(update={"peers": {"a": peer_a.url, "b": peer_b.url, "c": "http://127.0.0.4:9"}})
+        run_dir = tmp_path / "run"
+        # the run as hetrain train left it: its config names the plan, the cluster and the checkpoints
+        SAVE.write(tmp_path / "plan.json")
+        write_config(RunConfig(plan=str(tmp_path / "plan.json"), cluster=str(cluster), steps=6, lr=1e-2,
+                               checkpoint=cfg), run_dir)
+        result = recover(run_dir, ["c"], lambda cl, m, s: make_plan("hetrain", cl, m, s).plan, timeout_s=2)
+    assert result.step == 3
+    sources = {f.path: f.source for f in result.fetch.files}
+    assert sources["__3_0.distcp"] == "remote"  # rank 3 lived on c
+    assert {sources[p] for p in ("__0_0.distcp", "__1_0.distcp")} == {"a"}
+    assert sources["__2_0.distcp"] == "b"
+    assert "c" not in {d.split("/")[0] for d in result.plan.devices()}
+    assert [r["step"] for r in result.records] == [4, 5]
+    assert set(result.timings_s) >= {"replan_s", "fetch_s", "load_s", "first_step_s"}
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [4, 5] and "resume_load_s" in resumed[0]
+    # the resumed run keeps checkpointing into the survivors' directories
+    assert committed_steps(cfg.node_root("a"))[-1] == 5
+
+
+def test_corrupt_peer_file_is_refetched_from_the_bucket(trained, s3, tmp_path: Path):
+    cfg = copy_run(trained, s3, tmp_path, "corrupt")
+    shard = Path(cfg.node_root("a")) / step_name(3) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    peers = [Source(n, cfg.node_root(n)) for n in "abc"]
+    manifest, _ = find_latest(peers)
+    report = reassemble(manifest, peers, remote_source(cfg), str(tmp_path / "restore"))
+    fetched = {f.path: f for f in report.files}
+    assert fetched["__0_0.distcp"].source == "remote"
+    assert "checksum mismatch" in fetched["__0_0.distcp"].skipped[0]
+    assert all(f.source != "remote" for p, f in fetched.items() if p != "__0_0.distcp")
+    want = Path(trained[1].node_root("a")) / step_name(3) / "__0_0.distcp"
+    assert (tmp_path / "restore" / "__0_0.distcp").read_bytes() == want.read_bytes()
+
+
+def test_silent_peer_times_out_and_the_bucket_serves(trained, s3, tmp_path: Path):
+    cfg = copy_run(trained, s3, tmp_path, "silent")
+    silent = socket.socket()
+    silent.bind(("127.0.0.5", 0))
+    silent.listen(16)  # accepts connections, never answers
+    try:
+        peers = [Source("a", f"http://127.0.0.5:{silent.getsockname()[1]}"), Source("b", cfg.node_root("b")),
+                 Source("c", cfg.node_root("c"))]
+        manifest, _ = find_latest(peers[1:])
+        t0 = time.perf_counter()
+        report = reassemble(manifest, peers, remote_source(cfg), str(tmp_path / "restore"), timeout_s=1.0)
+        assert time.perf_counter() - t0 < 20
+    finally:
+        silent.close()
+    fetched = {f.path: f for f in report.files}
+    for path in ("__0_0.distcp", "__1_0.distcp"):  # a's shards
+        assert fetched[path].source == "remote" and "Timeout" in fetched[path].skipped[0]
+
+
+def test_missing_everywhere_is_a_clear_error_and_loads_nothing(trained, s3, tmp_path: Path):
+    cfg = copy_run(trained, s3, tmp_path, "missing")
+    shutil.rmtree(cfg.node_root("c"))
+    s3[1].rm(f"{BUCKET}/missing/{step_name(3)}/__3_0.distcp")
+    peers = [Source(n, cfg.node_root(n)) for n in "ab"]
+    manifest, _ = find_latest(peers + [remote_source(cfg)])
+    with pytest.raises(HetrainError, match=r"file __3_0\.distcp could not be fetched from any source \(remote: not found\)"):
+        reassemble(manifest, peers, remote_source(cfg), str(tmp_path / "restore"))
+    assert not (tmp_path / "restore").exists() and not (tmp_path / "restore.partial").exists()
+
+
+def test_manifest_of_another_model_is_refused(trained):
+    base, cfg = trained
+    other = TINY.model_copy(update={"hidden_size": 128})
+    with pytest.raises(HetrainError, match="checkpoint is of model 'gpt-tiny'.*not the run's"):
+        find_latest([Source("a", cfg.node_root("a"))], model=other)
+
+
+def test_peer_server_is_confined_to_its_root_and_checks_the_token(trained, tmp_path: Path, monkeypatch):
+    base, cfg = trained
+    (Path(cfg.node_root("a")).parent / "secret.txt").write_text("not for peers")
+    with PeerServer(cfg.node_root("a"), host="127.0.0.6", token="s3cret") as peer:
+        def get(path: str, token: str | None = "s3cret") -> int:
+            req = urllib.request.Request(peer.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert get(f"/{step_name(3)}/{MANIFEST}") == 200
+        assert get("/_steps") == 200
+        assert get(f"/{step_name(3)}/{MANIFEST}", token=None) == 401
+        assert get(f"/{step_name(3)}/{MANIFEST}", token="wrong") == 401
+        for escape in ("/../secret.txt", "/%2e%2e/secret.txt", f"/{step_name(3)}/../../secret.txt"):
+            assert get(escape) == 404, escape
+        # through fsspec: without the token the peer is skipped, with it the peer serves
+        src = Source("a", peer.url)
+        with pytest.raises(Exception):
+            src.steps(2.0)
+        monkeypatch.setenv("HETRAIN_PEER_TOKEN", "s3cret")
+        assert src.steps(2.0) == [1, 3]
+
+
+def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path: Path):
+    """The store is down when training starts; it comes back only after an upload has failed and is retrying."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    late = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    log = tmp_path / "train" / "run" / "launch.log"
+    came_back: list[float] = []
+
+    def start_after_a_retry() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if log.exists() and "retry" in log.read_text():
+                late.start()
+                came_back.append(time.time())
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=start_after_a_retry, daemon=True)
+    watcher.start()
+    try:
+        cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1, keep=5,
+                               remote_url=f"s3://{BUCKET}/late", remote_options={"endpoint_url": endpoint},
+                               upload_retries=10)
+        records = run(SAVE, tmp_path / "train", steps=3, checkpoint=cfg)
+        watcher.join(5)
+        assert came_back, "no upload was retried"
+        assert [r["step"] for r in records] == [0, 1, 2]
+        # every checkpoint was committed locally whatever the store did, and the last one reached it
+        for node in "abc":
+            assert committed_steps(cfg.node_root(node)) == [0, 1, 2]
+        assert committed_steps(cfg.remote_url, cfg.remote_options)[-1] == 2
+        assert "testing" not in log.read_text()  # credentials never logged
+    finally:
+        if came_back:
+            late.stop()
