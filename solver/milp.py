@@ -21,6 +21,7 @@ covering knapsack, so we bisect on T and at each T ask HiGHS whether
 smallest feasible T (to ``rel_tol``). The pipeline count D sets gradient sync's ring factor
 2(D-1)/D (none at all for D = 1), so each D up to ``EXACT_PIPELINE_COUNTS`` gets its own
 bisection with D_lo = D_hi = D, and all larger counts one more, charged at the largest D.
+D = 1 and 2 are enumerated directly (``best_of_one_or_two``), exact and cheaper.
 Gradient sync runs over the slowest link of the *scope* (a set of nodes the plan may use;
 ``solver.planner`` enumerates them). The variables grow with the number of templates, never
 with the number of GPUs; the model is built once per scope and re-solved with new ``cap``,
@@ -34,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
@@ -189,28 +191,24 @@ def best_of_one_or_two(
     if D == 1:
         got = [(M * t.tau_s + t.fill_s + p, [t]) for t, p in zip(templates, post)]
         return min(got, key=lambda g: g[0]) if got else None
-    if M < 2:
+    if M < 2 or not templates:
         return None
-    best = None
-    J = len(templates)
-    for i in range(J):
-        a, pa = templates[i], post[i]
-        left = [v - u for v, u in zip(available, a.usage)]
-        if any(v < 0 for v in left):
-            continue
-        fa = a.fill_s + pa
-        for j in range(i, J):
-            b = templates[j]
-            if any(u > v for u, v in zip(b.usage, left)):
-                continue
-            fb = b.fill_s + post[j]
-            # a takes m, b takes M - m: balance m tau_a + fa = (M - m) tau_b + fb
-            m0 = (M * b.tau_s + fb - fa) / (a.tau_s + b.tau_s)
-            for m in {min(max(int(m0), 1), M - 1), min(max(int(m0) + 1, 1), M - 1)}:
-                t = max(m * a.tau_s + fa, (M - m) * b.tau_s + fb)
-                if best is None or t < best[0]:
-                    best = (t, [a, b])
-    return best
+    # vectorised over all pairs i <= j (numpy comes with highspy)
+    use = np.array([t.usage for t in templates])
+    tau = np.array([t.tau_s for t in templates])
+    fix = np.array([t.fill_s for t in templates]) + np.array(post)
+    fits = np.all(use[:, None, :] + use[None, :, :] <= np.array(available), axis=2)
+    fits &= np.triu(np.ones(fits.shape, dtype=bool))
+    i, j = np.nonzero(fits)
+    if len(i) == 0:
+        return None
+    # i takes m, j takes M - m: balance m tau_i + fix_i = (M - m) tau_j + fix_j
+    m0 = np.floor((M * tau[j] + fix[j] - fix[i]) / (tau[i] + tau[j]))
+    best_t = np.full(len(i), np.inf)
+    for m in (np.clip(m0, 1, M - 1), np.clip(m0 + 1, 1, M - 1)):
+        best_t = np.minimum(best_t, np.maximum(m * tau[i] + fix[i], (M - m) * tau[j] + fix[j]))
+    k = int(np.argmin(best_t))
+    return float(best_t[k]), [templates[i[k]], templates[j[k]]]
 
 
 def solve_templates(
@@ -219,7 +217,7 @@ def solve_templates(
     available: list[int],
     sync_bw_gbps: float,
     time_limit_s: float = 10.0,
-    rel_tol: float = 1e-3,
+    rel_tol: float = 5e-4,
     prune_above_s: float | None = None,
 ) -> MilpResult | None:
     """Smallest iteration time over plans built from ``space``'s templates within ``available`` groups.
@@ -271,7 +269,9 @@ def solve_templates(
             milp = TemplateMilp(templates, available, M, time_limit_s)
         milp.set_pipeline_count(d_lo, d_hi, post)
         chosen = milp.cover(hi * (1 + rel_tol))
-        if chosen is TIMED_OUT:
+        if chosen is None:
+            low = hi  # proven: nothing with this many pipelines beats hi
+        elif chosen is TIMED_OUT:
             chosen = None
         top = achieved_s(chosen, milp, M) if chosen is not None else hi
         # refine to rel_tol, or until this count provably cannot beat the best (its answer is
