@@ -51,6 +51,7 @@ class CheckpointConfig(BaseModel):
 
     local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
     every_steps: PositiveInt = 50
+    save_at_end: bool = True  # also checkpoint after the run's last step
     keep: PositiveInt = 2
     remote_url: str | None = None  # e.g. s3://bucket/runs/x; uploaded in the background
     remote_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options, e.g. {"endpoint_url": ...}

@@ -440,6 +440,7 @@ def recover(
     steps: Annotated[int | None, typer.Option(min=1, help="train until this step (default: as before)")] = None,
     planner: Annotated[str, typer.Option(help="planner for the survivors")] = "hetrain",
     timeout_s: Annotated[float, typer.Option(help="seconds before a silent peer counts as gone")] = 10.0,
+    no_peers: Annotated[bool, typer.Option("--no-peers", help="fetch everything from the remote store")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ):
     """Re-plan without the lost nodes, reassemble the last checkpoint (peers first), resume training."""
@@ -459,7 +460,7 @@ def recover(
                   console=err, transient=True) as bar:
         task = bar.add_task("recover", total=1.0, info="")
         result = do_recover(
-            run, lost, plan_for, cluster_file=cluster, steps=steps, timeout_s=timeout_s,
+            run, lost, plan_for, cluster_file=cluster, steps=steps, timeout_s=timeout_s, use_peers=not no_peers,
             on_progress=lambda what, frac: bar.update(task, description=what, completed=frac, info=""),
             on_record=lambda r: bar.update(task, description="train", completed=1.0,
                                            info=f"step {r['step']} loss {r['loss']:.3f}"))

@@ -65,21 +65,25 @@ def surviving_cluster(cluster: ClusterSpec, lost_nodes: list[str], source: str) 
     return ClusterSpec.model_validate(data)
 
 
-def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str]) -> tuple[list[Source], Source | None]:
+def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
+                use_peers: bool = True) -> tuple[list[Source], Source | None]:
     ckpt = config.checkpoint
     if ckpt is None:
         raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
     nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
-    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes]
+    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes] if use_peers else []
     remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
     return peers, remote
 
 
 def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_file: Path | None = None,
-            steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True,
+            steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True, use_peers: bool = True,
             on_progress: Callable[[str, float], None] | None = None,
             on_record: Callable[[dict], None] | None = None) -> RecoveryResult:
-    """Re-plan without ``lost_nodes``, reassemble the newest checkpoint and resume training."""
+    """Re-plan without ``lost_nodes``, reassemble the newest checkpoint and resume training.
+
+    ``use_peers=False`` reads everything from the remote store (the spot baseline AutoHet compares with).
+    """
     from hetrain.launch import launch, write_config
     from hetrain.layout import build_layout
 
@@ -104,7 +108,9 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
     timings["replan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    peers, remote = sources_for(config, old_plan, lost_nodes)
+    peers, remote = sources_for(config, old_plan, lost_nodes, use_peers)
+    if not peers and remote is None:
+        raise HetrainError("nothing to recover from: no surviving peer and no remote store configured")
     manifest, _ = find_latest(peers + ([remote] if remote else []), model=old_plan.model, timeout_s=timeout_s)
     dest = run_dir / "restore" / step_name(manifest.step)
     report = reassemble(manifest, peers, remote, str(dest), timeout_s=timeout_s,

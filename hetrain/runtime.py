@@ -340,8 +340,8 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
         for step in range(config.start_step, config.steps):
             record = trainer.train_step(step)
             ckpt = trainer.checkpointer
-            if ckpt is not None and (record.pop("checkpoint_requested") or step + 1 == config.steps
-                                     or (step + 1) % ckpt.config.every_steps == 0):
+            if ckpt is not None and (record.pop("checkpoint_requested") or (step + 1) % ckpt.config.every_steps == 0
+                                     or (step + 1 == config.steps and ckpt.config.save_at_end)):
                 saved = time.perf_counter()
                 ckpt.save(step)
                 record["checkpoint_s"] = time.perf_counter() - saved

@@ -1,0 +1,175 @@
+"""Recovery time: peers first (AutoHet's idea) vs everything from the bucket (the spot baseline).
+
+A GPT of about 19 M parameters trains two steps on four one-device nodes and commits a
+checkpoint of about 230 MB (weights + AdamW moments, four DCP shards) to each node's
+directory and, in the background, to a bucket on a local S3 server (moto, its own process).
+Node n3 is then lost with its disk. Each repeat restores that same checkpoint twice,
+alternating:
+
+* peers first: n0-n2 serve their directories over HTTP (``hetrain serve`` processes on
+  127.0.0.2-4); only n3's shard comes from the bucket;
+* bucket only: every file from the bucket (``hetrain recover --no-peers``);
+
+On loopback a bucket is as fast as a peer, which no cloud bucket is: recovery reads the bucket
+through a proxy capped at ``--bucket-mb-s`` (default 100 MB/s, about what one node sustains
+from S3-class storage; bench/_netem.py). Peers stay on loopback, slower than a real 10-100 Gb/s
+cluster network through Python's HTTP stacks. ``--bucket-mb-s 0`` measures without the cap.
+
+each time through ``hetrain.recovery.recover``: re-plan for the three survivors, fetch,
+start three processes, load with DCP resharding, one training step. Prints the breakdown
+and the ratios, writes bench/results/recovery.json.
+
+    python bench/recovery.py [--repeats 2] [--layers 6] [--hidden 512] [--bucket-mb-s 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import print_table, write_results
+
+import s3fs
+
+from hetrain.checkpoint import CheckpointConfig, committed_steps, read_manifest
+from hetrain.launch import free_port, launch, write_config
+from hetrain.layout import build_layout
+from hetrain.recovery import recover
+from hetrain.runtime import RunConfig
+from hetrain.specs import ModelSpec, TrainingSettings, load_cluster
+from solver.planner import make_plan
+
+BUCKET = "hetrain-bench"
+LOST = "n3"
+CLUSTER = """
+name: bench-4x1
+inter_node_bandwidth_gbps: 1.0
+gpu_types:
+  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 8, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+""" + "".join(f"  - {{name: n{i}, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}}\n" for i in range(4))
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {host}:{port}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--bucket-mb-s", type=float, default=100.0, help="bucket bandwidth cap in MB/s (0: none)")
+    args = ap.parse_args()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(k, "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        return procs[-1]
+
+    port = free_port()
+    start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+    endpoint = f"http://127.0.0.1:{port}"
+    wait_for_port("127.0.0.1", port)
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
+    bucket_endpoint = endpoint
+    if args.bucket_mb_s > 0:
+        proxy = start([sys.executable, str(Path(__file__).with_name("_netem.py")), "127.0.0.1", str(port),
+                       str(args.bucket_mb_s)])
+        bucket_endpoint = proxy.stdout.readline().strip()
+    model = ModelSpec(name="gpt-bench-ckpt", num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
+                      seq_length=64, vocab_size=256)
+    settings = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_sizes=[1, 2], tp_degrees=[1])
+
+    def planner(cluster, m, s):
+        return make_plan("hetrain", cluster, m, s).plan
+
+    rows, samples = [], {"peers first": [], "bucket only": []}
+    try:
+        with tempfile.TemporaryDirectory(prefix="hetrain-recovery-") as tmp_str:
+            tmp = Path(tmp_str)
+            (tmp / "cluster.yaml").write_text(CLUSTER)
+            plan = planner(load_cluster(tmp / "cluster.yaml"), model, settings)
+            plan.write(tmp / "plan.json")
+            ckpt = CheckpointConfig(local_dir=str(tmp / "nodes" / "{node}"), every_steps=1000,
+                                    remote_url=f"s3://{BUCKET}/run", remote_options={"endpoint_url": endpoint})
+            base = RunConfig(plan=str(tmp / "plan.json"), cluster=str(tmp / "cluster.yaml"), steps=2, checkpoint=ckpt)
+            print(f"training {model.name} two steps on 4 nodes and checkpointing ...", flush=True)
+            launch(base, build_layout(plan), tmp / "train")
+            assert committed_steps(ckpt.remote_url, ckpt.remote_options) == [1], "backup did not finish"
+            manifest = read_manifest(ckpt.node_root("n0"), 1)
+            shards = [f for f in manifest.files if f.path.endswith(".distcp")]
+            print(f"checkpoint: {manifest.total_bytes / 1e6:.0f} MB in {len(shards)} shards "
+                  f"({', '.join(f'{f.nodes[0]} {f.size / 1e6:.0f} MB' for f in shards)})", flush=True)
+            shutil.rmtree(ckpt.node_root(LOST))  # the lost node's disk is gone with it
+
+            peers = {}
+            for i in range(3):
+                host, peer_port = f"127.0.0.{i + 2}", free_port()
+                start([sys.executable, "-m", "hetrain", "serve", "--root", ckpt.node_root(f"n{i}"), "--host", host,
+                       "--port", str(peer_port)])
+                wait_for_port(host, peer_port)
+                peers[f"n{i}"] = f"http://{host}:{peer_port}"
+            recover_ckpt = ckpt.model_copy(update={"peers": peers, "save_at_end": False,
+                                                   "remote_options": {"endpoint_url": bucket_endpoint}})
+            for rep in range(args.repeats):
+                for mode in samples:
+                    run_dir = tmp / f"{mode.replace(' ', '-')}-{rep}"
+                    cfg = base.model_copy(update={"steps": 3, "checkpoint": recover_ckpt})
+                    write_config(cfg, run_dir)
+                    result = recover(run_dir, [LOST], planner, use_peers=mode == "peers first", timeout_s=5)
+                    t = dict(result.timings_s)
+                    t.pop("train_s", None)
+                    t["total_s"] = sum(t.values())
+                    kinds = result.bytes_by_kind()
+                    samples[mode].append({**t, "peer_mb": kinds["peers"] / 1e6, "bucket_mb": kinds["remote"] / 1e6})
+                    print(f"repeat {rep} {mode}: fetch {t['fetch_s']:.2f} s, total {t['total_s']:.2f} s "
+                          f"({kinds['peers'] / 1e6:.0f} MB peers, {kinds['remote'] / 1e6:.0f} MB bucket)",
+                          flush=True)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+    keys = ["replan_s", "fetch_s", "startup_s", "load_s", "first_step_s", "total_s"]
+    med = {mode: {k: statistics.median(x[k] for x in xs) for k in keys + ["peer_mb", "bucket_mb"]}
+           for mode, xs in samples.items()}
+    for mode, m in med.items():
+        rows.append({"mode": mode, **m, "runs": samples[mode]})
+    base_row = med["bucket only"]
+    for r in rows:
+        r["fetch_ratio"] = base_row["fetch_s"] / r["fetch_s"]
+        r["total_ratio"] = base_row["total_s"] / r["total_s"]
+    print_table(
+        f"Recovery of one {manifest.total_bytes / 1e6:.0f} MB checkpoint ({len(shards)} shards) after losing {LOST}, "
+        f"bucket capped at {args.bucket_mb_s:g} MB/s (0: loopback), medians of {args.repeats} alternating runs "
+        f"each (seconds)",
+        rows,
+        [("mode", "mode"), ("MB from peers", "{peer_mb:.0f}"), ("MB from bucket", "{bucket_mb:.0f}"),
+         ("re-plan", "{replan_s:.2f}"), ("fetch", "{fetch_s:.2f}"), ("start processes", "{startup_s:.2f}"),
+         ("load", "{load_s:.2f}"), ("first step", "{first_step_s:.2f}"), ("total", "{total_s:.2f}"),
+         ("fetch speed-up", "{fetch_ratio:.2f}x"), ("total speed-up", "{total_ratio:.2f}x")],
+    )
+    print(f"\nresults: {write_results('recovery', rows)}")
+
+
+if __name__ == "__main__":
+    main()
