@@ -52,6 +52,8 @@ class CheckpointConfig(BaseModel):
     local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
     every_steps: PositiveInt = 50
     save_at_end: bool = True  # also checkpoint after the run's last step
+    replicate: bool = False  # each node also keeps a copy of the previous node's shards (ring order)
+    replicate_timeout_s: float = 30.0
     keep: PositiveInt = 2
     remote_url: str | None = None  # e.g. s3://bucket/runs/x; uploaded in the background
     remote_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options, e.g. {"endpoint_url": ...}

@@ -23,10 +23,11 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hetrain.backup import Uploader
-from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, build_manifest, join, prune, sha256_bytes, sha256_file,
-                                step_name, write_atomic)
+from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, FileEntry, build_manifest, join, prune,
+                                sha256_bytes, sha256_file, step_name, write_atomic)
 from hetrain.layout import Layout, Role
 from hetrain.plan import Plan
+from hetrain.reassemble import Source, copy_verified
 
 log = logging.getLogger("hetrain.checkpoint")
 # Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
@@ -60,6 +61,9 @@ class Checkpointer:
         self.root = config.node_root(role.node)
         self.node_leader = layout.nodes[role.node][0] == role.rank
         self.last_saved: int | None = None
+        nodes = list(layout.nodes)
+        # Ring buddies: with replication each node keeps a copy of the previous node's shards.
+        self.buddy_of = nodes[nodes.index(role.node) - 1] if config.replicate and len(nodes) > 1 else None
         self.uploader = None
         if config.remote_url and self.node_leader:
             self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0)
@@ -80,6 +84,11 @@ class Checkpointer:
                 mine.append((name, *sha256_file(fs, join(path, name))))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.role.node, mine))
+        if self.config.replicate:
+            copies = self._replicate(step, gathered, fs, path) if self.node_leader and self.buddy_of else []
+            replicas: list = [None] * dist.get_world_size()
+            dist.all_gather_object(replicas, (self.role.node, copies))
+            gathered += replicas
         payload: list = [None, None]
         if rank == 0:
             metadata = fs.cat_file(join(path, METADATA))
@@ -98,6 +107,22 @@ class Checkpointer:
             prune(self.root, self.config.keep)
             if self.uploader is not None:
                 self.uploader.submit(step, manifest_bytes)
+
+    def _replicate(self, step: int, gathered: list, fs, path: str) -> list[tuple[str, int, str]]:
+        """Copy the buddy node's new shards into this node's step directory, verified; returns what arrived."""
+        source = Source(self.buddy_of, self.config.peer_url(self.buddy_of))
+        copied = []
+        for node, entries in gathered:
+            if node != self.buddy_of:
+                continue
+            for name, size, digest in entries:
+                entry = FileEntry(path=name, size=size, sha256=digest, nodes=[node])
+                try:
+                    copy_verified(source, entry, step, fs, join(path, name), self.config.replicate_timeout_s)
+                    copied.append((name, size, digest))
+                except Exception as e:  # a missed copy only means the bucket is needed for that file
+                    log.warning("replicating %s of step %d from node %s failed: %s", name, step, node, e)
+        return copied
 
     def close(self) -> None:
         if self.uploader is not None:

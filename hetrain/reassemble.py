@@ -129,7 +129,7 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".rstrip(": ")
 
 
-def _copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.AbstractFileSystem, dest_path: str,
+def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.AbstractFileSystem, dest_path: str,
                    timeout_s: float) -> None:
     fs, root = src.filesystem(timeout_s)
     digest, size = hashlib.sha256(), 0
@@ -168,7 +168,7 @@ def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, d
         for src in candidates:
             t0 = time.perf_counter()
             try:
-                _copy_verified(src, entry, manifest.step, dest_fs, join(partial, entry.path), timeout_s)
+                copy_verified(src, entry, manifest.step, dest_fs, join(partial, entry.path), timeout_s)
                 return FileFetch(entry.path, entry.size, src.name, time.perf_counter() - t0, skipped)
             except Exception as e:
                 skipped.append(f"{src.name}: {_why(e)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,18 @@ def test_rank_killed_during_save_leaves_previous_commit(tmp_path: Path, monkeypa
     reassemble(manifest, peers, None, str(tmp_path / "restore"))
     records = run(SAVE_PP, tmp_path / "again", steps=3, start_step=2, resume_from=str(tmp_path / "restore"))
     assert [r["step"] for r in records] == [2]
+
+
+def test_buddy_replication_recovers_a_lost_node_without_the_bucket(tmp_path: Path):
+    cfg = ckpt_config(tmp_path, every_steps=2, replicate=True)
+    records = run(SAVE_PP, tmp_path / "save", steps=2, checkpoint=cfg)
+    assert records[-1]["checkpoint_s"] > 0
+    manifest = read_manifest(cfg.node_root("b"), 1)
+    # ring a -> b -> c -> a: each node keeps the previous node's shards
+    holders = {f.path: f.nodes for f in manifest.files if f.path != METADATA}
+    assert holders == {"__0_0.distcp": ["a", "b"], "__1_0.distcp": ["a", "b"], "__2_0.distcp": ["b", "c"],
+                       "__3_0.distcp": ["c", "a"]}
+    shutil.rmtree(cfg.node_root("c"))
+    peers = [Source(n, cfg.node_root(n)) for n in "ab"]
+    report = reassemble(find_latest(peers)[0], peers, None, str(tmp_path / "restore"))
+    assert {f.path: f.source for f in report.files}["__3_0.distcp"] == "a"
