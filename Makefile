@@ -22,3 +22,5 @@ bench: setup
 	$(PY) bench/solver_scale.py
 	$(PY) bench/hetero_train.py
 	$(PY) bench/overhead.py
+	$(PY) bench/recovery.py
+	$(PY) bench/checkpoint_cost.py
