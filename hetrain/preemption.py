@@ -67,12 +67,21 @@ def _request(url: str, headers: dict[str, str], method: str = "GET", timeout_s: 
         return e.code, e.read()
 
 
-class AwsSpot:
-    cloud = "aws"
+class _MetadataSource:
+    """A cloud's metadata endpoint; ``poll`` returns a Notice or None."""
+
+    cloud = ""
 
     def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
-        self.base = (base_url or DEFAULT_BASE["aws"]).rstrip("/")
+        self.base = (base_url or DEFAULT_BASE[self.cloud]).rstrip("/")
         self.timeout_s = timeout_s
+
+    def poll(self) -> Notice | None:
+        raise NotImplementedError
+
+
+class AwsSpot(_MetadataSource):
+    cloud = "aws"
 
     def poll(self) -> Notice | None:
         status, token = _request(f"{self.base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
@@ -90,12 +99,8 @@ class AwsSpot:
         return Notice("aws", data.get("action", "terminate"), deadline, data)
 
 
-class GcpPreempted:
+class GcpPreempted(_MetadataSource):
     cloud = "gcp"
-
-    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
-        self.base = (base_url or DEFAULT_BASE["gcp"]).rstrip("/")
-        self.timeout_s = timeout_s
 
     def poll(self) -> Notice | None:
         status, body = _request(f"{self.base}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"},
@@ -107,12 +112,8 @@ class GcpPreempted:
         return Notice("gcp", "preempt", datetime.now(UTC) + timedelta(seconds=GCP_SPOT_NOTICE_S), {})
 
 
-class AzureScheduledEvents:
+class AzureScheduledEvents(_MetadataSource):
     cloud = "azure"
-
-    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
-        self.base = (base_url or DEFAULT_BASE["azure"]).rstrip("/")
-        self.timeout_s = timeout_s
 
     def poll(self) -> Notice | None:
         status, body = _request(f"{self.base}/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"},

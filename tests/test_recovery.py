@@ -241,3 +241,18 @@ def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path:
     finally:
         if came_back:
             late.stop()
+
+
+def test_recover_command_rejects_unknown_runs_and_nodes(tmp_path: Path, trained):
+    from conftest import run_cli
+
+    r = run_cli("recover", "--run", str(tmp_path / "nowhere"), "--lost-nodes", "c")
+    assert r.returncode == 2 and "no config.json there" in r.stderr
+    (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
+    SAVE.write(tmp_path / "plan.json")
+    write_config(RunConfig(plan=str(tmp_path / "plan.json"), cluster=str(tmp_path / "cluster.yaml"),
+                           checkpoint=trained[1]), tmp_path / "run")
+    r = run_cli("recover", "--run", str(tmp_path / "run"), "--lost-nodes", "v100-9")
+    assert r.returncode == 2
+    assert "lost node 'v100-9' is not a node of cluster" in r.stderr and "(nodes: a, b, c)" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
