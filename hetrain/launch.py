@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -92,10 +93,11 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
-def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2, pos: int = 0) -> Iterator[dict]:
-    """Yield metric records as rank 0 appends them after byte ``pos``, until the launch exits."""
+def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2, pos: int = 0,
+                   stop: threading.Event | None = None) -> Iterator[dict]:
+    """Yield metric records as rank 0 appends them after byte ``pos``, until the launch exits or ``stop`` is set."""
     while True:
-        done = proc.poll() is not None
+        done = proc.poll() is not None or (stop is not None and stop.is_set())
         if path.exists():
             with path.open() as f:
                 f.seek(pos)
@@ -153,9 +155,21 @@ def worker_pids(run_dir: Path) -> list[int]:
     return alive
 
 
+class RunStopped(HetrainError):
+    """``launch`` was told to stop (e.g. the emulated node went away at its preemption deadline)."""
+
+    def __init__(self, records: list[dict]) -> None:
+        last = records[-1]["step"] if records else None
+        super().__init__(f"training stopped after step {last}" if records else "training stopped before its first step")
+        self.records = records
+
+
 def launch(config: RunConfig, layout: Layout, run_dir: Path,
-           on_record: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run training on this machine; returns the metric records. Raises HetrainError on failure."""
+           on_record: Callable[[dict], None] | None = None, stop_event: threading.Event | None = None) -> list[dict]:
+    """Run training on this machine; returns the metric records. Raises HetrainError on failure.
+
+    Setting ``stop_event`` stops every process of the run and raises ``RunStopped``.
+    """
     run_dir = run_dir.resolve()
     if config.metrics is None:
         config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
@@ -172,10 +186,13 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     with log.open("w") as log_f:
         proc = subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            for record in follow_metrics(metrics, proc, pos=start_pos):
+            for record in follow_metrics(metrics, proc, pos=start_pos, stop=stop_event):
                 records.append(record)
                 if on_record:
                     on_record(record)
+            if stop_event is not None and stop_event.is_set() and proc.poll() is None:
+                stop(proc, run_dir)
+                raise RunStopped(records)
         except BaseException:
             stop(proc, run_dir)
             raise

@@ -68,6 +68,11 @@ class Profile(BaseModel):
         data = self.model_dump(mode="json", exclude={"schema_"})
         return json.dumps({"schema": PROFILE_SCHEMA, **data}, indent=2)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """From the parsed JSON (``to_json``'s shape, ``schema`` key included)."""
+        return cls.model_validate({k: v for k, v in data.items() if k != "schema"})
+
 
 def load_profile(path: str | Path) -> Profile:
     p = Path(path)

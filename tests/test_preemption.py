@@ -10,8 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,92 +17,42 @@ import pytest
 from ckpt_helpers import plan, run
 from conftest import ROOT
 from hetrain.checkpoint import CheckpointConfig, committed_steps
+from hetrain.fakecloud import FakeCloudMetadata
 from hetrain.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
-
-
-class FakeMetadata:
-    """Serves AWS IMDSv2, GCP and Azure metadata paths as their docs describe; ``state`` sets the notice."""
-
-    TOKEN = "imds-token-123"
-
-    def __init__(self) -> None:
-        self.state: dict = {"aws": None, "gcp": False, "azure": []}
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def _send(self, status: int, body: bytes | str = b"") -> None:
-                body = body.encode() if isinstance(body, str) else body
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_PUT(self) -> None:
-                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-                    return self._send(200, fake.TOKEN)
-                self._send(400)
-
-            def do_GET(self) -> None:
-                if self.path == "/latest/meta-data/spot/instance-action":
-                    if self.headers.get("X-aws-ec2-metadata-token") != fake.TOKEN:
-                        return self._send(401)
-                    action = fake.state["aws"]
-                    return self._send(404, "Not Found") if action is None else self._send(200, json.dumps(action))
-                if self.path == "/computeMetadata/v1/instance/preempted":
-                    if self.headers.get("Metadata-Flavor") != "Google":
-                        return self._send(403)
-                    return self._send(200, "TRUE" if fake.state["gcp"] else "FALSE")
-                if self.path == "/metadata/scheduledevents?api-version=2020-07-01":
-                    if self.headers.get("Metadata") != "true":
-                        return self._send(400)
-                    return self._send(200, json.dumps({"DocumentIncarnation": 1, "Events": fake.state["azure"]}))
-                self._send(404)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @pytest.fixture
 def fake():
-    f = FakeMetadata()
+    f = FakeCloudMetadata().start()
     yield f
-    f.server.shutdown()
-
-
-def iso(dt: datetime) -> str:
-    return dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+    f.stop()
 
 
 def test_aws_imdsv2_spot_instance_action(fake):
-    source = AwsSpot(fake.url)
+    source = AwsSpot(fake.url("n1"))
     assert source.poll() is None
-    deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=2)
-    fake.state["aws"] = {"action": "terminate", "time": iso(deadline)}
+    deadline = fake.preempt("n1", 120)
+    assert AwsSpot(fake.url("n2")).poll() is None  # only n1 is preempted
     notice = source.poll()
     assert notice.cloud == "aws" and notice.action == "terminate" and notice.deadline == deadline
     assert 100 < notice.seconds_left() <= 120
 
 
 def test_gcp_preempted(fake):
-    source = GcpPreempted(fake.url)
+    source = GcpPreempted(fake.url("n1"))
     assert source.poll() is None
-    fake.state["gcp"] = True
+    fake.preempt("n1", 30)
     notice = source.poll()
     assert notice.cloud == "gcp" and 25 < notice.seconds_left() <= 30
 
 
 def test_azure_scheduled_events_preempt(fake):
-    source = AzureScheduledEvents(fake.url)
-    fake.state["azure"] = [{"EventId": "1", "EventType": "Reboot", "NotBefore": ""}]
+    source = AzureScheduledEvents(fake.url("n1"))
+    reboot = {"EventId": "1", "EventType": "Reboot", "NotBefore": ""}
+    fake.notices["n1"] = {"azure": [reboot]}
     assert source.poll() is None
-    when = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=45)
-    fake.state["azure"].append({"EventId": "2", "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                                "Resources": ["vm1"], "EventStatus": "Scheduled",
-                                "NotBefore": when.strftime("%a, %d %b %Y %H:%M:%S GMT")})
+    when = fake.preempt("n1", 45)
+    fake.notices["n1"]["azure"].insert(0, reboot)
     notice = source.poll()
     assert notice.cloud == "azure" and notice.deadline == when
 
@@ -114,13 +62,13 @@ def test_watcher_requests_a_checkpoint_when_the_deadline_allows(fake, tmp_path: 
                                                                  expect_checkpoint):
     calls = []
     request = tmp_path / "checkpoint.request"
-    watcher = PreemptionWatcher(AwsSpot(fake.url), "spot-1", request_file=request, min_checkpoint_s=10,
+    watcher = PreemptionWatcher(AwsSpot(fake.url("spot-1")), "spot-1", request_file=request, min_checkpoint_s=10,
                                 on_notice=lambda n, c: calls.append((n, c)), poll_s=0.05, log=lambda m: None)
     thread = threading.Thread(target=watcher.run)
     thread.start()
     time.sleep(0.3)
     assert not calls and not request.exists()  # no notice yet: polling on
-    fake.state["aws"] = {"action": "stop", "time": iso(datetime.now(UTC) + timedelta(seconds=seconds_ahead))}
+    fake.preempt("spot-1", seconds_ahead, action="stop")
     thread.join(5)
     assert not thread.is_alive()
     assert len(calls) == 1 and calls[0][1] is expect_checkpoint and calls[0][0].action == "stop"
@@ -131,7 +79,7 @@ def test_watcher_requests_a_checkpoint_when_the_deadline_allows(fake, tmp_path: 
 def test_sigterm_counts_as_a_notice_and_runs_the_hook(fake, tmp_path: Path):
     hook_out = tmp_path / "hook.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hetrain", "watch", "--node", "spot-1", "--cloud", "aws", "--metadata-url", fake.url,
+        [sys.executable, "-m", "hetrain", "watch", "--node", "spot-1", "--cloud", "aws", "--metadata-url", fake.url("spot-1"),
          "--run", str(tmp_path / "run"), "--poll-s", "0.1", "--wait-checkpoint-s", "0.5",
          "--hook-command", f'echo "$HETRAIN_NODE $HETRAIN_NOTICE" > {hook_out}'],
         cwd=ROOT, stderr=subprocess.PIPE, text=True)

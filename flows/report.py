@@ -1,0 +1,73 @@
+"""Prefect artifacts for plans and runs: a table, a picture of the pipelines, progress, timings."""
+
+from __future__ import annotations
+
+import statistics
+
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
+
+from hetrain.costmodel import Estimate
+from hetrain.plan import Plan
+
+
+def artifact_key(*parts: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    raw = "-".join(parts).lower()
+    return "".join(c if c.isalnum() else "-" for c in raw).strip("-")[:100]
+
+
+def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
+    rows = []
+    for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
+        for k, (stage, stage_s) in enumerate(zip(pipe.stages, pest.stage_s)):
+            rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": ", ".join(stage.devices),
+                         "blocks": f"{stage.layers[0]}-{stage.layers[1]}",
+                         "micro-batches": pipe.num_microbatches, "stage ms": round(stage_s * 1e3, 2),
+                         "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2)})
+    return rows
+
+
+def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
+    """One line per pipeline: its stages left to right, with GPUs, blocks and its share of the batch."""
+    lines = [f"## {title}", "",
+             f"{plan.model.name}, global batch {plan.global_batch_size}, micro-batch {plan.micro_batch_size}, "
+             f"tp {plan.tp}; predicted {est.iteration_time_s:.3f} s/iteration, {est.tokens_per_s:,.0f} tokens/s", "",
+             "```"]
+    for p, pipe in enumerate(plan.pipelines):
+        stages = "  ->  ".join(f"[{'+'.join(s.devices)} {s.gpu} | blocks {s.layers[0]}-{s.layers[1]}]"
+                               for s in pipe.stages)
+        lines.append(f"pipeline {p}: {stages}   x {pipe.num_microbatches} micro-batches")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str) -> None:
+    create_table_artifact(plan_rows(plan, est), key=artifact_key(run_id, what, "plan"),
+                          description=f"{what} plan of run {run_id}")
+    create_markdown_artifact(pipelines_markdown(plan, est, f"{what} plan of run {run_id}"),
+                             key=artifact_key(run_id, what, "pipelines"), description="pipelines of the plan")
+
+
+def publish_timing(run_id: str, predicted_s: float, records: list[dict], warmup: int = 3) -> dict:
+    """Predicted vs measured iteration time (median step after ``warmup`` steps)."""
+    steps = [r["step_time_s"] for r in records[warmup:]] or [r["step_time_s"] for r in records]
+    measured = statistics.median(steps) if steps else float("nan")
+    row = {"predicted s": round(predicted_s, 4), "measured s": round(measured, 4),
+           "error %": round(100 * (predicted_s - measured) / measured, 1) if steps else None,
+           "steps measured": len(steps)}
+    create_table_artifact([row], key=artifact_key(run_id, "iteration-time"),
+                          description="predicted vs measured iteration time")
+    return row
+
+
+class Progress:
+    """A progress artifact that follows the steps of a training run."""
+
+    def __init__(self, run_id: str, first_step: int, last_step: int) -> None:
+        self.first, self.total = first_step, max(1, last_step - first_step)
+        self.id = create_progress_artifact(0.0, key=artifact_key(run_id, "progress"),
+                                           description=f"training {run_id}: steps {first_step}-{last_step - 1}")
+
+    def update(self, step: int) -> None:
+        update_progress_artifact(self.id, min(100.0, 100.0 * (step + 1 - self.first) / self.total))

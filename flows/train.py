@@ -1,0 +1,156 @@
+"""The training pipeline as a Prefect flow: profile -> plan -> train (and watch the spot nodes).
+
+    prefect deployment run 'hetrain-train/train' --param run_id=nightly --param steps=200
+
+Run again with the same ``run_id`` (the cron schedule does), it resumes from the run's newest
+committed checkpoint and trains ``steps`` more. The logic lives in ``hetrain`` and ``solver``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import INPUTS
+from pydantic import Field
+
+from flows.events import emit_preempted
+from flows.report import Progress, publish_plan, publish_timing
+from hetrain.costmodel import CostModel
+from hetrain.launch import RunStopped, launch
+from hetrain.layout import build_layout
+from hetrain.plan import Plan
+from hetrain.preemption import SOURCES, LocalSpotRun
+from hetrain.profile import Profile
+from hetrain.runs import default_checkpoints, run_dir_of, start_or_resume
+from hetrain.runtime import RunConfig
+from hetrain.specs import TrainingSettings, load_cluster, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _path(p: str) -> Path:
+    """Paths in parameters are relative to the repository, where deployments run."""
+    path = Path(p)
+    return path if path.is_absolute() else ROOT / path
+
+
+@task(cache_policy=INPUTS, persist_result=True, retries=1)
+def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[int], tp_degrees: list[int],
+            activation_recompute: bool) -> dict:
+    """Per-layer times on this machine for each GPU type (cached by model and types)."""
+    import torch
+
+    from hetrain.profiler import profile_model
+    from hetrain.specs import ModelSpec
+
+    torch.set_num_threads(1)  # as each training rank
+    prof = profile_model(ModelSpec.model_validate(model_spec), gpus=gpus, micro_batch_sizes=micro_batch_sizes,
+                         tp_degrees=tp_degrees, activation_recompute=activation_recompute, repeats=5)
+    return json.loads(prof.to_json())
+
+
+@task(retries=2, retry_delay_seconds=[1, 5])
+def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, planner: str, run_id: str) -> dict:
+    from solver.planner import make_plan
+
+    cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
+    prof = Profile.from_dict(profile_json) if profile_json else None
+    result = make_plan(planner, cl, spec, TrainingSettings.model_validate(settings), prof)
+    get_run_logger().info("%s plan: %d pipelines, tp %d, predicted %.3f s/iteration (%s)", planner,
+                          len(result.plan.pipelines), result.plan.tp, result.estimate.iteration_time_s,
+                          result.plan.solver.status if result.plan.solver else "")
+    publish_plan(result.plan, result.estimate, run_id, "training")
+    return json.loads(result.plan.to_json())
+
+
+@task(retries=1, retry_delay_seconds=5)  # a retry resumes from the newest committed checkpoint
+def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps: int, checkpoint_every: int,
+              keep: int, remote: str | None, remote_endpoint: str | None, spot_metadata_url: str | None,
+              cloud: str, lr: float, predicted_s: float) -> dict:
+    logger = get_run_logger()
+    run_dir = run_dir_of(runs_root, run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    the_plan = Plan.model_validate(plan_json)
+    plan_path = run_dir / "plan.json"
+    ckpt = default_checkpoints(run_dir, checkpoint_every, keep, remote, remote_endpoint)
+    base = RunConfig(plan=str(plan_path), cluster=str(_path(cluster)), run_id=run_id, lr=lr, checkpoint=ckpt,
+                     request_file=str(run_dir / "checkpoint.request"))
+    config, resumed = start_or_resume(run_dir, base, the_plan, steps)
+    the_plan.write(plan_path)
+    if resumed is not None:
+        logger.info("resuming run %s from its checkpoint of step %d", run_id, resumed)
+    progress = Progress(run_id, config.start_step, config.steps)
+    every = max(1, (config.steps - config.start_step) // 10)
+
+    def on_record(r: dict) -> None:
+        progress.update(r["step"])
+        if r["step"] % every == 0 or r["step"] == config.steps - 1:
+            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
+                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
+
+    cl = load_cluster(_path(cluster))
+    plan_nodes = {d.split("/")[0] for d in the_plan.devices()}
+    spot = {n.name: SOURCES[cloud](f"{spot_metadata_url.rstrip('/')}/{n.name}")
+            for n in cl.nodes if n.spot and n.name in plan_nodes} if spot_metadata_url else {}
+
+    def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
+        emit_preempted(run_id, node, notice.to_dict(), checkpoint_step)
+        logger.warning("node %s preempted (%s); emergency checkpoint at step %s; event emitted", node,
+                       notice.action, checkpoint_step)
+
+    with LocalSpotRun(spot, Path(config.request_file), on_preempted, poll_s=0.5,
+                      log=logger.info) as watch:
+        try:
+            records = launch(config, build_layout(the_plan), run_dir, on_record=on_record,
+                             stop_event=watch.stop_event)
+        except RunStopped as stopped:
+            node, notice, step = watch.preempted[0]
+            logger.warning("node %s is gone: run %s stopped after step %s; recovery takes over", node, run_id,
+                           stopped.records[-1]["step"] if stopped.records else None)
+            return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
+                    "last_step": stopped.records[-1]["step"] if stopped.records else None}
+    timing = publish_timing(run_id, predicted_s, records)
+    logger.info("run %s: steps %d-%d, loss %.4f -> %.4f; iteration %.3f s measured vs %.3f s predicted", run_id,
+                config.start_step, config.steps - 1, records[0]["loss"], records[-1]["loss"],
+                timing["measured s"], predicted_s)
+    return {"status": "completed", "run_id": run_id, "first_step": config.start_step, "last_step": records[-1]["step"],
+            "final_loss": records[-1]["loss"], "resumed_from": resumed, **timing}
+
+
+@flow(name="hetrain-train", log_prints=True)
+def train(
+    cluster: str = "examples/clusters/cpu-emulated.yaml",
+    model: str = "examples/models/gpt-tiny.yaml",
+    run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] = "demo",
+    steps: Annotated[int, Field(gt=0, le=1_000_000)] = 60,
+    global_batch_size: Annotated[int, Field(gt=0)] = 16,
+    planner: Literal["hetrain", "megatron", "whale"] = "hetrain",
+    use_profile: bool = True,
+    checkpoint_every: Annotated[int, Field(gt=0)] = 10,
+    keep: Annotated[int, Field(gt=0)] = 2,
+    remote: str | None = None,
+    remote_endpoint: str | None = None,
+    spot_metadata_url: str | None = None,
+    cloud: Literal["aws", "gcp", "azure"] = "aws",
+    lr: Annotated[float, Field(gt=0)] = 3e-3,
+    runs_root: str = "runs",
+) -> dict:
+    """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``."""
+    from hetrain.profiler import gpus_from_cluster
+
+    cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
+    settings = TrainingSettings(global_batch_size=global_batch_size, precision="fp32")
+    prof = None
+    if use_profile:
+        prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
+                       [t for t in settings.tp_degrees if spec.hidden_size % t == 0 and spec.num_heads % t == 0],
+                       settings.activation_recompute)
+    plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
+    the_plan = Plan.model_validate(plan_json)
+    cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)
+    predicted = cost.estimate(the_plan).iteration_time_s
+    return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
+                     spot_metadata_url, cloud, lr, predicted)

@@ -1,0 +1,79 @@
+"""Runs by name: ``<runs_root>/<run_id>`` holds a run's config, plans, metrics and checkpoints.
+
+What the orchestration layer needs from the library to start a run, or to resume the same run
+later (scheduled retraining) from its newest committed checkpoint, whatever plan it is on now.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hetrain.checkpoint import CheckpointConfig, Manifest, step_name
+from hetrain.errors import HetrainError
+from hetrain.plan import Plan
+from hetrain.reassemble import Source, find_latest, reassemble
+from hetrain.runtime import RunConfig
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
+    if not RUN_ID.match(run_id):
+        raise HetrainError(f"run_id '{run_id}': expected letters, digits, '.', '_' or '-' (at most 64)")
+    return Path(runs_root).resolve() / run_id
+
+
+def existing_run(runs_root: str | Path, run_id: str) -> tuple[Path, RunConfig]:
+    run_dir = run_dir_of(runs_root, run_id)
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise HetrainError(f"unknown run '{run_id}': {path} does not exist")
+    return run_dir, RunConfig.load(path)
+
+
+def default_checkpoints(run_dir: Path, every_steps: int, keep: int, remote_url: str | None = None,
+                        remote_endpoint: str | None = None) -> CheckpointConfig:
+    """Node roots under the run directory (``nodes/<node>``): right for one machine and the emulated cluster."""
+    return CheckpointConfig(local_dir=str(run_dir / "nodes" / "{node}"), every_steps=every_steps, keep=keep,
+                            remote_url=remote_url,
+                            remote_options={"endpoint_url": remote_endpoint} if remote_endpoint else {})
+
+
+def latest_checkpoint(config: RunConfig, plan: Plan, timeout_s: float = 10.0) -> tuple[Manifest, list[Source],
+                                                                                       Source | None] | None:
+    ckpt = config.checkpoint
+    if ckpt is None:
+        return None
+    nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
+    peers = [Source(n, ckpt.peer_url(n)) for n in nodes]
+    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
+    try:
+        manifest, _ = find_latest(peers + ([remote] if remote else []), model=plan.model, timeout_s=timeout_s)
+    except HetrainError as e:
+        if str(e).startswith("no committed checkpoint"):
+            return None
+        raise
+    return manifest, peers, remote
+
+
+def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int) -> tuple[RunConfig, int | None]:
+    """``config`` for ``more_steps`` steps: from 0, or after the newest committed checkpoint of this run.
+
+    The checkpoint is reassembled (the previous run's plan may have used other nodes) into
+    ``restore/step-N``; DCP reshards it onto ``plan``. Returns the config and the resumed step.
+    """
+    previous = run_dir / "config.json"
+    if previous.is_file():
+        before = RunConfig.load(previous)
+        from hetrain.plan import load_plan
+
+        found = latest_checkpoint(before, load_plan(before.plan))
+        if found is not None:
+            manifest, peers, remote = found
+            dest = run_dir / "restore" / step_name(manifest.step)
+            reassemble(manifest, peers, remote, str(dest))
+            start = manifest.step + 1
+            return config.model_copy(update={"start_step": start, "steps": start + more_steps,
+                                             "resume_from": str(dest)}), manifest.step
+    return config.model_copy(update={"start_step": 0, "steps": more_steps, "resume_from": None}), None
