@@ -97,7 +97,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             for n in cl.nodes if n.spot and n.name in plan_nodes} if spot_metadata_url else {}
 
     def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
-        emit_preempted(run_id, node, notice.to_dict(), checkpoint_step)
+        emit_preempted(run_id, node, notice.to_dict(), checkpoint_step, str(run_dir.parent))
         logger.warning("node %s preempted (%s); emergency checkpoint at step %s; event emitted", node,
                        notice.action, checkpoint_step)
 

@@ -89,7 +89,6 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
 
     run_dir = run_dir.resolve()
     config = load_run(run_dir)
-    old_plan = load_plan(config.plan)
     if config.cluster is None and cluster_file is None:
         raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
     old_cluster_file = Path(config.cluster) if config.cluster else cluster_file
@@ -100,6 +99,7 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
                                f"(nodes: {', '.join(sorted(old_nodes))})")
     cluster_path = cluster_file or old_cluster_file
     new_cluster = surviving_cluster(load_cluster(cluster_path), lost_nodes, str(cluster_path))
+    old_plan = load_plan(config.plan)
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()

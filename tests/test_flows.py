@@ -1,0 +1,177 @@
+"""Flows against a real Prefect server (prefect_test_harness) with a real process worker.
+
+The deployments come from deployments/prefect.yaml through `prefect deploy`; the preemption
+event goes through Prefect's events API, the automation creates the recovery flow run, and
+the worker runs it like on a cluster node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="hetrain-prefect-home-")
+
+import pytest  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId  # noqa: E402
+from prefect.deployments import run_deployment  # noqa: E402
+from prefect.settings import PREFECT_API_URL  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+from flows.events import emit_preempted  # noqa: E402
+from flows.train import train  # noqa: E402
+from hetrain.checkpoint import committed_steps  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()
+
+
+def prefect_cli(api: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_API_URL": api, "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def deployed(server):
+    prefect_cli(server, "work-pool", "create", "hetrain", "--type", "process")
+    r = prefect_cli(server, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    return server, r.stdout
+
+
+@pytest.fixture(scope="module")
+def worker(deployed):
+    api = deployed[0]
+    log = open(Path(os.environ["PREFECT_HOME"]) / "worker.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"], cwd=ROOT,
+                            env={**os.environ, "PREFECT_API_URL": api}, stdout=log, stderr=subprocess.STDOUT)
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+async def _deployment(name: str):
+    async with get_client() as client:
+        return await client.read_deployment_by_name(name)
+
+
+async def _runs_of(deployment_id) -> list:
+    async with get_client() as client:
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+
+
+def wait_for_runs(deployment_id, count: int, timeout_s: float = 240) -> list:
+    """Flow runs of a deployment once ``count`` of them reached a final state."""
+    import anyio
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = anyio.run(_runs_of, deployment_id)
+        done = [r for r in runs if r.state and r.state.is_final()]
+        if len(done) >= count:
+            return done
+        time.sleep(1)
+    raise AssertionError(f"{count} flow runs of deployment {deployment_id} did not finish in {timeout_s} s")
+
+
+def test_train_flow_end_to_end(server, tmp_path: Path):
+    result = train(steps=8, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4)
+    assert result["status"] == "completed" and result["first_step"] == 0 and result["last_step"] == 7
+    assert committed_steps(str(tmp_path / "e2e" / "nodes" / "fast")) == [3, 7]
+    import anyio
+
+    async def artifacts():
+        async with get_client() as client:
+            return {a.key: a for a in await client.read_artifacts()}
+
+    arts = anyio.run(artifacts)
+    assert {"e2e-training-plan", "e2e-training-pipelines", "e2e-progress", "e2e-iteration-time"} <= set(arts)
+    assert "pipeline 0:" in arts["e2e-training-pipelines"].data
+    # run again: the same run resumes after its newest checkpoint and trains 4 more steps
+    again = train(steps=4, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4)
+    assert again["resumed_from"] == 7 and again["first_step"] == 8 and again["last_step"] == 11
+
+
+def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
+    import anyio
+
+    api, _ = deployed
+    dep_train = anyio.run(_deployment, "hetrain-train/train")
+    assert dep_train.schedules and dep_train.schedules[0].schedule.cron == "0 3 * * *"
+    dep_recover = anyio.run(_deployment, "hetrain-recover/recover")
+    assert dep_recover.work_pool_name == "hetrain"
+    r = prefect_cli(api, "automation", "ls")
+    assert "recover" in r.stdout
+
+
+def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, tmp_path: Path):
+    import anyio
+
+    dep = anyio.run(_deployment, "hetrain-recover/recover")
+    runs_root = tmp_path / "runs"
+    first = train(steps=6, run_id="spot", runs_root=str(runs_root), checkpoint_every=3)
+    assert first["status"] == "completed"
+    nodes = runs_root / "spot" / "nodes"
+    assert committed_steps(str(nodes / "fast")) == [2, 5]
+    # the run goes on to step 12 after recovery: raise the target as a longer run would have had
+    config_path = runs_root / "spot" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["steps"] = 10
+    config_path.write_text(json.dumps(config))
+
+    emit_preempted("spot", "slow", {"cloud": "aws", "action": "terminate", "deadline": None}, 5, str(runs_root))
+    (run,) = wait_for_runs(dep.id, 1)
+    assert run.state.is_completed(), run.state.message
+    assert run.parameters == {"run_id": "spot", "lost_node": "slow", "runs_root": str(runs_root)}
+    metrics = [json.loads(line) for line in (runs_root / "spot" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics][-4:] == [6, 7, 8, 9]  # resumed right after the last commit
+    assert committed_steps(str(nodes / "fast"))[-1] == 9
+    plan = json.loads((runs_root / "spot" / "plan-from-step-5.json").read_text())
+    assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])
+
+
+@pytest.mark.parametrize("parameters,expected", [
+    ({"run_id": "nope", "lost_node": "slow"}, "unknown run 'nope'"),
+    ({"run_id": "spot", "lost_node": "zz"}, "lost node 'zz' is not a node of cluster"),
+    ({"run_id": "spot", "lost_node": "slow", "cluster": "no/such-cluster.yaml"}, "no/such-cluster.yaml: file not found"),
+])
+def test_bad_recovery_requests_fail_with_a_reason(deployed, worker, tmp_path: Path, parameters, expected):
+    runs_root = tmp_path / "runs"
+    (runs_root / "spot").mkdir(parents=True)
+    (runs_root / "spot" / "config.json").write_text(json.dumps({
+        "plan": str(ROOT / "missing-plan.json"), "cluster": str(ROOT / "examples" / "clusters" / "cpu-emulated.yaml")}))
+    run = run_deployment("hetrain-recover/recover", parameters={**parameters, "runs_root": str(runs_root)},
+                         timeout=240, poll_interval=1)
+    assert run.state.is_failed(), run.state
+    assert expected in run.state.message, run.state.message
+
+
+def test_parameters_that_fail_validation_are_refused_with_the_field(deployed):
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with pytest.raises(PrefectHTTPStatusError, match="timeout_s.*less than or equal to the minimum of 0"):
+        run_deployment("hetrain-recover/recover", parameters={"run_id": "spot", "lost_node": "slow", "timeout_s": -1},
+                       timeout=0)
+    with pytest.raises(PrefectHTTPStatusError, match="run_id"):
+        run_deployment("hetrain-recover/recover", parameters={"run_id": "../etc", "lost_node": "slow"}, timeout=0)
