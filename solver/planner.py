@@ -131,7 +131,8 @@ def plan_hetrain(
     """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
     t0 = time.perf_counter()
     best: tuple[float, Plan, dict] | None = None
-    solves, templates, best_gap, statuses = 0, 0, 0.0, set()
+    templates, best_gap, statuses = 0, 0.0, set()
+    stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
     best_milp_s: float | None = None
     starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
 
@@ -173,10 +174,9 @@ def plan_hetrain(
             if progress:
                 progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
             prune = best_milp_s * (1 + PRUNE_MARGIN) if best_milp_s is not None else None
-            res = solve_templates(space, M, avail, bw, time_limit_s=time_limit_s, prune_above_s=prune)
+            res = solve_templates(space, M, avail, bw, time_limit_s=time_limit_s, prune_above_s=prune, stats=stats)
             if res is None:
                 continue
-            solves += res.solves
             statuses.add(res.status)
             best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
             # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
@@ -219,7 +219,8 @@ def plan_hetrain(
         "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
         "gap": best_gap,
         "wall_s": round(time.perf_counter() - t0, 4),
-        "milp_solves": solves,
+        "milp_solves": stats.get("milp_solves", 0),
+        "lp_proofs": stats.get("lp_proofs", 0),
         "templates": templates,
         **extra,
     }

@@ -20,6 +20,8 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from hetrain.costmodel import CostModel, UnitCosts
 from hetrain.specs import ClusterSpec
 
@@ -223,6 +225,7 @@ def build_space(
     depth_cap = min(L, sum(avail))
     scarce_depth = -(-sum(avail) // M)  # with fewer micro-batches than groups, pipelines must be this deep
     templates: list[Template] = []
+    fits = _MemoryCheck(classes, L)
     for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
         for chosen in itertools.combinations(range(len(classes)), kinds):
             shallowest = None
@@ -230,7 +233,10 @@ def build_space(
                 if shallowest is not None and depth > max(shallowest + depth_slack, scarce_depth):
                     break
                 found = False
+                check = fits.checker(chosen, depth)
                 for counts in _compositions(depth, [avail[c] for c in chosen]):
+                    if not check(counts):
+                        continue  # some stage cannot hold its share of the blocks: no template
                     members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
                     t = build_template(cluster, cost, classes, members, tp, micro_batch_size)
                     if t is not None:
@@ -241,12 +247,72 @@ def build_space(
     return Space(tp, micro_batch_size, L, classes, _undominated(templates))
 
 
+class _MemoryCheck:
+    """Whether a pipeline shape can hold the model at all, without building its template.
+
+    ``split_layers`` finds a split exactly when every stage holds at least one block and the
+    stages' memory limits add up to at least L blocks. In canonical stage order a shape is
+    a run of stages per class, and a middle stage's limit only grows along the pipeline (it
+    keeps fewer micro-batches in flight), so prefix sums over positions give each run's
+    total and its first, second and last positions its minimum: O(classes) per shape
+    instead of O(depth) calls into the cost model.
+    """
+
+    def __init__(self, classes: list[GroupClass], num_layers: int):
+        self.classes, self.L = classes, num_layers
+        self._limits: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def _per_position(self, c: int, depth: int) -> tuple[list[int], list[int]]:
+        key = (c, depth)
+        if key not in self._limits:
+            u = self.classes[c].units
+            vals = [u.max_blocks(k == 0, k == depth - 1, depth - k) for k in range(depth)]
+            self._limits[key] = (vals, list(itertools.accumulate(vals, initial=0)))
+        return self._limits[key]
+
+    def checker(self, chosen: tuple[int, ...], depth: int):
+        order = stage_order(self.classes, chosen)  # the runs' order along the pipeline
+        where = [chosen.index(c) for c in order]
+        tables = [self._per_position(c, depth) for c in order]
+        L = self.L
+
+        def check(counts: tuple[int, ...]) -> bool:
+            k0, total = 0, 0
+            for i, (vals, prefix) in zip(where, tables):
+                k1 = k0 + counts[i]
+                if min(vals[k0], vals[min(k0 + 1, k1 - 1)], vals[k1 - 1]) < 1:
+                    return False
+                total += prefix[k1] - prefix[k0]
+                k0 = k1
+            return total >= L
+
+        return check
+
+
 def _undominated(templates: list[Template]) -> list[Template]:
-    keep: list[Template] = []
-    for t in sorted(templates, key=lambda t: (sum(t.usage), t.tau_s, t.fill_s)):
-        if not any(_dominates(o, t) for o in keep):
-            keep.append(t)
-    return keep
+    """Templates no earlier one (in order of groups, bottleneck, fill) dominates.
+
+    Domination is transitive, so testing against every earlier template (numpy, all pairs at
+    once) keeps exactly the templates that testing against the kept ones only would keep.
+    """
+    ts = sorted(templates, key=lambda t: (sum(t.usage), t.tau_s, t.fill_s))
+    n = len(ts)
+    if n < 2:
+        return ts
+    tau = np.array([t.tau_s for t in ts])
+    fill = np.array([t.fill_s for t in ts])
+    use = np.array([t.usage for t in ts])
+    g_max = np.array([max(t.grad_bytes) for t in ts])
+    o_max = np.array([max(t.opt_s) for t in ts])
+    # t's optimizer time at its stage with the most gradients (the first such stage)
+    o_at = np.array([t.opt_s[max(range(len(t.grad_bytes)), key=lambda i: t.grad_bytes[i])] for t in ts])
+    dom = (tau[:, None] <= tau[None, :]) & (fill[:, None] <= fill[None, :])
+    dom &= (g_max[:, None] <= g_max[None, :]) & (o_max[:, None] <= o_at[None, :])
+    for k in range(use.shape[1]):
+        dom &= use[:, k, None] <= use[None, :, k]
+    dom &= np.triu(np.ones((n, n), dtype=bool), 1)  # o (row) before t (column)
+    dropped = dom.any(axis=0)
+    return [t for t, d in zip(ts, dropped) if not d]
 
 
 def _dominates(o: Template, t: Template) -> bool:

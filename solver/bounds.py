@@ -1,0 +1,106 @@
+r"""LP bounds that let the planner skip MILP solves which could only prove infeasibility.
+
+At a fixed iteration time T and pipeline count D, the covering MILP of ``solver.milp`` asks
+for x in Z+^J with sum_j cap_j x_j >= M, sum_j use_jc x_j <= A_c and sum_j x_j <= D. Its LP
+relaxation
+
+    cap_LP = max { cap . x : use^T x <= A, 1 . x <= D, x >= 0 }
+
+bounds what any plan can absorb: cap_LP < M proves the MILP infeasible at T without HiGHS
+(and without Pyomo's per-solve overhead). The LP has one row per group class plus the count
+row (rarely more than ten) and one column per template, so a dense tableau simplex in numpy
+solves it in well under a millisecond. The bound is taken from the *dual*: any y >= 0 over
+the class rows and w >= max(0, max_j (cap_j - use_j . y)) over the count row is dual
+feasible, and A . y + D w >= cap_LP by weak duality. The simplex's final duals are repaired
+that way before use, so rounding or an iteration cap can only weaken the bound, never make
+it wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# pivots before the simplex stops and takes its current (repaired) duals
+MAX_PIVOTS = 200
+EPS = 1e-9
+
+
+def lp_capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipelines: int) -> float:
+    """Upper bound on cap . x over x >= 0 with use^T x <= available and sum x <= max_pipelines.
+
+    ``cap``: (J,) micro-batches one copy of each template finishes in time; ``use``: (J, K)
+    groups of each class per copy; ``available``: (K,) groups per class.
+    """
+    keep = cap > 0
+    if not keep.any() or max_pipelines <= 0:
+        return 0.0
+    c = cap[keep].astype(float)
+    U = use[keep].astype(float)
+    J, K = U.shape
+    m = K + 1
+    b = np.concatenate([available.astype(float), [float(max_pipelines)]])
+    # tableau [A | I | b] with A = [U^T; 1], objective row holds reduced costs (max problem)
+    tab = np.zeros((m, J + m + 1))
+    tab[:K, :J] = U.T
+    tab[K, :J] = 1.0
+    tab[:, J:J + m] = np.eye(m)
+    tab[:, -1] = b
+    red = np.concatenate([c, np.zeros(m)])  # c_j - z_j
+    for _ in range(MAX_PIVOTS):
+        e = int(np.argmax(red))
+        if red[e] <= EPS * max(1.0, c.max()):
+            break
+        col = tab[:, e]
+        pos = col > EPS
+        if not pos.any():
+            break  # unbounded cannot happen (the count row bounds every column); be safe
+        ratios = np.full(m, np.inf)
+        ratios[pos] = tab[pos, -1] / col[pos]
+        r = int(np.argmin(ratios))
+        tab[r] /= tab[r, e]
+        others = np.arange(m) != r
+        tab[others] -= np.outer(tab[others, e], tab[r])
+        red = red - red[e] * tab[r, :-1]
+    # duals of the rows are minus the reduced costs of their slacks; repair to dual feasibility
+    y = np.maximum(-red[J:J + m], 0.0)
+    yc, w = y[:K], y[K]
+    w = max(w, float(np.max(c - U @ yc)), 0.0)
+    return float(available.astype(float) @ yc + max_pipelines * w)
+
+
+class CoverLp:
+    """The LP relaxation of ``solver.milp.TemplateMilp``'s covering problem, for quick infeasibility proofs."""
+
+    def __init__(self, templates, available: list[int], M: int):
+        self.use = np.array([t.usage for t in templates], dtype=float)
+        self.tau = np.array([t.tau_s for t in templates])
+        self.fill = np.array([t.fill_s for t in templates])
+        self.available = np.array(available, dtype=float)
+        self.M = M
+        self.post = np.zeros(len(templates))
+        self.min_pipelines = 1
+        self.max_pipelines = M
+
+    def set_pipeline_count(self, d_lo: int, d_hi: int, post_s: list[float]) -> None:
+        self.min_pipelines = d_lo
+        self.max_pipelines = min(d_hi, self.M)
+        self.post = np.asarray(post_s, dtype=float)
+
+    def may_cover(self, T: float) -> bool:
+        """False only when no plan of ``d_lo`` to ``d_hi`` pipelines finishing within T absorbs M micro-batches.
+
+        Two relaxations: the capacity LP (at most ``d_hi`` pipelines must absorb M), and the
+        count LP (at least ``d_lo`` pipelines that each finish a micro-batch within T must fit
+        in the groups; the MILP's pipeline count is an integer, so the LP value is floored).
+        """
+        cap = np.maximum(np.floor((T - self.post - self.fill) / self.tau + 1e-9), 0.0)
+        if lp_capacity(cap, self.use, self.available, self.max_pipelines) < self.M - 1e-6:
+            return False
+        if self.min_pipelines > 1:
+            usable = (cap >= 1).astype(float)
+            most = lp_capacity(usable, self.use, self.available, self.max_pipelines)
+            if math.floor(most + 1e-6) < self.min_pipelines:
+                return False
+        return True
