@@ -89,7 +89,7 @@ def _plus(free: Sequence[int], usage: Sequence[int]) -> list[int]:
     return [f + u for f, u in zip(free, usage)]
 
 
-def _neighbours(combo: tuple[int, ...], pool: list[int], T, available: list[int]):
+def _neighbours(combo: tuple[int, ...], pool: list[int], T, available: list[int], similar: dict[int, list[int]]):
     free = list(available)
     for j in combo:
         free = _minus(free, T[j].usage)
@@ -113,7 +113,7 @@ def _neighbours(combo: tuple[int, ...], pool: list[int], T, available: list[int]
         freed = _plus(free, T[combo[i]].usage)
         if n > 1:
             yield rest(i)  # drop one
-        for t1 in pool:
+        for t1 in itertools.chain(pool, similar[combo[i]]):
             if t1 == combo[i] or not _fits(T[t1].usage, freed):
                 continue
             yield rest(i) + [t1]  # replace one
@@ -131,6 +131,38 @@ def _neighbours(combo: tuple[int, ...], pool: list[int], T, available: list[int]
             for t2 in pool:
                 if t2 >= t1 and _fits(T[t2].usage, left):
                     yield rest(a, b) + [t1, t2]  # replace two by two
+        for t1 in similar[combo[a]]:
+            if not _fits(T[t1].usage, freed):
+                continue
+            left = _minus(freed, T[t1].usage)
+            for t2 in similar[combo[b]]:
+                if _fits(T[t2].usage, left):
+                    yield rest(a, b) + [t1, t2]  # move a stage in each of two
+
+
+def _similar(j: int, T, by_usage: dict[tuple[int, ...], list[int]]) -> list[int]:
+    """Templates one stage away from template j: a stage moved to another class, or one stage
+    more or fewer. Moving, say, a pipeline's last stage to the other of two slow-linked
+    nodes changes only its gradient sync, which the throughput ranking of the pool cannot
+    see."""
+    out: set[int] = set()
+    u = T[j].usage
+    K = len(u)
+    for a in range(K):
+        for b in range(K):
+            v = list(u)
+            if a == b:
+                v[a] += 1  # one stage more
+                out.update(by_usage.get(tuple(v), ()))
+                if u[a] > 0:
+                    v[a] -= 2  # one stage fewer
+                    out.update(by_usage.get(tuple(v), ()))
+            elif u[a] > 0:
+                v[a] -= 1
+                v[b] += 1  # a stage of class a moved to class b
+                out.update(by_usage.get(tuple(v), ()))
+    out.discard(j)
+    return sorted(out)
 
 
 def improve(
@@ -150,11 +182,18 @@ def improve(
     rate = sorted(
         range(len(T)), key=lambda j: -(1.0 / (T[j].tau_s * sum(T[j].usage)))
     )
+    similar: dict[int, list[int]] = {}
+    by_usage: dict[tuple[int, ...], list[int]] = {}
+    for j, t in enumerate(T):
+        by_usage.setdefault(t.usage, []).append(j)
     while True:
         pool = sorted(set(combo) | set(rate[:POOL_SIZE]))
+        for j in combo:
+            if j not in similar:
+                similar[j] = _similar(j, T, by_usage)
         seen: set[tuple[int, ...]] = {combo}
         cands = []
-        for nbr in _neighbours(combo, pool, T, avail):
+        for nbr in _neighbours(combo, pool, T, avail, similar):
             key = tuple(sorted(nbr))
             if key in seen:
                 continue

@@ -325,13 +325,13 @@ def solve_templates(
         while lp_ok * (1 + step) < target and (best is None or low < best[0]):
             guess = lp_ok * (1 + step)
             got = milp.cover(guess, min(time_limit_s, REFINE_TIME_LIMIT_S))
-            if got is None:
-                low = guess
+            if got is None or got is TIMED_OUT:  # proven (or too hard to tell so close): go higher
+                if got is None:
+                    low = guess
                 step *= GUESS_GROWTH
                 continue
-            if got is not TIMED_OUT:
-                chosen, top = got, achieved_s(got, milp, M)
-                answers.append(got)
+            chosen, top = got, achieved_s(got, milp, M)
+            answers.append(got)
             break
         if chosen is None:
             got = milp.cover(target)
