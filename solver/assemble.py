@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from hetrain.costmodel import CostModel, Estimate
@@ -16,14 +17,33 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
 
     Greedy is exact here: every pipeline's finish time grows with each micro-batch it takes,
     so giving the next micro-batch to whichever pipeline would finish earliest never hurts.
+    The greedy takes the (value, pipeline)-smallest of the slots k tau_p + fill_p (k >= 2), so
+    every slot below a threshold V0 whose slots number at most the micro-batches to hand out
+    is taken first: those are assigned at once and the heap hands out the rest (a few per
+    pipeline instead of all M), with the same result.
     """
     n = len(tau_s)
     if n == 0 or total < n:
         return None
     counts = [1] * n
-    heap = [(2 * tau_s[i] + fill_s[i], i) for i in range(n)]
+    rest = total - n
+    if rest > 4 * n:
+        # continuous estimate of the threshold, one slot width lower to stay below it
+        v0 = (rest + sum(f / t + 1 for t, f in zip(tau_s, fill_s))) / sum(1 / t for t in tau_s) - max(tau_s)
+        taken = []
+        for t, f in zip(tau_s, fill_s):
+            k = math.ceil((v0 - f) / t) - 1 if v0 > f else 1  # largest k with k t + f < v0 (then fixed up)
+            while k >= 2 and k * t + f >= v0:
+                k -= 1
+            while (k + 1) * t + f < v0:
+                k += 1
+            taken.append(max(1, k))
+        if sum(taken) - n <= rest:
+            counts = taken
+            rest -= sum(taken) - n
+    heap = [((counts[i] + 1) * tau_s[i] + fill_s[i], i) for i in range(n)]
     heapq.heapify(heap)
-    for _ in range(total - n):
+    for _ in range(rest):
         _, i = heapq.heappop(heap)
         counts[i] += 1
         heapq.heappush(heap, ((counts[i] + 1) * tau_s[i] + fill_s[i], i))

@@ -204,6 +204,37 @@ def simple_upper_bound_s(
     return best
 
 
+class _TemplateArrays:
+    """``Template.post_s`` and ``simple_upper_bound_s`` for all templates at once (numpy, same
+    arithmetic in the same order, so the same floats)."""
+
+    def __init__(self, templates: list[Template], available: list[int], sync_bw_gbps: float):
+        S = max(len(t.grad_bytes) for t in templates)
+        self.grad = np.zeros((len(templates), S))
+        self.opt = np.full((len(templates), S), -np.inf)
+        for j, t in enumerate(templates):
+            self.grad[j, : len(t.grad_bytes)] = t.grad_bytes
+            self.opt[j, : len(t.opt_s)] = t.opt_s
+        self.latency = np.array([t.sync_latency_s for t in templates])[:, None]
+        self.tau = np.array([t.tau_s for t in templates])
+        self.fill = np.array([t.fill_s for t in templates])
+        self.copies = np.array([t.max_copies(available) for t in templates])
+        self.bw = sync_bw_gbps
+
+    def post_s(self, num_pipelines: int) -> np.ndarray:
+        phi = 2 * (num_pipelines - 1) / num_pipelines
+        lat = self.latency if num_pipelines > 1 else 0.0
+        return np.max(phi * self.grad / (self.bw * 1e9) + lat + self.opt, axis=1)
+
+    def simple_upper_bound_s(self, M: int, post: np.ndarray, num_copies: tuple[int, int] = (1, 1 << 30)) -> float | None:
+        x = np.minimum(np.minimum(self.copies, M), num_copies[1])
+        ok = x >= max(1, num_copies[0])
+        if not ok.any():
+            return None
+        t = np.ceil(M / x[ok]) * self.tau[ok] + self.fill[ok] + post[ok]
+        return float(t.min())
+
+
 def fluid_lower_bound_s(space: Space, available: list[int], M: int) -> float:
     """No plan beats every usable group computing blocks nonstop: M x L block-passes / total rate."""
     rate = sum(a / c.units.block_s for a, c in zip(available, space.classes) if a)
@@ -275,13 +306,15 @@ def solve_templates(
     if max_pipes > EXACT_PIPELINE_COUNTS:
         counts.append((EXACT_PIPELINE_COUNTS + 1, max_pipes))
     plans = []  # per pipeline count: (upper bound, lower bound, d_lo, d_hi, post)
+    arr = _TemplateArrays(templates, available, sync_bw_gbps)
     for d_lo, d_hi in counts:
-        hi = simple_upper_bound_s(templates, available, M, d_hi, sync_bw_gbps, num_copies=(d_lo, d_hi))
+        post_np = arr.post_s(d_hi)
+        hi = arr.simple_upper_bound_s(M, post_np, (d_lo, d_hi))
         if hi is None:  # no single-template plan has this many pipelines: a bound any plan meets
-            hi = simple_upper_bound_s(templates, available, M, d_hi, sync_bw_gbps)
+            hi = arr.simple_upper_bound_s(M, post_np)
         if prune_above_s is not None:
             hi = min(hi, prune_above_s)
-        post = [t.post_s(d_hi, sync_bw_gbps) for t in templates]
+        post = post_np.tolist()
         # some pipeline takes at least ceil(M / D) micro-batches
         low_d = max(lo, math.ceil(M / d_hi) * min_tau + min_fill) + min(post)
         if low_d < hi:
