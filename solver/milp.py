@@ -355,12 +355,15 @@ def solve_templates(
         # covering knapsacks are nearly integral: the MILP optimum usually lies just above the
         # LP threshold, so ask there first, then further up in growing steps, then at the top
         step = GUESS_ABOVE_LP
+        hard = low  # refining stays above the highest time at which HiGHS ran out of time
         while lp_ok * (1 + step) < target and (best is None or low < best[0]):
             guess = lp_ok * (1 + step)
             got = milp.cover(guess, min(time_limit_s, REFINE_TIME_LIMIT_S))
             if got is None or got is TIMED_OUT:  # proven (or too hard to tell so close): go higher
                 if got is None:
                     low = guess
+                else:
+                    hard = guess
                 step *= GUESS_GROWTH
                 continue
             chosen, top = got, achieved_s(got, milp, M)
@@ -376,11 +379,20 @@ def solve_templates(
                 answers.append(got)
         # refine to rel_tol, or until this count provably cannot beat the best (its answer is
         # still a candidate for the full cost model)
-        while chosen is not None and (top - low) > rel_tol * top and (best is None or low < best[0]):
-            mid = (low + top) / 2
+        # still a candidate for the full cost model). Solves just above the MILP optimum are
+        # the hard ones (HiGHS must prove a covering knapsack infeasible), so once one has
+        # timed out the search stays above it: its unproven interval shows in the gap.
+        while chosen is not None and (best is None or low < best[0]):
+            floor = max(low, hard)
+            if top - floor <= rel_tol * top:
+                break
+            mid = (floor + top) / 2
             got = milp.cover(mid, min(time_limit_s, REFINE_TIME_LIMIT_S))
             if got is TIMED_OUT:
-                break  # unproven below `low`: the gap says so
+                if hard > low:
+                    break  # a second time-out: stop here
+                hard = mid
+                continue
             if got is not None:  # the answer may finish well before mid: jump to what it achieves
                 top, chosen = achieved_s(got, milp, M), got
                 answers.append(got)
