@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/hetrain plan --cluster examples/clusters/paper-3types.yaml --model examples/models/gpt-13b.yaml --global-batch-size 512 --compare
+	$(PY) -m flows.demo
 
 test: setup
 	$(PY) -m pytest -q

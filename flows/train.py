@@ -19,6 +19,7 @@ from pydantic import Field
 from flows.events import emit_preempted
 from flows.report import Progress, publish_plan, publish_timing
 from hetrain.costmodel import CostModel
+from hetrain.errors import HetrainError
 from hetrain.launch import RunStopped, launch
 from hetrain.layout import build_layout
 from hetrain.plan import Plan
@@ -106,12 +107,16 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
         try:
             records = launch(config, build_layout(the_plan), run_dir, on_record=on_record,
                              stop_event=watch.stop_event)
-        except RunStopped as stopped:
+        except HetrainError as e:
+            if not watch.preempted:
+                raise  # a real failure: the task's retry resumes from the newest checkpoint
+            # Preempted: the run stopped at the node's deadline (or died with it). The recovery
+            # flow, started by the event, takes over; retrying here would race it.
             node, notice, step = watch.preempted[0]
-            logger.warning("node %s is gone: run %s stopped after step %s; recovery takes over", node, run_id,
-                           stopped.records[-1]["step"] if stopped.records else None)
+            last = e.records[-1]["step"] if isinstance(e, RunStopped) and e.records else None
+            logger.warning("node %s is gone: run %s stopped (%s); recovery takes over", node, run_id, e)
             return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
-                    "last_step": stopped.records[-1]["step"] if stopped.records else None}
+                    "last_step": last}
     timing = publish_timing(run_id, predicted_s, records)
     logger.info("run %s: steps %d-%d, loss %.4f -> %.4f; iteration %.3f s measured vs %.3f s predicted", run_id,
                 config.start_step, config.steps - 1, records[0]["loss"], records[-1]["loss"],

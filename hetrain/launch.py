@@ -155,6 +155,22 @@ def worker_pids(run_dir: Path) -> list[int]:
     return alive
 
 
+def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> int:
+    """Wait until no worker of the run in ``run_dir`` is alive (a run that is winding down); kill stragglers.
+
+    Returns how many had to be killed. Two launches of one run must never overlap.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (alive := worker_pids(run_dir.resolve())) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(alive)
+
+
 class RunStopped(HetrainError):
     """``launch`` was told to stop (e.g. the emulated node went away at its preemption deadline)."""
 

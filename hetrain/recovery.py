@@ -84,7 +84,7 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
 
     ``use_peers=False`` reads everything from the remote store (the spot baseline AutoHet compares with).
     """
-    from hetrain.launch import launch, write_config
+    from hetrain.launch import launch, wait_for_workers_to_exit, write_config
     from hetrain.layout import build_layout
 
     run_dir = run_dir.resolve()
@@ -131,6 +131,7 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
         write_config(new_config, run_dir)
         return result
     t0 = time.perf_counter()
+    wait_for_workers_to_exit(run_dir, timeout_s=120)  # the old run's processes end at the node's deadline
     first: dict = {}
 
     def record(r: dict) -> None:
@@ -146,4 +147,23 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
         timings["first_step_s"] = first["step_time_s"]
         timings["startup_s"] = max(0.0, first["seen_s"] - first["step_time_s"] - load_s)
     timings["train_s"] = time.perf_counter() - t0
+    write_report(result, old_plan)
     return result
+
+
+def write_report(result: RecoveryResult, old_plan: Plan) -> Path:
+    """``RUN/recovery-from-step-N.json``: what was lost, where the bytes came from, how long each phase took."""
+    import json
+
+    kinds = result.bytes_by_kind()
+    path = result.run_dir / f"recovery-from-step-{result.step}.json"
+    data = {"lost_nodes": result.lost_nodes, "checkpoint_step": result.step, "resumed_at": result.step + 1,
+            "old_devices": old_plan.devices(), "plan_devices": result.plan.devices(), "plan": str(result.plan_path),
+            "timings_s": result.timings_s, "bytes_from_peers": kinds["peers"], "bytes_from_remote": kinds["remote"],
+            "files": [{"path": f.path, "bytes": f.size, "source": f.source, "seconds": round(f.seconds, 4),
+                       "skipped": f.skipped} for f in result.fetch.files],
+            "steps_trained": len(result.records)}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,230 @@
+"""The whole loop on one machine: ``make demo`` (``python -m flows.demo``).
+
+Starts a local Prefect server (SQLite under ``.demo/prefect``), an S3-compatible endpoint
+(moto) and a stand-in for the cloud's metadata endpoint; deploys ``deployments/prefect.yaml``
+to a process work pool and starts a worker; runs the training deployment on the CPU-emulated
+mixed cluster (two fast devices, two spot devices); partway, the spot node ``slow`` gets a
+preemption notice. Its watcher asks the ranks for an emergency checkpoint and emits
+``hetrain.node.preempted``; the node disappears at the deadline; the recovery deployment,
+started by the event's automation, re-plans for the survivors, reassembles the checkpoint
+(peers first, the bucket for the rest) and trains to the end. Prints what happened, the
+recovery breakdown and where the UI is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+console = Console()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"demo: {what} did not come up at {url} within {timeout_s:.0f} s")
+
+
+class Services:
+    """Child processes of the demo; all stopped on exit, whatever happens."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.home, self.env, self.procs = home, env, []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.home / f"{name}.log", "w")
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append((name, proc, log))
+        return proc
+
+    def run(self, argv: list[str]) -> str:
+        r = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise SystemExit(f"demo: {' '.join(argv[2:5])} failed:\n{r.stdout}{r.stderr}")
+        return r.stdout
+
+    def stop(self) -> None:
+        for _, proc, log in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            log.close()
+
+
+def recovery_runs() -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("hetrain-recover/recover")
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+    return [r.id for r in runs]
+
+
+def wait_final(flow_run_ids, deadline: float):
+    """The state of the first of ``flow_run_ids()`` to reach a final state."""
+    from prefect.client.orchestration import get_client
+
+    while time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            for run_id in flow_run_ids():
+                state = client.read_flow_run(run_id).state
+                if state is not None and state.is_final():
+                    return state
+        time.sleep(1)
+    raise SystemExit("demo: timed out waiting for a flow run")
+
+
+def report(run_dir: Path, steps: int, notice_step: int, wall_s: float, ui: str, home: Path) -> None:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (rec_path,) = sorted(run_dir.glob("recovery-from-step-*.json"))[-1:]
+    rec = json.loads(rec_path.read_text())
+    resumed_at = next(i for i, r in enumerate(records) if "resume_load_s" in r)
+    first, after = records[:resumed_at], records[resumed_at:]
+    console.print(f"[bold]5/5[/] done in {wall_s:.0f} s")
+    table = Table(title="what happened", title_justify="left")
+    table.add_column("")
+    table.add_column("")
+    redone = (f"; steps {rec['checkpoint_step'] + 1}-{first[-1]['step']} ran after the last commit and were redone"
+              if first[-1]["step"] > rec["checkpoint_step"] else "")
+    table.add_row("training", f"steps 0-{first[-1]['step']} on {', '.join(rec['old_devices'])}{redone}")
+    table.add_row("preemption notice", f"node slow at step {notice_step}; emergency checkpoint committed at step "
+                  f"{rec['checkpoint_step']}")
+    table.add_row("recovered plan", ", ".join(rec["plan_devices"]))
+    table.add_row("resumed", f"step {after[0]['step']} (= checkpoint + 1), trained to step {after[-1]['step']} of "
+                  f"{steps - 1}; loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
+    table.add_row("checkpoint fetched", f"{rec['bytes_from_peers'] / 1e6:.2f} MB from surviving peers, "
+                  f"{rec['bytes_from_remote'] / 1e6:.2f} MB from the bucket")
+    console.print(table)
+    phases = Table(title="recovery time", title_justify="left")
+    phases.add_column("phase")
+    phases.add_column("seconds", justify="right")
+    for k, v in rec["timings_s"].items():
+        phases.add_row(k.removesuffix("_s").replace("_", " "), f"{v:.3f}")
+    console.print(phases)
+    console.print(f"Flow runs, logs and artifacts (plans, pipelines, progress, recovery) are in the Prefect database "
+                  f"under {home / 'prefect'}; to browse them: PREFECT_HOME={home / 'prefect'} prefect server start "
+                  f"(this run's UI was {ui}).", highlight=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="hetrain end to end: train, preempt a spot node, recover, finish")
+    ap.add_argument("--home", default=str(ROOT / ".demo"), help="state of the demo (Prefect DB, runs, logs)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--preempt-at-step", type=int, default=18)
+    ap.add_argument("--notice-s", type=float, default=5.0, help="seconds between the notice and the node's end")
+    ap.add_argument("--timeout-s", type=float, default=900.0)
+    args = ap.parse_args()
+
+    started = time.monotonic()
+    home = Path(args.home).resolve()
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    api_port, s3_port = free_port(), free_port()
+    api = f"http://127.0.0.1:{api_port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}",
+           "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "demo"),
+           "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "demo"),
+           "AWS_DEFAULT_REGION": "us-east-1", "PWD": str(ROOT)}
+    os.environ.update(env)  # this process talks to the same server and bucket
+    services = Services(home, env)
+    py = sys.executable
+    try:
+        console.print(f"[bold]1/5[/] starting Prefect server (SQLite in {home / 'prefect'}), S3 endpoint, work pool")
+        services.start("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                          "--port", str(api_port)])
+        services.start("s3", [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
+        wait_http(f"{api}/health", 120, "the Prefect server")
+        wait_http(f"http://127.0.0.1:{s3_port}/moto-api/", 60, "the S3 endpoint")
+        import s3fs
+
+        s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}").mkdir("hetrain-demo")
+        console.print(f"    Prefect UI: [link]http://127.0.0.1:{api_port}[/] (open it to watch the flows)")
+        services.run([py, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
+        services.run([py, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                      "deployments/prefect.yaml"])
+        services.start("worker", [py, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
+        console.print("    deployed hetrain-train/train (nightly cron) and hetrain-recover/recover "
+                      "(trigger: hetrain.node.preempted); worker started")
+
+        from hetrain.fakecloud import FakeCloudMetadata
+
+        metadata = FakeCloudMetadata().start()
+        run_id = "demo"
+        runs_root = home / "runs"
+        from prefect.deployments import run_deployment
+
+        console.print(f"[bold]2/5[/] training run '{run_id}': gpt-small on the emulated cluster (fast x2 at 2x, spot "
+                      f"slow x2 at 4x), {args.steps} steps, checkpoints every 10 steps to each node and to "
+                      f"s3://hetrain-demo")
+        train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
+            "run_id": run_id, "runs_root": str(runs_root), "steps": args.steps, "checkpoint_every": 10,
+            "model": "examples/models/gpt-small.yaml", "global_batch_size": 48,
+            "remote": f"s3://hetrain-demo/{run_id}", "remote_endpoint": f"http://127.0.0.1:{s3_port}",
+            "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws"})
+        metrics = runs_root / run_id / "metrics.jsonl"
+        deadline = time.monotonic() + args.timeout_s
+
+        def last_step() -> int:
+            if not metrics.exists():
+                return -1
+            lines = metrics.read_text().splitlines()
+            return json.loads(lines[-1])["step"] if lines else -1
+
+        while last_step() < args.preempt_at_step:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"demo: training did not reach step {args.preempt_at_step}; see {home}/worker.log")
+            time.sleep(0.3)
+        notice_step = last_step()
+        when = metadata.preempt("slow", args.notice_s)
+        console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'slow' goes away at "
+                      f"{when:%H:%M:%S} ({args.notice_s:g} s notice)")
+
+        train_state = wait_final(lambda: [train_run.id], deadline)
+        if last_step() >= args.steps - 1 and not recovery_runs():
+            raise SystemExit("demo: training finished before the node went away; use a larger --steps")
+        console.print(f"    training flow run ended {train_state.name}; the node's watcher emitted "
+                      f"hetrain.node.preempted")
+        console.print("[bold]4/5[/] the event's automation started hetrain-recover/recover; waiting for it")
+        recover_state = wait_final(lambda: recovery_runs(), deadline)
+        if not recover_state.is_completed():
+            raise SystemExit(f"demo: recovery ended {recover_state.name}: {recover_state.message}; "
+                             f"see {home}/worker.log")
+        report(runs_root / run_id, args.steps, notice_step, time.monotonic() - started,
+               f"http://127.0.0.1:{api_port}", home)
+        metadata.stop()
+    finally:
+        services.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The README's main job, end to end: `python -m flows.demo` (what `make demo` runs after setup)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_trains_preempts_recovers_and_finishes(tmp_path: Path):
+    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
+    r = subprocess.run([sys.executable, "-m", "flows.demo", "--home", str(tmp_path / "demo")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "5/5 done in" in out and "Prefect UI: http://127.0.0.1:" in out
+    assert "(= checkpoint + 1), trained to step 49 of 49" in out
+    assert "recovered plan" in out and "slow/" not in out.split("recovered plan")[1].splitlines()[0]
+    for phase in ("replan", "fetch", "load", "first step"):
+        assert phase in out
