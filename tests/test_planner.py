@@ -112,3 +112,100 @@ def test_no_plan_says_why():
     with pytest.raises(NoPlanError, match=r"gpt-300b needs at least [\d,]+ GB for weights and optimizer state; "
                                           r"cluster 'paper-12gpu' has 544 GB"):
         make_plan("hetrain", cluster, model, TrainingSettings(global_batch_size=64))
+
+
+def test_lp_capacity_bounds_every_integer_plan():
+    """The LP bound (dual-certified) is never below the best integer plan, found by brute force."""
+    import itertools
+    import random
+
+    import numpy as np
+
+    from solver.bounds import lp_capacity
+
+    rng = random.Random(7)
+    for _ in range(300):
+        J, K = rng.randint(1, 5), rng.randint(1, 3)
+        use = np.array([[rng.choice([0, 0, 1, 2]) for _ in range(K)] for _ in range(J)])
+        use[use.sum(axis=1) == 0, 0] = 1
+        cap = np.array([float(rng.randint(0, 30)) for _ in range(J)])
+        avail = np.array([rng.randint(0, 6) for _ in range(K)])
+        D = rng.randint(1, 6)
+        best = 0.0
+        for x in itertools.product(range(D + 1), repeat=J):
+            if sum(x) <= D and all(use[:, k] @ x <= avail[k] for k in range(K)):
+                best = max(best, float(cap @ np.array(x)))
+        assert lp_capacity(cap, use, avail, D) >= best - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lp_ruling_out_agrees_with_the_milp(seed):
+    """Whenever the LP relaxation says no plan covers the batch by T, HiGHS agrees."""
+    from solver.bounds import CoverLp
+    from solver.milp import TemplateMilp
+    from solver.planner import spaces
+
+    cluster, settings = random_cluster(seed), small_settings(seed)
+    cost = CostModel(cluster, SMALL_MODEL, settings)
+    for space in spaces(cluster, cost):
+        templates = [t for t in space.templates if t.max_copies(space.available) >= 1]
+        if not templates:
+            continue
+        M = settings.global_batch_size // space.micro_batch_size
+        milp, lp = TemplateMilp(templates, space.available, M, 10.0), CoverLp(templates, space.available, M)
+        top = max(M * t.tau_s + t.fill_s for t in templates)
+        for D in (3, 4):
+            post = [t.post_s(D, 10.0) for t in templates]
+            milp.set_pipeline_count(D, D, post)
+            lp.set_pipeline_count(D, D, post)
+            for frac in (0.05, 0.1, 0.2, 0.4, 0.8):
+                if not lp.may_cover(top * frac):
+                    assert milp.cover(top * frac) is None
+
+
+def test_vectorised_helpers_match_their_references():
+    import heapq
+    import random
+    from dataclasses import replace
+
+    from solver.assemble import allocate_microbatches
+    from solver.milp import _TemplateArrays, simple_upper_bound_s
+    from solver.planner import spaces
+    from solver.space import _dominates, _undominated
+
+    rng = random.Random(3)
+    for _ in range(2000):  # the bulk step of allocate_microbatches gives the greedy's answer
+        n = rng.randint(1, 12)
+        tau = [rng.choice([1.0, 0.5, rng.uniform(0.01, 3)]) for _ in range(n)]
+        fill = [rng.choice([0.0, rng.uniform(0, 20)]) for _ in range(n)]
+        total = rng.randint(n, 600)
+        counts, heap = [1] * n, [(2 * tau[i] + fill[i], i) for i in range(n)]
+        heapq.heapify(heap)
+        for _ in range(total - n):
+            _, i = heapq.heappop(heap)
+            counts[i] += 1
+            heapq.heappush(heap, ((counts[i] + 1) * tau[i] + fill[i], i))
+        assert allocate_microbatches(tau, fill, total) == counts
+    dropped = 0
+    for seed in range(4):
+        cluster, settings = random_cluster(seed), small_settings(seed)
+        for space in spaces(cluster, CostModel(cluster, SMALL_MODEL, settings)):
+            ts = space.templates
+            if not ts:
+                continue
+            # templates slower or faster in some terms, so that some dominate others
+            raw = list(ts) + [replace(t, stage_s=tuple(x * rng.choice([0.9, 1.0, 1.1]) for x in t.stage_s),
+                                      opt_s=tuple(x * rng.choice([0.5, 1.0, 2.0]) for x in t.opt_s)) for t in ts]
+            keep: list = []  # the pairwise reference: dominated by nothing kept before it
+            for t in sorted(raw, key=lambda t: (sum(t.usage), t.tau_s, t.fill_s)):
+                if not any(_dominates(o, t) for o in keep):
+                    keep.append(t)
+            dropped += len(raw) - len(keep)
+            assert _undominated(raw) == keep
+            arr = _TemplateArrays(ts, space.available, 7.5)
+            M = settings.global_batch_size // space.micro_batch_size
+            for D in (1, 2, 5):
+                assert arr.post_s(D).tolist() == [t.post_s(D, 7.5) for t in ts]
+                want = simple_upper_bound_s(ts, space.available, M, D, 7.5, num_copies=(D, D))
+                assert arr.simple_upper_bound_s(M, arr.post_s(D), (D, D)) == want
+    assert dropped > 0
