@@ -70,7 +70,7 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
 @task(retries=1, retry_delay_seconds=5)  # a retry resumes from the newest committed checkpoint
 def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps: int, checkpoint_every: int,
               keep: int, remote: str | None, remote_endpoint: str | None, spot_metadata_url: str | None,
-              cloud: str, lr: float, predicted_s: float) -> dict:
+              cloud: str, lr: float, predicted_s: float, data: str | None = None) -> dict:
     logger = get_run_logger()
     run_dir = run_dir_of(runs_root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
     plan_path = run_dir / "plan.json"
     ckpt = default_checkpoints(run_dir, checkpoint_every, keep, remote, remote_endpoint)
     base = RunConfig(plan=str(plan_path), cluster=str(_path(cluster)), run_id=run_id, lr=lr, checkpoint=ckpt,
-                     request_file=str(run_dir / "checkpoint.request"))
+                     request_file=str(run_dir / "checkpoint.request"), data=str(_path(data)) if data else None)
     config, resumed = start_or_resume(run_dir, base, the_plan, steps)
     the_plan.write(plan_path)
     if resumed is not None:
@@ -141,9 +141,16 @@ def train(
     spot_metadata_url: str | None = None,
     cloud: Literal["aws", "gcp", "azure"] = "aws",
     lr: Annotated[float, Field(gt=0)] = 3e-3,
+    data: str | None = None,
     runs_root: str = "runs",
 ) -> dict:
-    """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``."""
+    """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``.
+
+    ``data``: a text file read as byte-level tokens (default: synthetic tokens); a scheduled
+    run that resumes reads the file as it is then, so refreshing it feeds the next run.
+    """
+    if data and not _path(data).is_file():
+        raise FileNotFoundError(f"data: {data}: file not found")
     from hetrain.profiler import gpus_from_cluster
 
     cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
@@ -158,4 +165,4 @@ def train(
     cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)
     predicted = cost.estimate(the_plan).iteration_time_s
     return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
-                     spot_metadata_url, cloud, lr, predicted)
+                     spot_metadata_url, cloud, lr, predicted, data)
