@@ -61,6 +61,15 @@ LP_TOL = 2.5e-4
 GUESS_ABOVE_LP = 2e-3
 # and grows this factor after each guess HiGHS proves infeasible
 GUESS_GROWTH = 3.0
+# plan-wide post-backward levels (see _uniform_post_answers): for the UNIFORM_COUNTS best
+# pipeline counts within UNIFORM_MARGIN of the best, UNIFORM_QUANTILES levels are bounded by
+# the LP (to UNIFORM_LP_TOL) and the UNIFORM_LEVELS best of them solved
+UNIFORM_COUNTS = 1
+UNIFORM_MARGIN = 0.02
+UNIFORM_QUANTILES = 9
+UNIFORM_LP_TOL = 1e-3
+UNIFORM_LEVELS = 1
+UNUSABLE_S = 1e6  # post-backward time that keeps a template out of a plan
 
 
 class TimedOut:
@@ -204,6 +213,43 @@ def simple_upper_bound_s(
     return best
 
 
+def _uniform_post_answers(milp: "TemplateMilp", lp: CoverLp, post: list[float], d_lo: int, d_hi: int,
+                          low: float, high: float, M: int) -> list[list[Template]]:
+    """Plans that finish every pipeline by T - P, using only templates with post-backward <= P.
+
+    Levels P are quantiles of the templates' post-backward times; each gets the smallest T
+    its LP relaxation allows in [low, high] (coarse bisection), and the MILP is asked just
+    above that T for the UNIFORM_LEVELS most promising levels.
+    """
+    post_np = np.asarray(post)
+    levels = np.unique(np.quantile(post_np, np.linspace(0.0, 1.0, UNIFORM_QUANTILES)))
+    scored = []
+    for P in levels:
+        level_post = np.where(post_np <= P, P, UNUSABLE_S).tolist()
+        lp.set_pipeline_count(d_lo, d_hi, level_post)
+        if not lp.may_cover(high):
+            continue
+        a, z = low, high
+        while z - a > UNIFORM_LP_TOL * z:
+            mid = (a + z) / 2
+            if lp.may_cover(mid):
+                z = mid
+            else:
+                a = mid
+        scored.append((z, level_post))
+    answers = []
+    for z, level_post in sorted(scored, key=lambda s: s[0])[:UNIFORM_LEVELS]:
+        milp.set_pipeline_count(d_lo, d_hi, level_post)
+        step = GUESS_ABOVE_LP
+        while z * (1 + step) < high:
+            got = milp.cover(z * (1 + step), REFINE_TIME_LIMIT_S)
+            if got is not None and got is not TIMED_OUT:
+                answers.append(got)
+                break
+            step *= GUESS_GROWTH
+    return answers
+
+
 class _TemplateArrays:
     """``Template.post_s`` and ``simple_upper_bound_s`` for all templates at once (numpy, same
     arithmetic in the same order, so the same floats)."""
@@ -302,6 +348,7 @@ def solve_templates(
     candidates: list[list[Template]] = []
     lows: list[float] = []  # largest time proven infeasible, per pipeline count tried
     lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
+    found = []  # per pipeline count with an answer: (time, proven low, d_lo, d_hi, post)
     counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
     if max_pipes > EXACT_PIPELINE_COUNTS:
         counts.append((EXACT_PIPELINE_COUNTS + 1, max_pipes))
@@ -404,7 +451,20 @@ def solve_templates(
             candidates.extend(answers)
             if best is None or top < best[0]:
                 best = (top, low)
+            found.append((top, low, d_lo, d_hi, post))
         lows.append(low)
+    # Per-pipeline post-backward time lets the MILP give a pipeline with slow gradient sync
+    # fewer micro-batches, but the cost model charges max over pipelines + max over GPUs: a
+    # plan whose pipelines differ in post-backward time is priced too low. For the best
+    # pipeline counts, plan again with one post-backward level P for the whole plan (only
+    # templates whose post-backward time is at most P, each finishing by T - P): the cost
+    # model's own structure. The LP relaxation picks the most promising levels.
+    if milp is not None and best is not None:
+        for top, low, d_lo, d_hi, post in sorted(found)[:UNIFORM_COUNTS]:
+            if top > best[0] * (1 + UNIFORM_MARGIN):
+                break
+            for got in _uniform_post_answers(milp, lp, post, d_lo, d_hi, low, top * (1 + UNIFORM_MARGIN), M):
+                candidates.append(got)
     if stats is not None:
         stats["milp_solves"] = stats.get("milp_solves", 0) + (milp.solves if milp is not None else 0)
         stats["lp_proofs"] = stats.get("lp_proofs", 0) + lp_proofs
