@@ -28,6 +28,12 @@ with the number of GPUs; the model is built once per scope and re-solved with ne
 ``ok`` and pipeline-count parameters through Pyomo's persistent HiGHS interface. The best
 answer for each pipeline count is handed back, to be assembled into a concrete plan and
 scored by the full cost model.
+
+Most of the bisection never reaches HiGHS: the LP relaxation (``solver.bounds``) proves many
+pipeline counts infeasible outright and locates its own threshold on T, and the first MILP
+question is asked just above that threshold (covering knapsacks are nearly integral). For
+the best pipeline count the MILP also plans with one post-backward level for the whole plan
+(``_uniform_post_answers``), the cost model's max over pipelines + max over GPUs.
 """
 
 from __future__ import annotations
