@@ -108,8 +108,8 @@ def test_train_flow_end_to_end(server, tmp_path: Path):
     arts = anyio.run(artifacts)
     assert {"e2e-training-plan", "e2e-training-pipelines", "e2e-progress", "e2e-iteration-time"} <= set(arts)
     assert "pipeline 0:" in arts["e2e-training-pipelines"].data
-    # run again: the same run resumes after its newest checkpoint and trains 4 more steps
-    again = train(steps=4, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4)
+    # run again, as the schedule does, on fresh data: the run resumes after its newest checkpoint, 4 more steps
+    again = train(steps=4, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4, data="examples/data/tiny.txt")
     assert again["resumed_from"] == 7 and again["first_step"] == 8 and again["last_step"] == 11
 
 
