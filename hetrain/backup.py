@@ -52,18 +52,24 @@ class Uploader:
         self.local_root = config.node_root(node)
         self.uploaded: list[int] = []  # steps this node finished (coordinator: with the manifest)
         self.failed: list[int] = []
+        self.pending: set[int] = set()  # queued or uploading: local pruning must leave them
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"hetrain-upload-{node}", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, manifest_bytes: bytes) -> None:
+        self.pending.add(step)
         self._queue.put((step, manifest_bytes))
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Wait for queued uploads (at most ``timeout_s``); True when they all finished."""
         self._queue.put(None)
         self._thread.join(self.config.upload_timeout_s if timeout_s is None else timeout_s)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            log.warning("backup of node %s to %s did not finish (steps %s still pending)", self.node,
+                        self.config.remote_url, sorted(self.pending))
+            return False
+        return True
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -75,6 +81,12 @@ class Uploader:
                 self.failed.append(step)
                 log.error("backup of step %d from node %s to %s failed: %s: %s", step, self.node,
                           self.config.remote_url, type(e).__name__, e)
+            finally:
+                self.pending.discard(step)
+                try:  # steps kept past `keep` only because they were still uploading can go now
+                    prune(self.local_root, self.config.keep, protect=set(self.pending))
+                except Exception as e:
+                    log.warning("pruning %s failed: %s", self.local_root, e)
 
     def upload(self, step: int, manifest_bytes: bytes) -> None:
         cfg = self.config

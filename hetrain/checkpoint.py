@@ -18,7 +18,9 @@ committed step is. Older steps beyond ``keep`` are removed manifest first.
 
 What is saved (``torch.distributed.checkpoint.state_dict`` with flattened optimizer state, so
 every key names a parameter and loading works into any other TP/PP/DP layout): the model,
-the optimizer (AdamW moments and step counts, or nothing for SGD), and the torch RNG state.
+the optimizer (AdamW moments and step counts, or nothing for SGD), and the torch RNG state
+(one copy: the ranks' RNG states share a key, so rank 0's is kept; the runtime draws no
+random numbers after initialisation).
 The data sampler is a pure function of the step, so the manifest's ``step`` is its position.
 """
 
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
-from pathlib import PurePosixPath
+import uuid
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import fsspec
@@ -102,6 +106,16 @@ def step_name(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
 
 
+def restore_dir(run_dir: Path, step: int) -> Path:
+    """``RUN/restore/step-N``, where a reassembled checkpoint lands; older restores are removed (one is enough)."""
+    base = run_dir / "restore"
+    if base.is_dir():
+        for old in base.iterdir():
+            if old.name != step_name(step):
+                shutil.rmtree(old, ignore_errors=True)
+    return base / step_name(step)
+
+
 def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
@@ -130,7 +144,7 @@ def parse_manifest(text: str | bytes, source: str) -> Manifest:
 
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write under a temporary name, then rename: readers see the old file or the whole new one."""
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # unique: several nodes may share one root
     fs.pipe_file(tmp, data)
     fs.mv(tmp, path)
 
@@ -160,8 +174,12 @@ def read_manifest(root_url: str, step: int, storage_options: dict | None = None)
     return parse_manifest(fs.cat_file(path), join(root_url, step_name(step), MANIFEST))
 
 
-def prune(root_url: str, keep: int, storage_options: dict | None = None) -> list[int]:
-    """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them."""
+def prune(root_url: str, keep: int, storage_options: dict | None = None, protect: set[int] | frozenset = frozenset(),
+          ) -> list[int]:
+    """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them.
+
+    Steps in ``protect`` (e.g. still being uploaded) stay. Paths another node removed first are fine.
+    """
     fs, root = url_to_fs(root_url, **(storage_options or {}))
     steps = committed_steps(root_url, storage_options)
     if len(steps) <= keep:
@@ -173,12 +191,15 @@ def prune(root_url: str, keep: int, storage_options: dict | None = None) -> list
         if not (name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit()):
             continue
         step = int(name[len(_STEP_PREFIX):])
-        if step >= oldest_kept:
+        if step >= oldest_kept or step in protect:
             continue
         manifest = join(root, name, MANIFEST)
-        if fs.exists(manifest):
-            fs.rm_file(manifest)  # uncommit first: a half-deleted step is never mistaken for a checkpoint
-        fs.rm(join(root, name), recursive=True)
+        try:
+            if fs.exists(manifest):
+                fs.rm_file(manifest)  # uncommit first: a half-deleted step is never mistaken for a checkpoint
+            fs.rm(join(root, name), recursive=True)
+        except FileNotFoundError:
+            pass
         removed.append(step)
     return removed
 

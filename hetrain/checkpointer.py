@@ -98,15 +98,18 @@ class Checkpointer:
         dist.broadcast_object_list(payload)
         metadata, manifest_bytes = payload
         if self.node_leader:
-            if not fs.exists(join(path, METADATA)):
+            if self.role.node != gathered[0][0]:  # rank 0's node has DCP's own; others may hold a stale one
                 write_atomic(fs, join(path, METADATA), metadata)
             write_atomic(fs, join(path, MANIFEST), manifest_bytes)
         dist.barrier()  # committed on every node before anyone prunes or trains on
         self.last_saved = step
         if self.node_leader:
-            prune(self.root, self.config.keep)
             if self.uploader is not None:
                 self.uploader.submit(step, manifest_bytes)
+            try:
+                prune(self.root, self.config.keep, protect=self.uploader.pending if self.uploader else frozenset())
+            except Exception as e:  # pruning is housekeeping: never let it kill a rank mid-collectives
+                log.warning("pruning old checkpoints under %s failed: %s", self.root, e)
 
     def _replicate(self, step: int, gathered: list, fs, path: str) -> list[tuple[str, int, str]]:
         """Copy the buddy node's new shards into this node's step directory, verified; returns what arrived."""

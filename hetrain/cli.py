@@ -414,10 +414,12 @@ def _checkpoint_config(local_dir: str | None, every: int, keep: int, remote: str
 @user_errors
 def serve(
     root: Annotated[Path, typer.Option(help="this node's checkpoint root")],
-    host: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    host: Annotated[str, typer.Option(help="address to listen on (peers on other machines: 0.0.0.0 or this "
+                                           "node's address)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8470,
     token_env: Annotated[str, typer.Option(help="environment variable holding the bearer token (unset: no token)")]
     = "HETRAIN_PEER_TOKEN",
+    insecure: Annotated[bool, typer.Option("--insecure", help="serve beyond loopback without a token")] = False,
 ):
     """Serve this node's checkpoints read-only over HTTP for peers' recovery."""
     import os
@@ -427,6 +429,10 @@ def serve(
     from hetrain.peer import make_app
 
     token = os.environ.get(token_env) or None
+    loopback = host == "localhost" or host.startswith("127.") or host == "::1"
+    if not token and not loopback and not insecure:
+        raise HetrainError(f"--host {host}: checkpoints hold the model's weights; set a bearer token in ${token_env} "
+                           f"to serve beyond loopback (or pass --insecure on a trusted network)")
     err.print(f"serving {root} on http://{host}:{port} ({'bearer token required' if token else 'no token'})")
     uvicorn.run(make_app(root, token), host=host, port=port, log_level="warning")
 

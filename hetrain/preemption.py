@@ -155,6 +155,8 @@ class PreemptionWatcher:
         checkpoint = self.request_file is not None and (left is None or left >= self.min_checkpoint_s)
         if checkpoint:
             self.request_file.parent.mkdir(parents=True, exist_ok=True)
+            for old in self.request_file.parent.glob(self.request_file.name + ".done-*"):
+                old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
             self.request_file.write_text(json.dumps(notice.to_dict()))
         when = f"{left:.0f} s left" if left is not None else "no deadline given"
         self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}); "
@@ -203,7 +205,7 @@ def wait_for_checkpoint(request_file: Path, timeout_s: float, poll_s: float = 0.
     """The step of the emergency checkpoint once the ranks answered the request (``.done-<step>``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = sorted(request_file.parent.glob(request_file.name + ".done-*"))
+        done = list(request_file.parent.glob(request_file.name + ".done-*"))
         if done:
             return max(int(p.name.rsplit("-", 1)[1]) for p in done)
         time.sleep(poll_s)
@@ -230,12 +232,14 @@ class LocalSpotRun:
                 left = notice.seconds_left() or 0.0
                 step = wait_for_checkpoint(request_file, max(left, 0.0)) if checkpoint else None
                 self.preempted.append((node, notice, step))
-                if on_preempted is not None:
-                    on_preempted(node, notice, step)
-                timer = threading.Timer(max(0.0, notice.seconds_left() or 0.0), self.stop_event.set)
-                timer.daemon = True
-                timer.start()
-                self._timers.append(timer)
+                try:
+                    if on_preempted is not None:
+                        on_preempted(node, notice, step)
+                finally:  # the node goes away at its deadline whatever the hook did
+                    timer = threading.Timer(max(0.0, notice.seconds_left() or 0.0), self.stop_event.set)
+                    timer.daemon = True
+                    timer.start()
+                    self._timers.append(timer)
             return on_notice
 
         self.watchers = [PreemptionWatcher(src, node, request_file=request_file, min_checkpoint_s=min_checkpoint_s,

@@ -13,6 +13,7 @@ written last: an error leaves nothing that could be loaded.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -39,11 +40,11 @@ class Source:
     name: str
     url: str
     remote: bool = False
-    options: dict = field(default_factory=dict, hash=False, compare=False)
+    options: dict = field(default_factory=dict, hash=False, compare=False, repr=False)  # may hold credentials
 
     def storage_options(self, timeout_s: float) -> dict:
         """fsspec options with a bounded timeout (and the peer token for HTTP peers)."""
-        options = dict(self.options)
+        options = copy.deepcopy(self.options)
         if self.url.startswith(("http://", "https://")):
             import aiohttp
 
@@ -94,28 +95,74 @@ class FetchReport:
         return out
 
 
-def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s: float = 10.0,
-                errors: list[str] | None = None) -> tuple[Manifest, Source]:
-    """The newest committed manifest any source has; a manifest for another model is an error."""
-    best: tuple[int, int, Source] | None = None
-    for order, source in enumerate(sources):
+class NoCheckpoint(HetrainError):
+    """No source holds a committed checkpoint; ``errors`` says which sources could not be asked."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("no committed checkpoint on any surviving peer or in the remote store"
+                         + (f" ({'; '.join(errors)})" if errors else ""))
+        self.errors = errors
+
+
+def committed_by_source(sources: list[Source], timeout_s: float) -> tuple[dict[int, list[Source]], list[str]]:
+    """Which sources hold each committed step, and the sources that could not be asked (with why)."""
+    holders: dict[int, list[Source]] = {}
+    errors: list[str] = []
+    for source in sources:
         try:
-            steps = source.steps(timeout_s)
+            for step in source.steps(timeout_s):
+                holders.setdefault(step, []).append(source)
         except Exception as e:
-            if errors is not None:
-                errors.append(f"{source.name}: {type(e).__name__}: {e}")
+            errors.append(f"{source.name}: {_why(e)}")
+    return holders, errors
+
+
+def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout_s: float) -> Manifest:
+    last: Exception | None = None
+    for source in holders:
+        try:
+            manifest = source.manifest(step, timeout_s)
+        except Exception as e:
+            last = e
             continue
-        if steps and (best is None or steps[-1] > best[0]):
-            best = (steps[-1], order, source)
-    if best is None:
-        raise HetrainError("no committed checkpoint on any surviving peer or in the remote store"
-                           + (f" ({'; '.join(errors)})" if errors else ""))
-    manifest = best[2].manifest(best[0], timeout_s)
-    if model is not None and manifest.model != model:
-        raise HetrainError(f"{join(best[2].url, step_name(best[0]), MANIFEST)}: checkpoint is of model "
-                           f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
-                           f"not the run's '{model.name}'")
-    return manifest, best[2]
+        if model is not None and manifest.model != model:
+            raise HetrainError(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
+                               f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
+                               f"not the run's '{model.name}'")
+        return manifest
+    raise HetrainError(f"manifest of step {step} unreadable on {', '.join(s.name for s in holders)} ({_why(last)})")
+
+
+def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s: float = 10.0) -> tuple[Manifest,
+                                                                                                     Source]:
+    """The newest committed manifest any source has; a manifest for another model is an error."""
+    holders, errors = committed_by_source(sources, timeout_s)
+    if not holders:
+        raise NoCheckpoint(errors)
+    step = max(holders)
+    return _manifest(step, holders[step], model, timeout_s), holders[step][0]
+
+
+def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Callable[[int], str], *,
+                      model: ModelSpec | None = None, timeout_s: float = 10.0,
+                      progress: Callable[[int, int], None] | None = None) -> FetchReport:
+    """Reassemble the newest committed step that can be fetched whole, falling back to older ones.
+
+    An emergency checkpoint may be committed on the nodes before the lost node's shards reached
+    the bucket: then the step before it, complete in the bucket, is the one to resume from.
+    """
+    sources = peers + ([remote] if remote else [])
+    holders, errors = committed_by_source(sources, timeout_s)
+    if not holders:
+        raise NoCheckpoint(errors)
+    failures = []
+    for step in sorted(holders, reverse=True):
+        manifest = _manifest(step, holders[step], model, timeout_s)
+        try:
+            return reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress)
+        except HetrainError as e:
+            failures.append(str(e))
+    raise HetrainError("no committed checkpoint could be fetched whole: " + " | ".join(failures))
 
 
 def _why(e: BaseException) -> str:
@@ -134,14 +181,19 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
     fs, root = src.filesystem(timeout_s)
     digest, size = hashlib.sha256(), 0
     tmp = dest_path + ".tmp"
-    with fs.open(join(root, step_name(step), entry.path), "rb", block_size=CHUNK_BYTES) as fin, \
-            dest_fs.open(tmp, "wb") as fout:
-        while chunk := fin.read(CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-            if size > entry.size:
-                break
-            fout.write(chunk)
+    try:
+        with fs.open(join(root, step_name(step), entry.path), "rb", block_size=CHUNK_BYTES) as fin, \
+                dest_fs.open(tmp, "wb") as fout:
+            while chunk := fin.read(CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+                if size > entry.size:
+                    break
+                fout.write(chunk)
+    except BaseException:
+        if dest_fs.exists(tmp):
+            dest_fs.rm_file(tmp)  # never leave half a file behind
+        raise
     if size != entry.size or digest.hexdigest() != entry.sha256:
         dest_fs.rm_file(tmp)
         raise ValueError(f"checksum mismatch (got {size} bytes, sha256 {digest.hexdigest()[:12]}..., "

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetrain.checkpoint import step_name
+from hetrain.checkpoint import restore_dir
 from hetrain.errors import HetrainError
 from hetrain.plan import Plan, load_plan, validate_plan
-from hetrain.reassemble import FetchReport, Source, find_latest, reassemble
+from hetrain.reassemble import FetchReport, Source, reassemble_newest
 from hetrain.runtime import RunConfig
 from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
 
@@ -111,23 +111,20 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
     peers, remote = sources_for(config, old_plan, lost_nodes, use_peers)
     if not peers and remote is None:
         raise HetrainError("nothing to recover from: no surviving peer and no remote store configured")
-    manifest, _ = find_latest(peers + ([remote] if remote else []), model=old_plan.model, timeout_s=timeout_s)
-    dest = run_dir / "restore" / step_name(manifest.step)
-    report = reassemble(manifest, peers, remote, str(dest), timeout_s=timeout_s,
-                        progress=(lambda done, total: on_progress("fetch", done / max(total, 1)))
-                        if on_progress else None)
+    report = reassemble_newest(peers, remote, lambda s: str(restore_dir(run_dir, s)), model=old_plan.model,
+                               timeout_s=timeout_s,
+                               progress=(lambda done, total: on_progress("fetch", done / max(total, 1)))
+                               if on_progress else None)
+    step = report.step
     timings["fetch_s"] = time.perf_counter() - t0
 
-    plan_path = run_dir / f"plan-from-step-{manifest.step}.json"
+    plan_path = run_dir / f"plan-from-step-{step}.json"
     plan.write(plan_path)
     new_config = config.model_copy(update={
-        "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "start_step": manifest.step + 1,
-        "steps": steps or config.steps, "resume_from": str(dest), "resume_options": {}})
-    result = RecoveryResult(run_dir, lost_nodes, manifest.step, plan, plan_path, report, timings)
-    if new_config.start_step >= new_config.steps:
-        write_config(new_config, run_dir)
-        return result
-    if not launch_training:
+        "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "start_step": step + 1,
+        "steps": steps or config.steps, "resume_from": report.dest, "resume_options": {}})
+    result = RecoveryResult(run_dir, lost_nodes, step, plan, plan_path, report, timings)
+    if new_config.start_step >= new_config.steps or not launch_training:
         write_config(new_config, run_dir)
         return result
     t0 = time.perf_counter()

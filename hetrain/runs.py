@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hetrain.checkpoint import CheckpointConfig, Manifest, step_name
+from hetrain.checkpoint import CheckpointConfig, restore_dir
 from hetrain.errors import HetrainError
 from hetrain.plan import Plan
-from hetrain.reassemble import Source, find_latest, reassemble
+from hetrain.reassemble import NoCheckpoint, reassemble_newest
 from hetrain.runtime import RunConfig
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -40,23 +40,6 @@ def default_checkpoints(run_dir: Path, every_steps: int, keep: int, remote_url: 
                             remote_options={"endpoint_url": remote_endpoint} if remote_endpoint else {})
 
 
-def latest_checkpoint(config: RunConfig, plan: Plan, timeout_s: float = 10.0) -> tuple[Manifest, list[Source],
-                                                                                       Source | None] | None:
-    ckpt = config.checkpoint
-    if ckpt is None:
-        return None
-    nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
-    peers = [Source(n, ckpt.peer_url(n)) for n in nodes]
-    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
-    try:
-        manifest, _ = find_latest(peers + ([remote] if remote else []), model=plan.model, timeout_s=timeout_s)
-    except HetrainError as e:
-        if str(e).startswith("no committed checkpoint"):
-            return None
-        raise
-    return manifest, peers, remote
-
-
 def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int) -> tuple[RunConfig, int | None]:
     """``config`` for ``more_steps`` steps: from 0, or after the newest committed checkpoint of this run.
 
@@ -66,14 +49,18 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
     previous = run_dir / "config.json"
     if previous.is_file():
         before = RunConfig.load(previous)
-        from hetrain.plan import load_plan
+        if before.checkpoint is not None:
+            from hetrain.plan import load_plan
+            from hetrain.recovery import sources_for
 
-        found = latest_checkpoint(before, load_plan(before.plan))
-        if found is not None:
-            manifest, peers, remote = found
-            dest = run_dir / "restore" / step_name(manifest.step)
-            reassemble(manifest, peers, remote, str(dest))
-            start = manifest.step + 1
-            return config.model_copy(update={"start_step": start, "steps": start + more_steps,
-                                             "resume_from": str(dest)}), manifest.step
+            peers, remote = sources_for(before, load_plan(before.plan), [])
+            try:
+                report = reassemble_newest(peers, remote, lambda s: str(restore_dir(run_dir, s)), model=plan.model)
+            except NoCheckpoint as e:
+                if e.errors:  # a source did not answer: starting over could overwrite what it holds
+                    raise
+            else:
+                start = report.step + 1
+                return config.model_copy(update={"start_step": start, "steps": start + more_steps,
+                                                 "resume_from": report.dest}), report.step
     return config.model_copy(update={"start_step": 0, "steps": more_steps, "resume_from": None}), None
