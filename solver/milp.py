@@ -193,6 +193,20 @@ class TemplateMilp:
         return chosen
 
 
+
+def _lp_threshold(lp, low: float, high: float, rel_tol: float) -> tuple[float, float]:
+    """Bisect [low, high] to the iteration time where the LP relaxation starts to cover the batch.
+
+    ``high`` must be covered; returns (largest time known not covered, smallest time known covered).
+    """
+    while high - low > rel_tol * high:
+        mid = (low + high) / 2
+        if lp.may_cover(mid):
+            high = mid
+        else:
+            low = mid
+    return low, high
+
 def achieved_s(chosen: list[Template], milp: TemplateMilp, M: int) -> float:
     """Iteration time (as the MILP charges it) of a chosen set with micro-batches split optimally."""
     post = {id(t): p for t, p in zip(milp.templates, milp.post_s)}
@@ -235,14 +249,7 @@ def _uniform_post_answers(milp: "TemplateMilp", lp: CoverLp, post: list[float], 
         lp.set_pipeline_count(d_lo, d_hi, level_post)
         if not lp.may_cover(high):
             continue
-        a, z = low, high
-        while z - a > UNIFORM_LP_TOL * z:
-            mid = (a + z) / 2
-            if lp.may_cover(mid):
-                z = mid
-            else:
-                a = mid
-        scored.append((z, level_post))
+        scored.append((_lp_threshold(lp, low, high, UNIFORM_LP_TOL)[1], level_post))
     answers = []
     for z, level_post in sorted(scored, key=lambda s: s[0])[:UNIFORM_LEVELS]:
         milp.set_pipeline_count(d_lo, d_hi, level_post)
@@ -394,13 +401,7 @@ def solve_templates(
             lows.append(hi)  # proven by the LP relaxation: nothing with this many pipelines beats hi
             continue
         # the LP relaxation's own threshold (cheap) narrows the MILP's bisection from below
-        lp_ok = target
-        while lp_ok - low > LP_TOL * lp_ok:
-            mid = (low + lp_ok) / 2
-            if lp.may_cover(mid):
-                lp_ok = mid
-            else:
-                low = mid
+        low, lp_ok = _lp_threshold(lp, low, target, LP_TOL)
         if milp is None:
             milp = TemplateMilp(templates, available, M, time_limit_s)
         milp.set_pipeline_count(d_lo, d_hi, post)
