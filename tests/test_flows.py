@@ -17,6 +17,8 @@ from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="hetrain-prefect-home-")
+for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    os.environ.setdefault(_k, _v)  # for the moto bucket, in this process and the worker's flow runs
 
 import pytest  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
@@ -46,6 +48,23 @@ def prefect_cli(api: str, *args: str, check: bool = True) -> subprocess.Complete
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """An S3 API on loopback (moto) with a bucket for the runs' backups."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from hetrain.launch import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("flows")
+    yield endpoint
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +144,16 @@ def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
     assert "recover" in r.stdout
 
 
-def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, tmp_path: Path):
+def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, bucket, tmp_path: Path):
     import anyio
 
     dep = anyio.run(_deployment, "hetrain-recover/recover")
     runs_root = tmp_path / "runs"
-    first = train(steps=6, run_id="spot", runs_root=str(runs_root), checkpoint_every=3)
+    # FLOP-based plan (no profile): all four devices, so the spot node's shards must come from the bucket
+    first = train(steps=6, run_id="spot", runs_root=str(runs_root), checkpoint_every=3, use_profile=False,
+                  remote="s3://flows/spot", remote_endpoint=bucket)
+    plan_before = json.loads((runs_root / "spot" / "plan.json").read_text())
+    assert any(d.startswith("slow/") for p in plan_before["pipelines"] for s in p["stages"] for d in s["devices"])
     assert first["status"] == "completed"
     nodes = runs_root / "spot" / "nodes"
     assert committed_steps(str(nodes / "fast")) == [2, 5]
@@ -146,6 +169,8 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert run.parameters == {"run_id": "spot", "lost_node": "slow", "runs_root": str(runs_root)}
     metrics = [json.loads(line) for line in (runs_root / "spot" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics][-4:] == [6, 7, 8, 9]  # resumed right after the last commit
+    report = json.loads((runs_root / "spot" / "recovery-from-step-5.json").read_text())
+    assert report["bytes_from_peers"] > 0 and report["bytes_from_remote"] > 0
     assert committed_steps(str(nodes / "fast"))[-1] == 9
     plan = json.loads((runs_root / "spot" / "plan-from-step-5.json").read_text())
     assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])
