@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hetrain.backup import Uploader
 from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, FileEntry, build_manifest, join, prune,
                                 sha256_bytes, sha256_file, step_name, write_atomic)
+from hetrain.errors import HetrainError
 from hetrain.layout import Layout, Role
 from hetrain.plan import Plan
 from hetrain.reassemble import Source, copy_verified
@@ -49,6 +50,14 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])
+
+
+def _raise_if_failed(step: int, what: str, errors: list[str | None]) -> None:
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, e = failed[0]
+        raise HetrainError(f"checkpoint of step {step} not committed: rank {rank} failed {what} ({e})"
+                           + (f" and {len(failed) - 1} more ranks" if len(failed) > 1 else ""))
 
 
 class Checkpointer:
@@ -77,31 +86,48 @@ class Checkpointer:
         rank = dist.get_rank()
         if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
-        mine = []
-        for entry in fs.ls(path, detail=False):
-            name = PurePosixPath(entry).name
-            if name.startswith(f"__{rank}_"):
-                mine.append((name, *sha256_file(fs, join(path, name))))
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.role.node, mine))
+        # Between collectives a rank that fails must not leave the others waiting in the next one
+        # until gloo's timeout: each collective below carries every rank's error, all raise together.
+        mine, error = [], None
+        try:
+            for entry in fs.ls(path, detail=False):
+                name = PurePosixPath(entry).name
+                if name.startswith(f"__{rank}_"):
+                    mine.append((name, *sha256_file(fs, join(path, name))))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        statuses: list = [None] * dist.get_world_size()
+        dist.all_gather_object(statuses, (self.role.node, mine, error))
+        _raise_if_failed(step, "hashing its shard", [e for _, _, e in statuses])
+        gathered = [(node, entries) for node, entries, _ in statuses]
         if self.config.replicate:
             copies = self._replicate(step, gathered, fs, path) if self.node_leader and self.buddy_of else []
             replicas: list = [None] * dist.get_world_size()
             dist.all_gather_object(replicas, (self.role.node, copies))
             gathered += replicas
-        payload: list = [None, None]
+        payload: list = [None, None, None]
         if rank == 0:
-            metadata = fs.cat_file(join(path, METADATA))
-            manifest = build_manifest(self.run_id, step, self.plan, self.optimizer_name, gathered,
-                                      (len(metadata), sha256_bytes(metadata)))
-            payload = [metadata, manifest.to_json().encode()]
+            try:
+                metadata = fs.cat_file(join(path, METADATA))
+                manifest = build_manifest(self.run_id, step, self.plan, self.optimizer_name, gathered,
+                                          (len(metadata), sha256_bytes(metadata)))
+                payload = [metadata, manifest.to_json().encode(), None]
+            except Exception as e:
+                payload = [None, None, f"{type(e).__name__}: {e}"]
         dist.broadcast_object_list(payload)
-        metadata, manifest_bytes = payload
+        metadata, manifest_bytes, error = payload
+        _raise_if_failed(step, "building the manifest", [error] + [None] * (dist.get_world_size() - 1))
+        error = None
         if self.node_leader:
-            if self.role.node != gathered[0][0]:  # rank 0's node has DCP's own; others may hold a stale one
-                write_atomic(fs, join(path, METADATA), metadata)
-            write_atomic(fs, join(path, MANIFEST), manifest_bytes)
-        dist.barrier()  # committed on every node before anyone prunes or trains on
+            try:
+                if self.role.node != gathered[0][0]:  # rank 0's node has DCP's own; others may hold a stale one
+                    write_atomic(fs, join(path, METADATA), metadata)
+                write_atomic(fs, join(path, MANIFEST), manifest_bytes)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        # committed on every node before anyone prunes or trains on (this gather is the barrier)
+        dist.all_gather_object(statuses, error)
+        _raise_if_failed(step, "writing the manifest", statuses)
         self.last_saved = step
         if self.node_leader:
             if self.uploader is not None:
