@@ -65,6 +65,11 @@ class CheckpointConfig(BaseModel):
     upload_timeout_s: float = 600.0  # how long the manifest upload waits for every node's files
     peers: dict[str, str] = Field(default_factory=dict)  # node -> URL its checkpoint root is served at
 
+    @staticmethod
+    def endpoint_options(endpoint_url: str | None) -> dict[str, Any]:
+        """fsspec options for an S3-compatible endpoint (MinIO, R2, moto); none for AWS itself."""
+        return {"endpoint_url": endpoint_url} if endpoint_url else {}
+
     def node_root(self, node: str) -> str:
         return self.local_dir.replace("{node}", node).rstrip("/")
 

@@ -407,7 +407,7 @@ def _checkpoint_config(local_dir: str | None, every: int, keep: int, remote: str
     elif "://" not in local_dir:
         local_dir = str(Path(local_dir).resolve())
     return CheckpointConfig(local_dir=local_dir, every_steps=every, keep=keep, remote_url=remote,
-                            remote_options={"endpoint_url": endpoint} if endpoint else {}, peers=peer_urls)
+                            remote_options=CheckpointConfig.endpoint_options(endpoint), peers=peer_urls)
 
 
 @app.command()

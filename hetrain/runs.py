@@ -37,7 +37,7 @@ def default_checkpoints(run_dir: Path, every_steps: int, keep: int, remote_url: 
     """Node roots under the run directory (``nodes/<node>``): right for one machine and the emulated cluster."""
     return CheckpointConfig(local_dir=str(run_dir / "nodes" / "{node}"), every_steps=every_steps, keep=keep,
                             remote_url=remote_url,
-                            remote_options={"endpoint_url": remote_endpoint} if remote_endpoint else {})
+                            remote_options=CheckpointConfig.endpoint_options(remote_endpoint))
 
 
 def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int) -> tuple[RunConfig, int | None]:

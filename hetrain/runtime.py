@@ -236,9 +236,6 @@ class Trainer:
                         tensors[f"optim/{names[p]}/{key}"] = value
             self._dump("params", tensors)
 
-    def is_node_leader(self) -> bool:
-        return self.layout.nodes[self.role.node][0] == self.role.rank
-
 
 # --------------------------------------------------------------------------- process setup
 
@@ -339,16 +336,16 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
     try:
         for step in range(config.start_step, config.steps):
             record = trainer.train_step(step)
+            requested = record.pop("checkpoint_requested")
             ckpt = trainer.checkpointer
-            if ckpt is not None and (record.pop("checkpoint_requested") or (step + 1) % ckpt.config.every_steps == 0
+            if ckpt is not None and (requested or (step + 1) % ckpt.config.every_steps == 0
                                      or (step + 1 == config.steps and ckpt.config.save_at_end)):
                 saved = time.perf_counter()
                 ckpt.save(step)
                 record["checkpoint_s"] = time.perf_counter() - saved
-                if config.request_file and trainer.is_node_leader():
+                if config.request_file and ckpt.node_leader:
                     with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
                         os.replace(config.request_file, config.request_file + f".done-{step}")
-            record.pop("checkpoint_requested", None)
             if step == config.start_step and trainer.load_s is not None:
                 record["resume_load_s"] = trainer.load_s  # rank 0's; all ranks load at once
             if metrics is not None:
