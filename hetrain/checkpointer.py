@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import PurePosixPath
 
 import torch
@@ -37,19 +38,35 @@ FAULT_KILL_IN_SAVE = "HETRAIN_FAULT_KILL_IN_SAVE"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+TRAIN_STATE = "train_state"  # float64: LR schedule (lr, lr_min, warmup, decay steps), fp16 loss scale, good steps
+TRAIN_STATE_LEN = 6
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   train_state: torch.Tensor | None = None) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    return {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
+    state = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
+    if train_state is not None:
+        state[TRAIN_STATE] = train_state  # the same on every rank, stored once like the RNG state
+    return state
 
 
 def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        storage_options: dict | None = None) -> None:
-    """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding."""
-    state = training_state(model, optimizer)
+                        storage_options: dict | None = None) -> torch.Tensor | None:
+    """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding.
+
+    Returns the checkpoint's train state (schedule and loss scale), or None for a checkpoint
+    written before it was kept.
+    """
+    reader = FsspecReader(url, **(storage_options or {}))
+    has_train_state = TRAIN_STATE in reader.read_metadata().state_dict_metadata
+    state = training_state(model, optimizer,
+                           torch.zeros(TRAIN_STATE_LEN, dtype=torch.float64) if has_train_state else None)
     dcp.load(state, storage_reader=FsspecReader(url, **(storage_options or {})))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])
+    return state.get(TRAIN_STATE)
 
 
 def _raise_if_failed(step: int, what: str, errors: list[str | None]) -> None:
@@ -64,8 +81,10 @@ class Checkpointer:
     """One rank's side of saving: its shard into its node's root, then the collective commit."""
 
     def __init__(self, config: CheckpointConfig, run_id: str, plan: Plan, layout: Layout, role: Role,
-                 model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_name: str) -> None:
+                 model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_name: str,
+                 train_state: Callable[[], torch.Tensor] | None = None) -> None:
         self.config, self.run_id, self.plan, self.role = config, run_id, plan, role
+        self.train_state = train_state
         self.model, self.optimizer, self.optimizer_name = model, optimizer, optimizer_name
         self.root = config.node_root(role.node)
         self.node_leader = layout.nodes[role.node][0] == role.rank
@@ -81,7 +100,7 @@ class Checkpointer:
         """Collective: write this rank's shard, commit with a manifest on every node, prune, upload."""
         directory = join(self.root, step_name(step))
         fs, path = url_to_fs(directory)
-        dcp.save(training_state(self.model, self.optimizer),
+        dcp.save(training_state(self.model, self.optimizer, self.train_state() if self.train_state else None),
                  storage_writer=FsspecWriter(directory, sync_files=True, overwrite=True))
         rank = dist.get_rank()
         if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":

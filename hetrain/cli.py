@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hetrain.errors import HetrainError
+from hetrain.schedule import DEFAULT_LR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train large models on mixed, preemptible GPUs.")
 out = Console()
@@ -298,11 +299,23 @@ def train(
     model: Annotated[Path | None, typer.Option(help="model YAML; must be the model the plan is for")] = None,
     cluster: Annotated[Path | None, typer.Option(help="cluster YAML: checks the plan, applies `emulate` on CPU")] = None,
     steps: Annotated[int, typer.Option(min=1, help="train until this many steps are done")] = 100,
-    data: Annotated[Path | None, typer.Option(help="text file read as byte-level tokens (default: synthetic)")] = None,
+    data: Annotated[Path | None, typer.Option(
+        help="token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as "
+             "byte-level tokens (default: synthetic)")] = None,
     metrics: Annotated[Path | None, typer.Option(help="per-step JSONL (default RUN_DIR/metrics.jsonl)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<plan name>)")] = None,
     optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
-    lr: Annotated[float, typer.Option(help="learning rate")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="peak learning rate (after warmup)")] = DEFAULT_LR,
+    lr_min: Annotated[float | None, typer.Option(help="cosine floor (default: 10 % of --lr)")] = None,
+    warmup_steps: Annotated[int | None, typer.Option(min=0, help="linear warmup steps (default: min(200, 10 % of "
+                                                                 "--steps))")] = None,
+    decay_steps: Annotated[int | None, typer.Option(min=1, help="cosine decay steps after warmup (default: the "
+                                                                "rest of --steps)")] = None,
+    precision: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the plan's; a plan without "
+                                                       "training settings: bf16 on GPU, fp32 on CPU)")] = None,
+    compile_blocks: Annotated[bool, typer.Option("--compile", help="torch.compile each block (GPU only)")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run in --run-dir from its newest committed "
+                                                          "checkpoint, with its LR schedule")] = False,
     max_grad_norm: Annotated[float, typer.Option(help="clip gradients to this global norm (0: off)")] = 1.0,
     seed: Annotated[int, typer.Option(help="weights and data seed")] = 0,
     print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
@@ -350,7 +363,8 @@ def train(
         config = RunConfig(
             plan=str(plan_file.resolve()), cluster=str(cluster.resolve()) if cluster else None, steps=steps,
             data=str(data.resolve()) if data else None, metrics=str(metrics.resolve()) if metrics else None,
-            optimizer=optimizer, lr=lr, max_grad_norm=max_grad_norm or None, seed=seed,
+            optimizer=optimizer, lr=lr, lr_min=lr_min, warmup_steps=warmup_steps, decay_steps=decay_steps,
+            precision=precision, compile=compile_blocks, max_grad_norm=max_grad_norm or None, seed=seed,
             dump_dir=str(dump_dir.resolve()) if dump_dir else None, run_id=run_id or run_dir.name,
             checkpoint=_checkpoint_config(checkpoint_dir, checkpoint_every, keep, remote, remote_endpoint, peer,
                                           run_dir),
@@ -360,6 +374,25 @@ def train(
         from hetrain.specs import describe_validation_error
 
         raise HetrainError(describe_validation_error("options", e)) from None
+    if data is not None:
+        from hetrain.data import TokenSource
+
+        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=data)  # bad data: one line now, not per rank
+    resumed_step = None
+    if resume:
+        from hetrain.runs import start_or_resume
+
+        if config.checkpoint is None:
+            raise HetrainError("--resume: the run needs checkpoints (--checkpoint-dir or --remote)")
+        config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False)
+        if resumed_step is None:
+            raise HetrainError(f"--resume: {run_dir} has no committed checkpoint to resume from")
+        if config.start_step >= config.steps:
+            raise HetrainError(f"--resume: the checkpoint of {run_dir} is at step {resumed_step}, "
+                               f"already at --steps {steps}")
+    if precision is not None and pl.training is not None and precision != pl.training.precision:
+        err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in {precision}",
+                  highlight=False)
     if print_launch:
         path = write_config(config, run_dir.resolve())
         out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
@@ -367,11 +400,13 @@ def train(
             out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
         return
     out.print(f"training {pl.model.name} on {layout.world_size} processes "
-              f"({len(pl.pipelines)} pipelines, tp {pl.tp}); run directory {run_dir}", highlight=False)
+              f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
+              + (f", resuming after step {resumed_step}" if resumed_step is not None else "")
+              + f"; run directory {run_dir}", highlight=False)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)
     with progress:
-        task = progress.add_task("train", total=steps, info="starting processes")
+        task = progress.add_task("train", total=steps, completed=config.start_step, info="starting processes")
 
         def show(record: dict) -> None:
             progress.update(task, completed=record["step"] + 1,
@@ -527,6 +562,36 @@ def watch(
     err.print(f"watching {cloud} preemption notices for node {node}", highlight=False)
     notice = watcher.run()
     raise typer.Exit(0 if notice is not None else 1)
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+@user_errors
+def data_prepare(
+    text: Annotated[Path, typer.Option(help="text file (UTF-8)")],
+    out_file: Annotated[Path, typer.Option("--out", help="token file to write (.bin; a .bin.json describes it)")],
+    tokenizer: Annotated[Path | None, typer.Option(help="Hugging Face tokenizer.json (default: byte-level, "
+                                                        "one token per byte)")] = None,
+):
+    """Tokenize a text file into a flat token file for `hetrain train --data`."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from hetrain.data import prepare_tokens
+
+    with Progress(TextColumn("[bold]tokenize"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("tokenize", total=None)
+        meta = prepare_tokens(text, out_file, tokenizer,
+                              progress=lambda done, total: bar.update(task, completed=done, total=total))
+    table = Table(title=f"{out_file}", title_justify="left")
+    for col in ("tokens", "dtype", "vocabulary", "largest id", "tokenizer"):
+        table.add_column(col, justify="left" if col == "tokenizer" else "right")
+    table.add_row(f"{meta['num_tokens']:,}", meta["dtype"], f"{meta['vocab_size']:,}", str(meta["max_id"]),
+                  meta["tokenizer"])
+    out.print(table)
 
 
 def main() -> None:

@@ -3,16 +3,90 @@
 Sequence ``i`` of step ``s`` is a pure function of (seed, s, i), so the global batch of a
 step is the same whatever the plan, and resuming at step ``s`` needs nothing but ``s``.
 Pipeline ``p`` takes the contiguous slice of the global batch after the pipelines before it.
+
+Data files, all read through ``np.memmap`` (a 100 GB corpus costs page cache, not RAM; each
+rank touches only the windows of its own pipeline's slice):
+
+* ``.bin``: a flat array of token ids, nanoGPT's ``train.bin`` or Megatron's ``.bin`` without
+  its index. The dtype comes from the ``<file>.json`` that ``hetrain data prepare`` writes
+  beside it (``hetrain.tokens/v1``), else uint16 when the vocabulary fits, uint32 otherwise.
+* ``.npy``: a 1-D array of unsigned (or non-negative signed) integers; numpy's header gives the dtype.
+* anything else: text, one token per byte (byte-level, vocabulary 256).
+
+The corpus is cut into windows of ``seq_length + 1`` tokens, one every ``seq_length`` tokens
+(each target sequence overlaps the next window's first input by one token), and every epoch
+visits them in a fresh order: an affine permutation ``k -> (a k + c) mod windows`` with ``a``
+coprime to the count, drawn from (seed, epoch). It needs O(1) memory at any corpus size,
+where a stored permutation of a 100 GB corpus would take 200 MB on every rank.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hetrain.errors import HetrainError
+
+TOKENS_SCHEMA = "hetrain.tokens/v1"
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+VOCAB_CHECK_TOKENS = 1 << 20  # ids checked when the file is opened; every batch read is checked too
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
+    """The file's token ids as a read-only memory map; HetrainError naming the file when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise HetrainError(f"{p}: data file not found")
+    if p.suffix == ".npy":
+        try:
+            tokens = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise HetrainError(f"{p}: not a readable .npy array ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui" or tokens.dtype.itemsize > 8:
+            raise HetrainError(f"{p}: expected a 1-D array of integer token ids, got {tokens.dtype} "
+                               f"with shape {tokens.shape}")
+        return tokens
+    if p.suffix != ".bin":
+        if vocab_size < 256:
+            raise HetrainError(f"{p}: byte-level data needs vocab_size >= 256, the model has {vocab_size}")
+        return np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8)
+    meta_path = p.with_name(p.name + ".json")
+    dtype_name = token_dtype_for(vocab_size)
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+            dtype_name = meta["dtype"]
+        except (ValueError, KeyError, TypeError):
+            raise HetrainError(f"{meta_path}: expected JSON with a 'dtype' field ({TOKENS_SCHEMA})") from None
+        if dtype_name not in TOKEN_DTYPES:
+            raise HetrainError(f"{meta_path}: dtype: expected one of {', '.join(TOKEN_DTYPES)}, got {dtype_name!r}")
+    itemsize = np.dtype(TOKEN_DTYPES[dtype_name]).itemsize
+    size = p.stat().st_size
+    if size % itemsize:
+        raise HetrainError(f"{p}: {size} bytes is not a whole number of {dtype_name} token ids; "
+                           f"is the file of another dtype?")
+    if size == 0:
+        return np.zeros(0, TOKEN_DTYPES[dtype_name])
+    return np.memmap(p, dtype=TOKEN_DTYPES[dtype_name], mode="r")
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, source: str, offset: int = 0) -> None:
+    """HetrainError naming the first id >= ``vocab_size`` (or negative) in ``tokens``."""
+    if tokens.size == 0:
+        return
+    high, low = int(tokens.max()), int(tokens.min())
+    if high >= vocab_size or low < 0:
+        bad = int(np.flatnonzero((tokens >= vocab_size) | (tokens < 0))[0])
+        raise HetrainError(f"{source}: token id {int(tokens[bad])} at position {offset + bad} is outside the model's "
+                           f"vocabulary (vocab_size {vocab_size}); was the file made with another tokenizer or dtype?")
 
 
 class TokenSource:
@@ -22,35 +96,42 @@ class TokenSource:
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
+        self.path = str(path) if path is not None else None
         self.tokens: np.ndarray | None = None
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._epoch: tuple[int, int, int] | None = None
         if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise HetrainError(f"{p}: data file not found")
-            self.tokens = np.fromfile(p, dtype=np.uint8)  # byte-level tokens
-            if vocab_size < 256:
-                raise HetrainError(f"{p}: byte-level data needs vocab_size >= 256, the model has {vocab_size}")
-            if len(self.tokens) < seq_length + 2:
-                raise HetrainError(f"{p}: {len(self.tokens)} bytes, need at least seq_length + 2 = {seq_length + 2}")
+            self.tokens = open_tokens(path, vocab_size)
+            if len(self.tokens) < seq_length + 1:
+                raise HetrainError(f"{path}: {len(self.tokens)} tokens, shorter than one sequence "
+                                   f"(seq_length + 1 = {seq_length + 1})")
+            check_ids(np.asarray(self.tokens[:VOCAB_CHECK_TOKENS]), vocab_size, str(path))
+            self.windows = (len(self.tokens) - seq_length - 1) // seq_length + 1
 
     def sequences(self, first: int, count: int) -> torch.Tensor:
         """Global sequences ``[first, first + count)`` as a ``(count, seq_length + 1)`` int64 tensor."""
         if self.tokens is None:
             return torch.stack([self._synthetic(i) for i in range(first, first + count)])
         n = self.seq_length + 1
-        windows = (len(self.tokens) - n) // self.seq_length + 1
         rows = []
         for i in range(first, first + count):
-            epoch, k = divmod(i, windows)
-            start = int(self._permutation(epoch, windows)[k]) * self.seq_length
-            rows.append(torch.from_numpy(self.tokens[start:start + n].astype(np.int64)))
+            epoch, k = divmod(i, self.windows)
+            start = self._window(epoch, k) * self.seq_length
+            row = np.asarray(self.tokens[start:start + n])
+            check_ids(row, self.vocab_size, self.path, start)
+            rows.append(torch.from_numpy(row.astype(np.int64)))
         return torch.stack(rows)
 
-    def _permutation(self, epoch: int, windows: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(windows))
-        return self._perm[1]
+    def _window(self, epoch: int, k: int) -> int:
+        """Position of the ``k``-th window visited in ``epoch`` (a permutation of ``range(windows)``)."""
+        w = self.windows
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            a = int(rng.integers(1, max(2, w)))
+            while math.gcd(a, w) != 1:
+                a += 1
+            self._epoch = (epoch, a, int(rng.integers(0, w)))
+        _, a, c = self._epoch
+        return (a * k + c) % w
 
     def _synthetic(self, index: int) -> torch.Tensor:
         """Arithmetic progressions mod vocab with a random start and stride: learnable in context."""
@@ -72,6 +153,76 @@ class PipelineSampler:
         """Inputs and targets for ``step`` (0-based), each ``(count, seq_length)``."""
         seq = self.source.sequences(step * self.global_batch_size + self.offset, self.count)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+TEXT_CHUNK_BYTES = 1 << 20  # text read and tokenized a megabyte at a time: any size of file, flat memory
+
+
+def prepare_tokens(text: str | Path, out: str | Path, tokenizer: str | Path | None = None,
+                   progress=None) -> dict:
+    """Tokenize a text file into a flat ``.bin`` of token ids plus its ``.json`` description.
+
+    Byte-level (one token per byte, vocabulary 256) by default; with ``tokenizer``, a local
+    Hugging Face ``tokenizer.json`` through the ``tokenizers`` library (chunks end at a newline,
+    so no word is cut in two). Written under temporary names and renamed: a reader never sees
+    half a file. ``progress(done_bytes, total_bytes)`` is called as it goes.
+    """
+    src, dst = Path(text), Path(out)
+    if not src.is_file():
+        raise HetrainError(f"--text {src}: file not found")
+    if dst.suffix != ".bin":
+        raise HetrainError(f"--out {dst}: expected a .bin file name")
+    encode, vocab_size, name = (lambda chunk: np.frombuffer(chunk, dtype=np.uint8)), 256, "bytes"
+    if tokenizer is not None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise HetrainError("--tokenizer needs the tokenizers package: pip install 'hetrain[data]'") from None
+        try:
+            tok = Tokenizer.from_file(str(tokenizer))
+        except Exception as e:
+            raise HetrainError(f"--tokenizer {tokenizer}: not a tokenizer.json the tokenizers library reads ({e})") \
+                from None
+        vocab_size, name = tok.get_vocab_size(with_added_tokens=True), str(tokenizer)
+
+        def encode(chunk: bytes) -> np.ndarray:
+            return np.asarray(tok.encode(chunk.decode("utf-8", errors="replace"), add_special_tokens=False).ids)
+    dtype = token_dtype_for(vocab_size)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp_bin, tmp_meta = dst.with_name(f".{dst.name}.tmp"), dst.with_name(f".{dst.name}.json.tmp")
+    total, done, count, max_id = src.stat().st_size, 0, 0, -1
+    try:
+        with src.open("rb") as f, tmp_bin.open("wb") as w:
+            carry = b""
+            while True:
+                block = f.read(TEXT_CHUNK_BYTES)
+                chunk = carry + block
+                if block and tokenizer is not None:  # cut after the last newline; the rest goes with the next block
+                    cut = chunk.rfind(b"\n") + 1
+                    chunk, carry = (chunk[:cut], chunk[cut:]) if cut else (b"", chunk)
+                else:
+                    carry = b""
+                if chunk:
+                    ids = encode(chunk)
+                    if ids.size:
+                        max_id = max(max_id, int(ids.max()))
+                        ids.astype(TOKEN_DTYPES[dtype]).tofile(w)
+                        count += ids.size
+                done += len(block)
+                if progress:
+                    progress(done, total)
+                if not block:
+                    break
+        meta = {"schema": TOKENS_SCHEMA, "dtype": dtype, "num_tokens": count, "vocab_size": vocab_size,
+                "max_id": max_id, "tokenizer": name, "source": str(src)}
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp_meta.replace(dst.with_name(dst.name + ".json"))  # first: a reader of the .bin finds its dtype
+        tmp_bin.replace(dst)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+        raise
+    return meta
 
 
 def pipeline_slices(num_microbatches: list[int], micro_batch_size: int) -> list[tuple[int, int]]:

@@ -171,6 +171,20 @@ def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.
     return len(alive)
 
 
+def _drop_records_from(metrics: Path, step: int) -> None:
+    """Keep only the records of steps before ``step`` (atomically), so a resumed run's metrics never repeat a step."""
+    kept = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] < step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = metrics.with_name(f".{metrics.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, metrics)
+
+
 class RunStopped(HetrainError):
     """``launch`` was told to stop (e.g. the emulated node went away at its preemption deadline)."""
 
@@ -193,6 +207,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if config.resume_from is None:
         metrics.unlink(missing_ok=True)
+    elif metrics.exists():
+        _drop_records_from(metrics, config.start_step)  # steps after the checkpoint are trained again
     start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends
     config_path = write_config(config, run_dir)
     cmd = local_command(layout, str(config_path), free_port())

@@ -40,8 +40,12 @@ def default_checkpoints(run_dir: Path, every_steps: int, keep: int, remote_url: 
                             remote_options=CheckpointConfig.endpoint_options(remote_endpoint))
 
 
-def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int) -> tuple[RunConfig, int | None]:
+def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int,
+                    more: bool = True) -> tuple[RunConfig, int | None]:
     """``config`` for ``more_steps`` steps: from 0, or after the newest committed checkpoint of this run.
+
+    ``more=False``: ``more_steps`` is the run's total (``hetrain train --resume --steps N``), not
+    steps on top of the checkpoint (the flow's scheduled runs).
 
     The checkpoint is reassembled (the previous run's plan may have used other nodes) into
     ``restore/step-N``; DCP reshards it onto ``plan``. Returns the config and the resumed step.
@@ -61,6 +65,7 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
                     raise
             else:
                 start = report.step + 1
-                return config.model_copy(update={"start_step": start, "steps": start + more_steps,
+                return config.model_copy(update={"start_step": start,
+                                                 "steps": start + more_steps if more else more_steps,
                                                  "resume_from": report.dest}), report.step
     return config.model_copy(update={"start_step": 0, "steps": more_steps, "resume_from": None}), None

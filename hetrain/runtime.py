@@ -16,13 +16,12 @@ import contextlib
 import json
 import os
 import time
-from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +37,8 @@ from hetrain.instrument import StageMeter
 from hetrain.layout import Layout, Role, SyncBucket, build_layout
 from hetrain.model import GPT, lm_loss
 from hetrain.plan import Plan, load_plan
+from hetrain.precision import GRAD_REDUCE_DTYPE, LossScaler, Precision, apply_mixed_precision
+from hetrain.schedule import DEFAULT_LR, LRSchedule
 from hetrain.specs import EmulateSpec, load_cluster
 
 
@@ -53,10 +54,15 @@ class RunConfig(BaseModel):
     data: str | None = None
     seed: int = 0
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat = DEFAULT_LR  # peak of the schedule
+    lr_min: NonNegativeFloat | None = None  # None: 10 % of lr
+    warmup_steps: NonNegativeInt | None = None  # None: min(200, 10 % of steps)
+    decay_steps: PositiveInt | None = None  # None: the steps after warmup
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     activation_recompute: bool | None = None  # None: what the plan's training settings say
+    precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
+    compile: bool = False  # torch.compile each block (GPU only)
     metrics: str | None = None
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
@@ -69,6 +75,17 @@ class RunConfig(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         return cls.model_validate_json(Path(path).read_text())
+
+    def lr_schedule(self) -> LRSchedule:
+        """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
+        return LRSchedule.for_run(self.steps, self.lr, self.lr_min, self.warmup_steps, self.decay_steps)
+
+    def resolved_precision(self, plan: Plan, device_type: str) -> Precision:
+        if self.precision is not None:
+            return self.precision
+        if plan.training is not None:
+            return plan.training.precision
+        return "bf16" if device_type == "cuda" else "fp32"
 
 
 TP_PLAN = {
@@ -104,36 +121,53 @@ class Trainer:
         self.config, self.plan, self.layout, self.role, self.device = config, plan, layout, role, device
         settings = plan.settings()
         recompute = settings.activation_recompute if config.activation_recompute is None else config.activation_recompute
+        self.precision = config.resolved_precision(plan, device.type)
+        self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
         model = GPT(plan.model, role.layers, activation_recompute=recompute)
         model.init_weights(config.seed)
         model.to(device)
+        # torchtitan's order: tensor parallelism, then precision, then compile each block.
         if plan.tp > 1:
             parallelize_stage(model, DeviceMesh.from_group(groups["tp"], device.type))
+        apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
+        if config.compile and device.type == "cuda":
+            for block in model.layers.values():
+                block.compile()
         self.model = model
         self.meter = StageMeter(
             model, role.device,
             slowdown=emulate.slowdown if emulate else 1.0,
             memory_budget_gb=emulate.memory_gb if emulate else None,
         )
-        if config.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        else:
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
+        impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.lr_schedule = config.lr_schedule()
+        lr = self.lr_schedule.lr_at(config.start_step)
+        # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
+        # sharded block weights and the replicated embedding/norms/head are separate groups.
+        params = list(model.parameters())
+        param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                              [p for p in params if not isinstance(p, DTensor)]) if g]
+        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr, weight_decay=config.weight_decay, **impl)
         self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+        self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.load_s = None
+        self.restored_schedule: LRSchedule | None = None
         if config.resume_from:
             loading = time.perf_counter()
-            load_training_state(config.resume_from, model, self.optimizer, config.resume_options)
+            train_state = load_training_state(config.resume_from, model, self.optimizer, config.resume_options)
             self.load_s = time.perf_counter() - loading
+            if train_state is not None:
+                self._restore_train_state(train_state)
         self.checkpointer = None
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
-                                             self.optimizer, config.optimizer)
+                                             self.optimizer, config.optimizer, train_state=self.train_state)
 
         stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups["pp"])
-        scale = plan.micro_batch_size / plan.global_batch_size
-        self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=partial(lm_loss, scale=scale),
-                                     scale_grads=False)
+        self.loss_scale = plan.micro_batch_size / plan.global_batch_size
+        self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
@@ -143,6 +177,24 @@ class Trainer:
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
         # Replicated parameters (norms, embeddings, head) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Scaled so that the micro-batch losses of every pipeline sum to the global mean (times
+        # the fp16 loss scale, which the clipping coefficient takes back out).
+        return lm_loss(logits, targets, scale=self.loss_scale * self.scaler.scale)
+
+    def train_state(self) -> torch.Tensor:
+        """What the checkpoint keeps besides weights and optimizer: the schedule and the loss scale."""
+        return torch.cat([self.lr_schedule.to_tensor(),
+                          torch.tensor([self.scaler.scale, self.scaler.good_steps], dtype=torch.float64)])
+
+    def _restore_train_state(self, state: torch.Tensor) -> None:
+        restored = LRSchedule.from_tensor(state[:4])
+        if restored != self.lr_schedule:
+            self.restored_schedule = restored  # reported once in the first metrics record
+        self.lr_schedule = restored
+        if self.scaler.enabled and state[4] > 0:
+            self.scaler.scale, self.scaler.good_steps = float(state[4]), int(state[5])
 
     # -- one step
     def train_step(self, step: int) -> dict:
@@ -181,16 +233,22 @@ class Trainer:
         totals[mine:mine + 4] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
                                               stats["peak_memory_gb"]], dtype=torch.float64)
         dist.all_reduce(totals)
-        grad_norm = float(totals[0].sqrt())
-        if self.config.max_grad_norm is not None:
-            coef = self.config.max_grad_norm / (grad_norm + 1e-6)
-            if coef < 1.0:
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        _local(p.grad).mul_(coef)
-        if self.config.dump_dir and step == self.config.start_step:
-            self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
-        self.optimizer.step()
+        scale = self.scaler.scale
+        grad_norm = float(totals[0].sqrt()) / scale
+        applied = self.scaler.update(grad_norm * scale)
+        lr = self.lr_schedule.lr_at(step)
+        if applied:
+            coef = 1.0 / scale
+            if self.config.max_grad_norm is not None:
+                coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
+            if coef != 1.0:
+                grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, coef)
+            if self.config.dump_dir and step == self.config.start_step:
+                self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
@@ -199,9 +257,14 @@ class Trainer:
                           "tp_rank": other.tp_rank, "compute_s": compute_s,
                           "idle_s": max(0.0, schedule_s + sync_s - compute_s), "sync_s": sync_s,
                           "peak_memory_gb": peak_gb})
-        return {"step": step, "loss": float(totals[1]), "grad_norm": grad_norm,
-                "step_time_s": time.perf_counter() - started, "ranks": ranks,
-                "checkpoint_requested": bool(totals[-1] > 0)}
+        record = {"step": step, "loss": float(totals[1]) / scale, "grad_norm": grad_norm, "lr": lr,
+                  "step_time_s": time.perf_counter() - started, "ranks": ranks,
+                  "checkpoint_requested": bool(totals[-1] > 0)}
+        if self.scaler.enabled:
+            record["loss_scale"] = scale
+            if not applied:
+                record["skipped"] = True  # fp16 overflow: no update, the scale halves
+        return record
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -213,7 +276,10 @@ class Trainer:
                     p.grad = torch.zeros_like(p)
                 grads.append(_local(p.grad))
             flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group)
+            wire = flat.to(self.reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
+            dist.all_reduce(wire, group=group)
+            if wire is not flat:
+                flat.copy_(wire)
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
 
@@ -348,6 +414,8 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
                         os.replace(config.request_file, config.request_file + f".done-{step}")
             if step == config.start_step and trainer.load_s is not None:
                 record["resume_load_s"] = trainer.load_s  # rank 0's; all ranks load at once
+                if trainer.restored_schedule is not None:  # the checkpoint's schedule, not the options'
+                    record["lr_schedule"] = trainer.restored_schedule.model_dump()
             if metrics is not None:
                 record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
                 record["time"] = time.time()

@@ -206,6 +206,8 @@ class TrainingSettings(_Spec):
         "2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + 4 + 4 (Adam moments) = 16",
     )
     activation_recompute: bool = Field(default=True, description="recompute each block's activations in backward")
+    grad_reduce: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="dtype of the data-parallel gradient all-reduce (gradients are held in fp32)")
     framework_reserve_gb: NonNegativeFloat = Field(
         default=2.0, description="per-GPU memory held by CUDA context, allocator and communication buffers"
     )

@@ -37,8 +37,12 @@ def plan(tp: int, pipelines: list[tuple[int, list[tuple[str, list[int]]]]], micr
 
 def run(p: Plan, directory: Path, steps: int, *, start_step: int = 0, checkpoint: CheckpointConfig | None = None,
         resume_from: str | None = None, dump: bool = False, **extra) -> list[dict]:
-    """Train ``p`` with AdamW from ``start_step`` up to ``steps``; returns the metric records."""
+    """Train ``p`` with AdamW from ``start_step`` up to ``steps``; returns the metric records.
+
+    The LR schedule is fixed (not derived from ``steps``), so runs of different lengths share it.
+    """
     directory.mkdir(parents=True, exist_ok=True)
+    extra = {"warmup_steps": 1, "decay_steps": 8, **extra}
     p.write(directory / "plan.json")
     config = RunConfig(plan=str(directory / "plan.json"), steps=steps, start_step=start_step, lr=1e-2,
                        checkpoint=checkpoint, resume_from=resume_from,

@@ -20,6 +20,7 @@ from hetrain.launch import free_port, worker_pids
 from hetrain.layout import build_layout
 from hetrain.model import GPT, lm_loss
 from hetrain.plan import Plan
+from hetrain.schedule import LRSchedule
 from hetrain.specs import load_model
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
@@ -49,8 +50,10 @@ def reference(plan: Plan, steps: int) -> tuple[dict, dict, list[float]]:
     model.init_weights(0)
     source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    schedule = LRSchedule.for_run(steps, LR)  # the runtime's default schedule: warmup, then cosine
     grads, losses = {}, []
     for step in range(steps):
+        opt.param_groups[0]["lr"] = schedule.lr_at(step)
         seq = source.sequences(step * plan.global_batch_size, plan.global_batch_size)
         loss = lm_loss(model(seq[:, :-1]), seq[:, 1:])
         loss.backward()
