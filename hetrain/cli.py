@@ -321,6 +321,8 @@ def train(
     print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
     main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
     dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
+    trace_memory: Annotated[bool, typer.Option(hidden=True, help="CPU: count every allocation for the peak "
+                                                                  "memory (slow; tests and benchmarks)")] = False,
     checkpoint_dir: Annotated[str | None, typer.Option(
         help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name)")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="checkpoint every N steps (and at the end)")] = 50,
@@ -364,7 +366,7 @@ def train(
             plan=str(plan_file.resolve()), cluster=str(cluster.resolve()) if cluster else None, steps=steps,
             data=str(data.resolve()) if data else None, metrics=str(metrics.resolve()) if metrics else None,
             optimizer=optimizer, lr=lr, lr_min=lr_min, warmup_steps=warmup_steps, decay_steps=decay_steps,
-            precision=precision, compile=compile_blocks, max_grad_norm=max_grad_norm or None, seed=seed,
+            precision=precision, compile=compile_blocks, trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
             dump_dir=str(dump_dir.resolve()) if dump_dir else None, run_id=run_id or run_dir.name,
             checkpoint=_checkpoint_config(checkpoint_dir, checkpoint_every, keep, remote, remote_endpoint, peer,
                                           run_dir),

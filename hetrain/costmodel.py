@@ -102,6 +102,28 @@ def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> fl
     return mult * model.num_layers * block_forward_flops(model, 1) + 3 * head_forward_flops(model, 1)
 
 
+RESIDUAL_BYTES = 4  # the residual stream stays fp32 under autocast (hetrain.precision)
+FOREACH_TEMP_RATIO = 0.5  # foreach AdamW's temporaries: about two fp32 copies of the parameters = half of 16 B/param
+
+
+def block_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int, micro_batch_size: int) -> float:
+    """Bytes one block saves for backward for one micro-batch, as ``hetrain.runtime`` runs it.
+
+    Counted tensor by tensor (and checked against ``AllocationTracker`` in the tests): the two
+    LayerNorm inputs (the fp32 residual stream) and the two projection inputs are whole on
+    every TP rank; q, k, v, the attention output and the MLP's hidden activation before and
+    after GELU are split ``tp`` ways. Attention is SDPA (flash or memory-efficient): no
+    ``s x s`` score matrix is kept, unlike Korthikanti et al.'s count for unfused attention.
+    Under autocast, the 16-bit copies of the block's weights are saved for backward too.
+    """
+    h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
+    act = settings.activation_bytes
+    whole = s * b * h * (2 * RESIDUAL_BYTES + 2 * act)
+    split = s * b * act * (4 * h + 2 * f) / t
+    weight_copies = 2 * block_params(model) / t if settings.precision != "fp32" else 0.0
+    return whole + split + weight_copies
+
+
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
     if group_size <= 1:
         return 0.0
@@ -125,28 +147,42 @@ class UnitCosts:
     block_act_bytes: float  # kept per in-flight micro-batch
     embed_act_bytes: float
     head_work_bytes: float  # logits + grad, once
-    block_work_bytes: float  # one block's full activations while recomputing
+    block_work_bytes: float  # backward's transient: one block recomputed (with recompute) + the widest activation gradient
     reserve_bytes: float
     capacity_bytes: float
     opt_s_per_param: float  # optimizer step seconds per parameter held
+    opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
 
+    def _states(self, num_blocks: int, first: bool, last: bool) -> float:
+        return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
+                + (self.head_param_bytes if last else 0.0))
+
+    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+        # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
+        boundaries = (0 if first else 1) + (0 if last else 1)
+        mem = self.block_work_bytes + num_blocks * in_flight * self.block_act_bytes
+        mem += in_flight * boundaries * self.embed_act_bytes
+        return mem + (self.head_work_bytes if last else 0.0)
+
     def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
-        mem = self.reserve_bytes + self.block_work_bytes
-        mem += num_blocks * (self.block_param_bytes + in_flight * self.block_act_bytes)
-        if first:
-            mem += self.embed_param_bytes + in_flight * self.embed_act_bytes
-        if last:
-            mem += self.head_param_bytes + self.head_work_bytes
-        return mem
+        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries)."""
+        states = self._states(num_blocks, first, last)
+        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight),
+                                                 self.opt_temp_ratio * states)
 
     def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
         """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
-        free = self.capacity_bytes - self.stage_memory_bytes(0, first, last, in_flight)
-        per = self.block_param_bytes + in_flight * self.block_act_bytes
-        return int(free // per) if free >= 0 else -1
+        free_bwd = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
+            - self._activations(0, first, last, in_flight)
+        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes
+        free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
+        per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
+        if free_bwd < 0 or free_opt < 0:
+            return -1
+        return int(min(free_bwd // per_bwd, free_opt // per_opt))
 
 
 @dataclass
@@ -199,6 +235,8 @@ class CostModel:
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
+        # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
+        self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
 
     # ------------------------------------------------------------------ building blocks
@@ -211,13 +249,13 @@ class CostModel:
 
     def _unit_costs(self, g: GPUType, gpu: str, bw: float, t: int, b: int) -> UnitCosts:
         m, st = self.model, self.settings
-        h, s, a, V = m.hidden_size, m.seq_length, m.num_heads, m.vocab_size
+        h, s, V, f = m.hidden_size, m.seq_length, m.vocab_size, m.ffn_size
         act = st.activation_bytes
         flops = g.achievable_flops(st.precision)
         recompute = st.activation_recompute
         msg = b * s * h * act  # one activation tensor of a micro-batch
         tp_ar = ring_allreduce_s(msg, t, bw, self.latency_s)
-        full_block_act = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * act / 2
+        full_block_act = block_activation_bytes(m, st, t, b)
 
         entry = self.profile.lookup(gpu, t, b) if self.profile else None
         if entry is not None:
@@ -229,24 +267,30 @@ class CostModel:
         else:
             fwd = block_forward_flops(m, b) / (t * flops)
             blk_compute = fwd * (4 if recompute else 3)
-            head_compute = 3 * head_forward_flops(m, b) / (t * flops)
+            head_compute = 3 * head_forward_flops(m, b) / flops  # every TP rank runs the whole head
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
 
-        blk_act = s * b * h * act if recompute else full_block_act
+        # With recompute a block keeps only its input: the residual stream, fp32 in every precision.
+        blk_act = s * b * h * RESIDUAL_BYTES if recompute else full_block_act
+        widest_grad = s * b * f * act / t  # gradient of the MLP's hidden activation, alive during its backward
+        # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
+        head_work = s * b * V * (act + 4 + 4)
         return UnitCosts(
             block_s=blk_compute + (6 if recompute else 4) * tp_ar,
             embed_s=embed_compute + tp_ar,
             head_s=head_compute,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
-            embed_param_bytes=st.bytes_per_param * embed_params(m) / t,
-            head_param_bytes=st.bytes_per_param * head_params(m) / t,
+            # the runtime keeps the embedding and the head whole on every TP rank
+            embed_param_bytes=st.bytes_per_param * embed_params(m),
+            head_param_bytes=st.bytes_per_param * head_params(m),
             block_act_bytes=blk_act,
             embed_act_bytes=msg,
-            head_work_bytes=8.0 * s * b * V / t,
-            block_work_bytes=full_block_act if recompute else 0.0,
+            head_work_bytes=head_work,
+            block_work_bytes=(full_block_act if recompute else 0.0) + widest_grad,
             reserve_bytes=st.framework_reserve_gb * GB,
             capacity_bytes=g.memory_gb * GB,
             opt_s_per_param=2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB),
+            opt_temp_ratio=FOREACH_TEMP_RATIO if gpu in self._cpu_types else 0.0,
         )
 
     def p2p_bytes(self, micro_batch_size: int) -> float:

@@ -125,12 +125,15 @@ class StageMeter:
             )
 
     def _pack(self, t: torch.Tensor) -> object:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self._param_ptrs or t.device.type == "meta":
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's storage is its shard's
+        if local.device.type == "meta":
+            return t
+        ptr = local.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs:
             return t
         entry = self._live.get(ptr)
         if entry is None:
-            nbytes = t.untyped_storage().nbytes()
+            nbytes = local.untyped_storage().nbytes()
             self._live[ptr] = [nbytes, 1]
             self._live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.state_bytes + self._live_bytes)
@@ -198,3 +201,66 @@ class StageMeter:
         if torch.cuda.is_available() and next(self.module.parameters()).is_cuda:
             return torch.cuda.max_memory_allocated() / GB
         return self.peak_bytes / GB
+
+
+class AllocationTracker:
+    """Peak bytes of tensor storage a rank holds, counted like a device allocator would on a CPU rank.
+
+    ``torch.cuda.max_memory_allocated`` answers this on GPUs; a CPU has no allocator to ask, so
+    this dispatch mode sees every op's outputs, counts each new storage once (DTensors by
+    their local shard) and forgets it when the storage is freed (storages keep their Python
+    object, so a weak reference follows the C++ lifetime). It counts what the meter above
+    cannot see: gradients being formed, activations recomputed in backward, logits, pipeline
+    buffers, optimizer temporaries. ``baseline_bytes`` (the parameters, allocated before
+    tracking starts) is added to every reading. Opt-in (``RunConfig.trace_memory``): a Python
+    call per op slows a CPU rank down.
+    """
+
+    def __init__(self, baseline_bytes: int) -> None:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.baseline_bytes = baseline_bytes
+        self.live_bytes = 0
+        self.peak_bytes = baseline_bytes
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._record(out)
+                return out
+
+        self.mode = _Mode()
+
+    def _record(self, out) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t
+            if local.device.type == "meta":
+                continue
+            storage = local.untyped_storage()
+            if storage in self._seen:
+                continue
+            nbytes = storage.nbytes()
+            self._seen[storage] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.baseline_bytes + self.live_bytes)
+            import weakref
+
+            weakref.finalize(storage, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def __enter__(self) -> AllocationTracker:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)

@@ -13,6 +13,7 @@ one device, however the batch was split.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import time
@@ -33,7 +34,7 @@ from hetrain.checkpoint import CheckpointConfig
 from hetrain.checkpointer import Checkpointer, load_training_state
 from hetrain.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.errors import HetrainError
-from hetrain.instrument import StageMeter
+from hetrain.instrument import AllocationTracker, StageMeter
 from hetrain.layout import Layout, Role, SyncBucket, build_layout
 from hetrain.model import GPT, lm_loss
 from hetrain.plan import Plan, load_plan
@@ -63,6 +64,7 @@ class RunConfig(BaseModel):
     activation_recompute: bool | None = None  # None: what the plan's training settings say
     precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
     compile: bool = False  # torch.compile each block (GPU only)
+    trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
     metrics: str | None = None
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
@@ -111,6 +113,11 @@ def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
     return [p for n in names for p in stage.get_submodule(n).parameters()]
 
 
+# The last stage would otherwise keep every micro-batch's logits until the step ends, to return
+# them: m x (micro-batch x sequence x vocabulary) of memory nobody reads (torch >= 2.6 has the flag).
+_NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -152,6 +159,10 @@ class Trainer:
         self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr, weight_decay=config.weight_decay, **impl)
         self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
         self.scaler = LossScaler(enabled=self.precision == "fp16")
+        self.tracker = None
+        if config.trace_memory and device.type == "cpu":
+            local = [_local(p) for p in model.parameters()]
+            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
         if config.resume_from:
@@ -198,19 +209,24 @@ class Trainer:
 
     # -- one step
     def train_step(self, step: int) -> dict:
+        with self.tracker if self.tracker is not None else contextlib.nullcontext():
+            return self._train_step(step)
+
+    def _train_step(self, step: int) -> dict:
         started = time.perf_counter()
         inputs, targets = self.sampler.batch(step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         losses: list[torch.Tensor] = []
         role = self.role
+        kw = _NO_OUTPUTS
         if role.num_stages == 1:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            self.schedule.step(inputs, target=targets, losses=losses, **kw)
         elif role.is_first:
-            self.schedule.step(inputs)
+            self.schedule.step(inputs, **kw)
         elif role.is_last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=targets, losses=losses, **kw)
         else:
-            self.schedule.step()
+            self.schedule.step(**kw)
         compute_done = time.perf_counter()
         self.sync_gradients()
         synced = time.perf_counter()
@@ -230,8 +246,9 @@ class Trainer:
         if role.is_last and role.tp_rank == 0:
             totals[1] = sum(float(x.detach()) for x in losses)
         mine = 2 + 4 * role.rank
+        peak_gb = self.tracker.peak_bytes / 1e9 if self.tracker is not None else stats["peak_memory_gb"]
         totals[mine:mine + 4] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
-                                              stats["peak_memory_gb"]], dtype=torch.float64)
+                                              peak_gb], dtype=torch.float64)
         dist.all_reduce(totals)
         scale = self.scaler.scale
         grad_norm = float(totals[0].sqrt()) / scale
