@@ -40,7 +40,7 @@ def _path(p: str) -> Path:
 
 @task(cache_policy=INPUTS, persist_result=True, retries=1)
 def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[int], tp_degrees: list[int],
-            activation_recompute: bool) -> dict:
+            activation_recompute: bool, precision: str = "fp32") -> dict:
     """Per-layer times on this machine for each GPU type (cached by model and types)."""
     import torch
 
@@ -49,7 +49,8 @@ def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[in
 
     torch.set_num_threads(1)  # as each training rank
     prof = profile_model(ModelSpec.model_validate(model_spec), gpus=gpus, micro_batch_sizes=micro_batch_sizes,
-                         tp_degrees=tp_degrees, activation_recompute=activation_recompute, repeats=5)
+                         tp_degrees=tp_degrees, activation_recompute=activation_recompute, precision=precision,
+                         repeats=5)
     return json.loads(prof.to_json())
 
 
@@ -70,7 +71,8 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
 @task(retries=1, retry_delay_seconds=5)  # a retry resumes from the newest committed checkpoint
 def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps: int, checkpoint_every: int,
               keep: int, remote: str | None, remote_endpoint: str | None, spot_metadata_url: str | None,
-              cloud: str, lr: float, predicted_s: float, data: str | None = None) -> dict:
+              cloud: str, lr: float, predicted_s: float, data: str | None = None,
+              schedule: dict | None = None) -> dict:
     logger = get_run_logger()
     run_dir = run_dir_of(runs_root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +80,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
     plan_path = run_dir / "plan.json"
     ckpt = default_checkpoints(run_dir, checkpoint_every, keep, remote, remote_endpoint)
     base = RunConfig(plan=str(plan_path), cluster=str(_path(cluster)), run_id=run_id, lr=lr, checkpoint=ckpt,
+                     **(schedule or {}),
                      request_file=str(run_dir / "checkpoint.request"), data=str(_path(data)) if data else None)
     config, resumed = start_or_resume(run_dir, base, the_plan, steps)
     the_plan.write(plan_path)
@@ -141,28 +144,39 @@ def train(
     spot_metadata_url: str | None = None,
     cloud: Literal["aws", "gcp", "azure"] = "aws",
     lr: Annotated[float, Field(gt=0)] = 3e-3,
+    lr_min: Annotated[float | None, Field(ge=0)] = None,
+    warmup_steps: Annotated[int | None, Field(ge=0)] = None,
+    decay_steps: Annotated[int | None, Field(gt=0)] = None,
+    precision: Literal["bf16", "fp16", "fp32"] | None = None,
     data: str | None = None,
     runs_root: str = "runs",
 ) -> dict:
     """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``.
 
-    ``data``: a text file read as byte-level tokens (default: synthetic tokens); a scheduled
-    run that resumes reads the file as it is then, so refreshing it feeds the next run.
+    ``data``: a token file (``.bin``/``.npy``, see ``hetrain data prepare``) or a text file read
+    as byte-level tokens (default: synthetic tokens); a scheduled run that resumes reads the
+    file as it is then, so refreshing it feeds the next run.
+    ``lr`` peaks after ``warmup_steps`` (default min(200, 10 % of ``steps``)) and decays by a
+    cosine to ``lr_min`` over ``decay_steps``; a resumed run keeps the schedule its checkpoint
+    holds. ``precision``: default fp32 on clusters of emulated (CPU) devices, bf16 on GPUs.
     """
     if data and not _path(data).is_file():
         raise FileNotFoundError(f"data: {data}: file not found")
     from hetrain.profiler import gpus_from_cluster
 
     cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
-    settings = TrainingSettings(global_batch_size=global_batch_size, precision="fp32")
+    if precision is None:
+        precision = "fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16"
+    settings = TrainingSettings(global_batch_size=global_batch_size, precision=precision)
     prof = None
     if use_profile:
         prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
                        [t for t in settings.tp_degrees if spec.hidden_size % t == 0 and spec.num_heads % t == 0],
-                       settings.activation_recompute)
+                       settings.activation_recompute, settings.precision)
     plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
     the_plan = Plan.model_validate(plan_json)
     cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)
     predicted = cost.estimate(the_plan).iteration_time_s
     return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
-                     spot_metadata_url, cloud, lr, predicted, data)
+                     spot_metadata_url, cloud, lr, predicted, data,
+                     {"lr_min": lr_min, "warmup_steps": warmup_steps, "decay_steps": decay_steps})

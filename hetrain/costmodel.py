@@ -36,7 +36,8 @@ Data parallelism across pipelines of different shapes. D = number of pipelines. 
     gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
     the slowest link among their nodes; blocks held by the same set of stages form one
     bucket, one collective (as the runtime does):
-        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / bw_min(bucket) + lat,  B_grad = B_act
+        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / bw_min(bucket) + lat,
+    B_grad = 4 (gradients are fp32; ``grad_reduce: bf16`` sends 2)
     (embedding among first stages, head among last stages). A GPU runs the all-reduces of
     its buckets one after another: sync_d = sum over its buckets.
 
@@ -47,14 +48,21 @@ Iteration time
     T_iter = max_p T_pipe(p) + max_d (sync_d + opt_d);   tokens/s = global_batch * s / T_iter.
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
-micro-batches in flight on stage k, k = 0 first):
-    weights+grads+optimizer = bytes_per_param * P_d / t
-    activations per block per micro-batch (Korthikanti et al. 2022, TP without sequence
-        parallelism): s b h (10 + 24/t + 5 a s / (h t)) * B_act/2; with recompute only the
-        block input s b h B_act is kept, plus one block's full activations while recomputing
-    embedding output s b h B_act per in-flight micro-batch on the first stage;
-    logits and their gradient in fp32, 8 s b V / t, on the last stage
-    + framework_reserve_gb.
+micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
+run under autocast over fp32 parameters, see hetrain.precision):
+    states = bytes_per_param * (P_blocks / t + P_embed + P_head)   (TP splits only the blocks)
+    activations per block per micro-batch (``block_activation_bytes``): the fp32 LayerNorm
+        inputs and the projection inputs whole, q/k/v, attention output and MLP hidden split
+        by t, SDPA (no s x s scores), autocast's 16-bit weight copies; with recompute only the
+        block input s b h * 4 (the residual stream is fp32) is kept, plus, during backward,
+        one block recomputed and the gradient of the MLP hidden activation s b f B_act / t;
+    stage boundaries: the received input and the sent output, s b h B_act each, per
+        micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
+        on the last stage;
+    peak = reserve + states + max(activations, optimizer temporaries), the temporaries being
+        half the states for foreach AdamW on CPU ranks (emulated GPU types) and none for the
+        fused AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
+        ``torch.cuda.max_memory_allocated`` (or ``AllocationTracker`` on CPU) measures.
 """
 
 from __future__ import annotations
@@ -293,6 +301,11 @@ class CostModel:
             opt_temp_ratio=FOREACH_TEMP_RATIO if gpu in self._cpu_types else 0.0,
         )
 
+    @property
+    def grad_wire_bytes(self) -> int:
+        """Bytes per gradient element in the data-parallel all-reduce (``hetrain.precision``)."""
+        return 2 if self.settings.grad_reduce == "bf16" else 4
+
     def p2p_bytes(self, micro_batch_size: int) -> float:
         """Activation (or its gradient) sent between consecutive stages per micro-batch."""
         m = self.model
@@ -302,14 +315,12 @@ class CostModel:
         return self.p2p_bytes(micro_batch_size) / (self.cluster.bandwidth_gbps(node_a, node_b) * GB) + self.latency_s
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
-        m = self.model
-        n = num_blocks * block_params(m) + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
-        return n * self.settings.activation_bytes / tp
+        return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
 
     def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
+        """Parameters one rank holds: its shard of the blocks, the embedding and head whole (as the runtime)."""
         m = self.model
-        n = num_blocks * block_params(m) + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
-        return n / tp
+        return num_blocks * block_params(m) / tp + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
 
     @staticmethod
     def pipeline_time_s(stage_s: list[float], p2p_s: list[float], num_microbatches: int) -> tuple[float, float]:
@@ -361,7 +372,7 @@ class CostModel:
         if D == 1:
             return sync
         m = self.model
-        act = self.settings.activation_bytes
+        act = self.grad_wire_bytes
         # owner[l][p] = stage of pipeline p holding block l
         owners = []
         for pipe in plan.pipelines:
@@ -380,8 +391,8 @@ class CostModel:
 
         for layer in range(m.num_layers):
             add([row[layer] for row in owners], block_params(m) * act / t)
-        add([p.stages[0] for p in plan.pipelines], embed_params(m) * act / t)
-        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
+        add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
+        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
         for stages, num_bytes in buckets.values():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]

@@ -140,7 +140,7 @@ def _autocast(device: torch.device, precision: Precision) -> contextlib.Abstract
     dtype = _DTYPES[precision]
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)  # as the runtime runs it
 
 
 def _time_fwd_bwd(
@@ -151,7 +151,9 @@ def _time_fwd_bwd(
     warmup: int,
     repeats: int,
 ) -> tuple[float, float]:
-    """Median forward and backward seconds of ``repeats`` runs after ``warmup`` runs."""
+    """Forward and backward seconds of one run: medians on CPU, back-to-back means on a GPU."""
+    if device.type == "cuda":
+        return _time_fwd_bwd_pipelined(forward, backward, device, precision, warmup, repeats)
     fwd: list[float] = []
     bwd: list[float] = []
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
@@ -170,6 +172,46 @@ def _time_fwd_bwd(
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_fwd_bwd_pipelined(
+    forward: Callable[[], torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+    device: torch.device,
+    precision: Precision,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """GPU timing as training sees it: runs issued back to back, synchronised only around the batch.
+
+    Synchronising around every forward and backward (as the CPU path does) charges each run
+    the kernel-launch latency and the idle GPU while Python issues the first kernels; in a
+    training step the CPU runs ahead of the GPU and hides both, which made profile-fed
+    predictions about 24 % slower than measured steps on an H100. Here ``repeats`` forwards
+    are timed back to back, then ``repeats`` forward + backward pairs; backward is the difference.
+    """
+    for _ in range(warmup):
+        with _autocast(device, precision):
+            out = forward()
+        backward(out)
+        del out
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        with _autocast(device, precision):
+            out = forward()
+        del out
+    _sync(device)
+    fwd = (time.perf_counter() - started) / repeats
+    started = time.perf_counter()
+    for _ in range(repeats):
+        with _autocast(device, precision):
+            out = forward()
+        backward(out)
+        del out
+    _sync(device)
+    both = (time.perf_counter() - started) / repeats
+    return fwd, max(both - fwd, 0.0)
 
 
 def _saved_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> int:

@@ -240,9 +240,9 @@ class Trainer:
         if self.config.request_file and os.path.exists(self.config.request_file):
             totals[-1] = 1.0
         if role.pipeline == 0:
-            for p in self.norm_params:
-                if p.grad is not None:
-                    totals[0] += _local(p.grad).double().pow(2).sum()
+            grads = [_local(p.grad) for p in self.norm_params if p.grad is not None]
+            if grads:  # one multi-tensor kernel, not three small ones per parameter
+                totals[0] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if role.is_last and role.tp_rank == 0:
             totals[1] = sum(float(x.detach()) for x in losses)
         mine = 2 + 4 * role.rank

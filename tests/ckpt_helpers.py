@@ -42,9 +42,9 @@ def run(p: Plan, directory: Path, steps: int, *, start_step: int = 0, checkpoint
     The LR schedule is fixed (not derived from ``steps``), so runs of different lengths share it.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    extra = {"warmup_steps": 1, "decay_steps": 8, **extra}
+    extra = {"lr": 1e-2, "warmup_steps": 1, "decay_steps": 8, **extra}
     p.write(directory / "plan.json")
-    config = RunConfig(plan=str(directory / "plan.json"), steps=steps, start_step=start_step, lr=1e-2,
+    config = RunConfig(plan=str(directory / "plan.json"), steps=steps, start_step=start_step,
                        checkpoint=checkpoint, resume_from=resume_from,
                        dump_dir=str(directory / "dump") if dump else None, **extra)
     return launch(config, build_layout(p), directory / "run")
