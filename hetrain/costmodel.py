@@ -154,11 +154,12 @@ class UnitCosts:
     head_param_bytes: float
     block_act_bytes: float  # kept per in-flight micro-batch
     embed_act_bytes: float
-    head_work_bytes: float  # logits + grad, once
+    head_work_bytes: float  # the loss's fp32 logits copy, log-softmax output and gradient, during its backward
     block_work_bytes: float  # backward's transient: one block recomputed (with recompute) + the widest activation gradient
     reserve_bytes: float
     capacity_bytes: float
     opt_s_per_param: float  # optimizer step seconds per parameter held
+    head_out_bytes: float = 0.0  # the logits in the compute dtype
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
@@ -171,9 +172,11 @@ class UnitCosts:
     def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
         # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
         boundaries = (0 if first else 1) + (0 if last else 1)
-        mem = self.block_work_bytes + num_blocks * in_flight * self.block_act_bytes
-        mem += in_flight * boundaries * self.embed_act_bytes
-        return mem + (self.head_work_bytes if last else 0.0)
+        mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.embed_act_bytes
+        if last:  # the last micro-batch's logits stay referenced by the schedule through backward
+            mem += self.head_out_bytes
+        # backward's transients come one after another: the loss's fp32 tensors first, then block by block
+        return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
 
     def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
         """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries)."""
@@ -280,9 +283,9 @@ class CostModel:
 
         # With recompute a block keeps only its input: the residual stream, fp32 in every precision.
         blk_act = s * b * h * RESIDUAL_BYTES if recompute else full_block_act
-        widest_grad = s * b * f * act / t  # gradient of the MLP's hidden activation, alive during its backward
+        widest_grad = 2 * s * b * f * act / t  # GELU backward: the MLP hidden gradients in and out, both alive
         # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
-        head_work = s * b * V * (act + 4 + 4)
+        head_work = s * b * V * (4 + 4)
         return UnitCosts(
             block_s=blk_compute + (6 if recompute else 4) * tp_ar,
             embed_s=embed_compute + tp_ar,
@@ -294,6 +297,7 @@ class CostModel:
             block_act_bytes=blk_act,
             embed_act_bytes=msg,
             head_work_bytes=head_work,
+            head_out_bytes=s * b * V * act,
             block_work_bytes=(full_block_act if recompute else 0.0) + widest_grad,
             reserve_bytes=st.framework_reserve_gb * GB,
             capacity_bytes=g.memory_gb * GB,

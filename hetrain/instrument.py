@@ -62,18 +62,6 @@ class _BackwardEnd(torch.autograd.Function):
         return grad, None
 
 
-class _Saved:
-    """A saved-for-backward tensor; tells the meter when autograd lets go of it."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor: torch.Tensor, meter: StageMeter, key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
 class StageMeter:
     def __init__(
         self,
@@ -82,8 +70,13 @@ class StageMeter:
         *,
         slowdown: float = 1.0,
         memory_budget_gb: float | None = None,
+        count_saved: bool = True,
     ) -> None:
         self.module = module
+        # Saved-tensor hooks make autograd keep what they packed until the graph is destroyed
+        # (the schedule holds the last output's graph until the next forward): one micro-batch
+        # of activations more. Only CPU ranks, which have no allocator to ask, count this way.
+        self.count_saved = count_saved
         self.device_name = device_name
         self.slowdown = slowdown
         self.memory_budget_gb = memory_budget_gb
@@ -92,7 +85,7 @@ class StageMeter:
         self.backward_s = 0.0
         self.state_bytes = 0
         self.peak_bytes = 0
-        self._live: dict[int, list[int]] = {}  # storage ptr -> [nbytes, refs]
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, tensors of it saved and not yet used]
         self._live_bytes = 0
         self._param_ptrs: set[int] = set()
         self._forward_started = (0.0, 0.0)  # (wall, thread CPU) seconds
@@ -124,7 +117,12 @@ class StageMeter:
                 f"its budget is {self.memory_budget_gb:g} GB"
             )
 
-    def _pack(self, t: torch.Tensor) -> object:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a saved tensor's storage from forward until backward has used it.
+
+        Released when backward unpacks it, which is when autograd would free it without these
+        hooks: the count is what a GPU holds, not what the hooks make this process hold.
+        """
         local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's storage is its shard's
         if local.device.type == "meta":
             return t
@@ -139,26 +137,25 @@ class StageMeter:
             self.peak_bytes = max(self.peak_bytes, self.state_bytes + self._live_bytes)
         else:
             entry[1] += 1
-        return _Saved(t, self, ptr)
+        return t
 
-    @staticmethod
-    def _unpack(saved: object) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, ptr: int) -> None:
-        entry = self._live.get(ptr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self._live_bytes -= entry[0]
-            del self._live[ptr]
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t
+        if local.device.type != "meta":
+            entry = self._live.get(local.untyped_storage().data_ptr())
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._live_bytes -= entry[0]
+                    del self._live[local.untyped_storage().data_ptr()]
+        return t
 
     # -- timing and slowdown
     def _pre_forward(self, _module: nn.Module, args: tuple) -> tuple | None:
         self._forward_started = _now()
-        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_ctx.__enter__()
+        if self.count_saved:
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_ctx.__enter__()
         x = args[0]
         if torch.is_grad_enabled() and x.is_floating_point() and x.requires_grad:
             return (_BackwardEnd.apply(x, self), *args[1:])

@@ -145,6 +145,7 @@ class Trainer:
             model, role.device,
             slowdown=emulate.slowdown if emulate else 1.0,
             memory_budget_gb=emulate.memory_gb if emulate else None,
+            count_saved=device.type == "cpu" and not config.trace_memory,
         )
         # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
         impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
