@@ -24,3 +24,4 @@ bench: setup
 	$(PY) bench/overhead.py
 	$(PY) bench/recovery.py
 	$(PY) bench/checkpoint_cost.py
+	$(PY) bench/gpu_step.py

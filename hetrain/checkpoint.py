@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 import uuid
@@ -36,7 +37,7 @@ from typing import Any, Literal
 
 import fsspec
 from fsspec.core import url_to_fs
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from hetrain.errors import HetrainError
 from hetrain.plan import Plan
@@ -78,6 +79,13 @@ class CheckpointConfig(BaseModel):
         return self.peers.get(node, self.node_root(node)).rstrip("/")
 
 
+# What a step directory may hold: DCP's index and its shards (``__<rank>_<n>.distcp``), nothing
+# else and nowhere else. A manifest comes from a peer or a bucket and is untrusted: a path that
+# is not one of these is refused, never normalised into place (no '/', no '..', no absolute path).
+CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
 class FileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -85,6 +93,20 @@ class FileEntry(BaseModel):
     size: NonNegativeInt
     sha256: str
     nodes: list[str]  # nodes whose checkpoint root holds it
+
+    @field_validator("path")
+    @classmethod
+    def _confined(cls, v: str) -> str:
+        if not CHECKPOINT_FILE.match(v):
+            raise ValueError(f"{v!r} is not a checkpoint file name (.metadata or __<rank>_<n>.distcp)")
+        return v
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, v: str) -> str:
+        if not SHA256_HEX.match(v):
+            raise ValueError("expected 64 lowercase hex digits")
+        return v
 
 
 class Manifest(BaseModel):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hetrain.backup import Uploader
@@ -30,6 +30,7 @@ from hetrain.errors import HetrainError
 from hetrain.layout import Layout, Role
 from hetrain.plan import Plan
 from hetrain.reassemble import Source, copy_verified
+from hetrain.safe_metadata import SafeFsspecReader
 
 log = logging.getLogger("hetrain.checkpoint")
 # Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
@@ -58,11 +59,11 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     Returns the checkpoint's train state (schedule and loss scale), or None for a checkpoint
     written before it was kept.
     """
-    reader = FsspecReader(url, **(storage_options or {}))
+    reader = SafeFsspecReader(url, **(storage_options or {}))
     has_train_state = TRAIN_STATE in reader.read_metadata().state_dict_metadata
     state = training_state(model, optimizer,
                            torch.zeros(TRAIN_STATE_LEN, dtype=torch.float64) if has_train_state else None)
-    dcp.load(state, storage_reader=FsspecReader(url, **(storage_options or {})))
+    dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import fsspec
 from fsspec.core import url_to_fs
 
-from hetrain.checkpoint import MANIFEST, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name
+from hetrain.checkpoint import MANIFEST, METADATA, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name
 from hetrain.errors import HetrainError
 from hetrain.specs import ModelSpec
 
@@ -198,6 +198,14 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
         dest_fs.rm_file(tmp)
         raise ValueError(f"checksum mismatch (got {size} bytes, sha256 {digest.hexdigest()[:12]}..., "
                          f"manifest says {entry.size} bytes, {entry.sha256[:12]}...)")
+    if entry.path == METADATA:  # the manifest vouching for it came from the same source: check what it is
+        from hetrain.safe_metadata import load_metadata
+
+        try:
+            load_metadata(dest_fs.cat_file(tmp), f"{src.name}: {entry.path} of step {step}")
+        except BaseException:
+            dest_fs.rm_file(tmp)
+            raise
     dest_fs.mv(tmp, dest_path)
 
 

@@ -257,3 +257,77 @@ def test_recover_command_rejects_unknown_runs_and_nodes(tmp_path: Path, trained)
     assert r.returncode == 2
     assert "lost node 'v100-9' is not a node of cluster" in r.stderr and "(nodes: a, b, c)" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- untrusted sources
+
+
+def _rewrite_manifest(root: Path, step: int, edit) -> None:
+    path = root / step_name(step) / MANIFEST
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_manifest_path_outside_the_step_directory_is_refused(trained, s3, tmp_path: Path):
+    """A peer lists '../../../../evil' (with a matching sha256): it is not fetched anywhere; another holder's manifest is used."""
+    import hashlib
+
+    cfg = copy_run(trained, s3, tmp_path, "traversal")
+    root_a = Path(cfg.node_root("a"))
+    payload = b"written by an attacker"
+    target = tmp_path / "evil"
+    planted = root_a / step_name(3) / "../../../../evil"
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(payload)
+    _rewrite_manifest(root_a, 3, lambda m: m["files"].append(
+        {"path": "../../../../evil", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+         "nodes": ["a"]}))
+    with pytest.raises(HetrainError, match=r"files\.\d+\.path: .*'\.\./\.\./\.\./\.\./evil' is not a checkpoint file"):
+        read_manifest(str(root_a), 3)
+    peers = [Source(n, cfg.node_root(n)) for n in "abc"]
+    manifest, source = find_latest(peers)
+    assert all(f.path != "../../../../evil" for f in manifest.files)  # b's manifest: a's was refused
+    restore = tmp_path / "restore" / "x"
+    reassemble(manifest, peers, None, str(restore))
+    assert not target.exists() and not (restore.parent / "evil").exists()
+    assert sorted(p.name for p in restore.iterdir()) == sorted([f.path for f in manifest.files] + [MANIFEST])
+
+
+def test_crafted_metadata_never_runs_and_recovery_takes_an_older_step(trained, s3, tmp_path: Path):
+    """Node a serves a DCP .metadata that would run code when unpickled, with a manifest vouching for it."""
+    import hashlib
+    import os
+    import pickle
+
+    from hetrain.reassemble import reassemble_newest
+
+    marker = tmp_path / "code-ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    cfg = copy_run(trained, s3, tmp_path, "pickle")
+    root_a = Path(cfg.node_root("a"))
+    evil = pickle.dumps(Exploit())
+    (root_a / step_name(3) / ".metadata").write_bytes(evil)
+
+    def vouch(m):
+        for f in m["files"]:
+            if f["path"] == ".metadata":
+                f["size"], f["sha256"] = len(evil), hashlib.sha256(evil).hexdigest()
+
+    _rewrite_manifest(root_a, 3, vouch)
+    peers = [Source(n, cfg.node_root(n)) for n in "abc"]
+    manifest, source = find_latest(peers)
+    assert source.name == "a"
+    with pytest.raises(HetrainError, match=r"a: .*asks for posix\.system, which is not a DCP metadata type"):
+        reassemble(manifest, peers, None, str(tmp_path / "direct"))
+    report = reassemble_newest(peers, None, lambda s: str(tmp_path / "restore" / step_name(s)))
+    assert report.step == 1 and not marker.exists()
+    # the step-1 copy loads (through the same restricted reader the ranks use)
+    from hetrain.safe_metadata import load_metadata
+
+    load_metadata((tmp_path / "restore" / step_name(1) / ".metadata").read_bytes(), "restored")
+    assert not marker.exists()
