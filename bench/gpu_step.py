@@ -133,7 +133,9 @@ def main() -> None:
     mb = args.micro_batch_size or (4 if cuda else 2)
     gpu = _gpu_type(torch.cuda.get_device_name()) if cuda else "cpu-bench"
     cluster = ClusterSpec.model_validate({
-        "name": "one-device", "nodes": [{"name": "local", "gpu": gpu, "count": 1, "intra_node_bandwidth_gbps": 100}],
+        "name": "one-device", "nodes": [{"name": "local", "gpu": gpu, "count": 1, "intra_node_bandwidth_gbps": 100,
+                                         # a CPU node (no slowdown): the cost model charges foreach AdamW's temporaries
+                                         **({} if cuda else {"emulate": {"slowdown": 1.0}})}],
         **({} if cuda else {"gpu_types": {"cpu-bench": {"tflops": 0.1, "fp32_tflops": 0.05, "memory_gb": 16,
                                                         "memory_bandwidth_gbps": 10, "efficiency": 1.0}}})})
     settings = TrainingSettings(global_batch_size=gb, micro_batch_sizes=[mb], tp_degrees=[1], precision=precision,
