@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -314,8 +315,10 @@ def train(
     precision: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the plan's; a plan without "
                                                        "training settings: bf16 on GPU, fp32 on CPU)")] = None,
     compile_blocks: Annotated[bool, typer.Option("--compile", help="torch.compile each block (GPU only)")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="continue the run in --run-dir from its newest committed "
-                                                          "checkpoint, with its LR schedule")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="require a resume: fail unless --run-dir has a committed "
+                                                          "checkpoint (an existing run resumes anyway)")] = False,
+    restart: Annotated[bool, typer.Option("--restart", help="start an existing run over from step 0; its files "
+                                                            "are moved to RUN_DIR/archive/<time>, never deleted")] = False,
     max_grad_norm: Annotated[float, typer.Option(help="clip gradients to this global norm (0: off)")] = 1.0,
     seed: Annotated[int, typer.Option(help="weights and data seed")] = 0,
     print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
@@ -356,9 +359,13 @@ def train(
             validate_plan(pl, load_cluster(cluster))
         except HetrainError as e:
             raise HetrainError(f"{plan_file}: {e}") from None
-    elif pl.model.hidden_size % pl.tp or pl.model.num_heads % pl.tp:
-        raise HetrainError(f"{plan_file}: tp {pl.tp} must divide hidden_size {pl.model.hidden_size} "
-                           f"and num_heads {pl.model.num_heads} of {pl.model.name}")
+    else:
+        from hetrain.plan import validate_plan_structure
+
+        try:
+            validate_plan_structure(pl)
+        except HetrainError as e:
+            raise HetrainError(f"{plan_file}: {e}") from None
     layout = build_layout(pl)
     run_dir = run_dir or Path("runs") / plan_file.stem
     try:
@@ -380,18 +387,27 @@ def train(
         from hetrain.data import TokenSource
 
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=data)  # bad data: one line now, not per rank
-    resumed_step = None
-    if resume:
-        from hetrain.runs import start_or_resume
+    if resume and restart:
+        raise HetrainError("give --resume or --restart, not both")
+    from hetrain.runs import archive_run, previous_run_files, start_or_resume
 
-        if config.checkpoint is None:
-            raise HetrainError("--resume: the run needs checkpoints (--checkpoint-dir or --remote)")
-        config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False)
+    resumed_step = None
+    nodes = list(layout.nodes)
+    previous = previous_run_files(run_dir.resolve(), config, nodes)
+    if previous and restart:
+        archived = archive_run(run_dir.resolve(), config, nodes)
+        err.print(f"previous run moved to {archived}", highlight=False)
+    elif previous or resume:
+        if config.checkpoint is not None:
+            config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False)
         if resumed_step is None:
-            raise HetrainError(f"--resume: {run_dir} has no committed checkpoint to resume from")
+            raise HetrainError(
+                f"--run-dir {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
+                f"resume from; pass --restart to archive it and start over, or choose another --run-dir"
+                if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
         if config.start_step >= config.steps:
-            raise HetrainError(f"--resume: the checkpoint of {run_dir} is at step {resumed_step}, "
-                               f"already at --steps {steps}")
+            raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is "
+                               f"already at --steps {steps}; raise --steps to train on")
     if precision is not None and pl.training is not None and precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in {precision}",
                   highlight=False)
@@ -414,11 +430,24 @@ def train(
             progress.update(task, completed=record["step"] + 1,
                             info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
 
+        received: list[int] = []
+
+        def terminate(signum, _frame):  # SIGTERM / SIGHUP: stop every worker, as Ctrl-C does
+            received.append(signum)
+            raise KeyboardInterrupt
+
+        previous_handlers = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             records = launch(config, layout, run_dir, on_record=show)
         except KeyboardInterrupt:
-            err.print("interrupted: every training process of this run has been stopped")
-            raise typer.Exit(130) from None
+            name = signal.Signals(received[0]).name if received else "interrupted"
+            err.print(f"{name}: every training process of this run has been stopped; "
+                      + ("the same command resumes it from its newest checkpoint" if config.checkpoint else
+                         "it kept no checkpoints (--checkpoint-dir), so --restart starts it over"))
+            raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
+        finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
     if records:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)

@@ -206,7 +206,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     metrics = Path(config.metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if config.resume_from is None:
-        metrics.unlink(missing_ok=True)
+        if metrics.exists():  # a previous attempt's records: kept beside, never deleted
+            metrics.replace(metrics.with_name(f"{metrics.stem}-{time.strftime('%Y%m%dT%H%M%S')}{metrics.suffix}"))
     elif metrics.exists():
         _drop_records_from(metrics, config.start_step)  # steps after the checkpoint are trained again
     start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends

@@ -113,14 +113,14 @@ def load_plan(path: str | Path) -> Plan:
         raise HetrainError(describe_validation_error(str(p), e)) from None
 
 
-def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
-    """Raise HetrainError naming the first structural problem of ``plan`` on ``cluster``.
+def validate_plan_structure(plan: Plan) -> None:
+    """Raise HetrainError naming the first problem a plan has whatever the cluster.
 
-    Memory is not checked here: that needs the cost model (see ``CostModel.check_memory``).
+    The batch split, TP degree, stage sizes and layer cuts: what ``hetrain train`` checks when
+    it is given no cluster file (a plan whose micro-batches do not add up would read the next
+    batch's sequences and scale the loss wrongly).
     """
     model, t = plan.model, plan.tp
-    if plan.cluster != cluster.name:
-        raise HetrainError(f"plan is for cluster '{plan.cluster}', not '{cluster.name}'")
     if model.hidden_size % t or model.num_heads % t:
         raise HetrainError(
             f"tp {t} must divide hidden_size {model.hidden_size} and num_heads {model.num_heads} of {model.name}"
@@ -142,19 +142,10 @@ def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
             where = f"pipelines[{pi}].stages[{si}]"
             if len(stage.devices) != t:
                 raise HetrainError(f"{where}: has {len(stage.devices)} devices, expected tp = {t}")
-            nodes = set()
             for name in stage.devices:
-                dev = cluster.device_by_name.get(name)
-                if dev is None:
-                    raise HetrainError(f"{where}: device '{name}' is not in cluster '{cluster.name}'")
                 if name in used:
                     raise HetrainError(f"{where}: device '{name}' is used more than once")
                 used.add(name)
-                if dev.gpu != stage.gpu:
-                    raise HetrainError(f"{where}: device '{name}' is a {dev.gpu}, but the stage says {stage.gpu}")
-                nodes.add(dev.node)
-            if len(nodes) > 1:
-                raise HetrainError(f"{where}: a TP group must sit on one node, got {', '.join(sorted(nodes))}")
             lo, hi = stage.layers
             if lo != expect or hi <= lo:
                 raise HetrainError(
@@ -165,3 +156,26 @@ def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
             raise HetrainError(
                 f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
             )
+
+
+def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
+    """Raise HetrainError naming the first structural problem of ``plan`` on ``cluster``.
+
+    Memory is not checked here: that needs the cost model (see ``CostModel.check_memory``).
+    """
+    if plan.cluster != cluster.name:
+        raise HetrainError(f"plan is for cluster '{plan.cluster}', not '{cluster.name}'")
+    validate_plan_structure(plan)
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            where = f"pipelines[{pi}].stages[{si}]"
+            nodes = set()
+            for name in stage.devices:
+                dev = cluster.device_by_name.get(name)
+                if dev is None:
+                    raise HetrainError(f"{where}: device '{name}' is not in cluster '{cluster.name}'")
+                if dev.gpu != stage.gpu:
+                    raise HetrainError(f"{where}: device '{name}' is a {dev.gpu}, but the stage says {stage.gpu}")
+                nodes.add(dev.node)
+            if len(nodes) > 1:
+                raise HetrainError(f"{where}: a TP group must sit on one node, got {', '.join(sorted(nodes))}")

@@ -6,10 +6,13 @@ later (scheduled retraining) from its newest committed checkpoint, whatever plan
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import time
 from pathlib import Path
 
-from hetrain.checkpoint import CheckpointConfig, restore_dir
+from hetrain.checkpoint import CheckpointConfig, committed_steps, restore_dir
 from hetrain.errors import HetrainError
 from hetrain.plan import Plan
 from hetrain.reassemble import NoCheckpoint, reassemble_newest
@@ -69,3 +72,60 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
                                                  "steps": start + more_steps if more else more_steps,
                                                  "resume_from": report.dest}), report.step
     return config.model_copy(update={"start_step": 0, "steps": more_steps, "resume_from": None}), None
+
+
+def _metrics_records(path: Path) -> int:
+    """How many records a metrics file holds; HetrainError if the file is something else (never touch it then)."""
+    count = 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or "step" not in record:
+                raise HetrainError(f"--metrics {path}: the file exists and is not a hetrain metrics file "
+                                   f"(line {count + 1}); choose another path")
+            count += 1
+    return count
+
+
+def previous_run_files(run_dir: Path, config: RunConfig, nodes: list[str]) -> list[str]:
+    """What a previous run left in ``run_dir`` (config, metrics, checkpoints), described for a message; [] if none."""
+    found = []
+    if (run_dir / "config.json").is_file():
+        found.append("config.json")
+    metrics = Path(config.metrics) if config.metrics else run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(f"{metrics.name} with {_metrics_records(metrics)} steps")
+    ckpt = config.checkpoint
+    if ckpt is not None and "://" not in ckpt.local_dir:
+        if any(committed_steps(ckpt.node_root(node)) for node in nodes if Path(ckpt.node_root(node)).is_dir()):
+            found.append("committed checkpoints")
+    return found
+
+
+def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
+    """Move what a previous run left in ``run_dir`` (and its local checkpoint roots) under ``archive/<UTC time>``.
+
+    ``hetrain train --restart``: the old run's metrics and checkpoints are kept, never deleted,
+    and no longer look like this run's (a shorter new run would otherwise leave the old run's
+    newer steps as "newest" for a later recovery).
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = run_dir / "archive" / stamp
+    dest.mkdir(parents=True, exist_ok=False)
+    for entry in list(run_dir.iterdir()):
+        if entry.name != "archive":
+            shutil.move(str(entry), dest / entry.name)
+    metrics = Path(config.metrics) if config.metrics else None
+    if metrics is not None and metrics.is_file() and run_dir not in metrics.resolve().parents:
+        shutil.move(str(metrics), dest / metrics.name)
+    ckpt = config.checkpoint
+    if ckpt is not None and "://" not in ckpt.local_dir:
+        for node in nodes:
+            root = Path(ckpt.node_root(node))
+            if root.is_dir() and run_dir not in root.resolve().parents:
+                (dest / "checkpoints").mkdir(exist_ok=True)
+                shutil.move(str(root), dest / "checkpoints" / node)
+    return dest

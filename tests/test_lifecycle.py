@@ -1,0 +1,95 @@
+"""A run's lifecycle from the command line: re-run resumes, --restart archives, signals stop, bad plans and paths refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, run_cli
+from hetrain.launch import worker_pids
+from test_runtime import asymmetric_plan
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(tmp_path: Path, *extra: str):
+    return run_cli("train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"),
+                   "--lr", "3e-3", "--warmup-steps", "1", "--decay-steps", "10", *extra)
+
+
+def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt" / "{node}"), "--checkpoint-every", "2"]
+    r = _train(tmp_path, "--steps", "4", *ckpt)
+    assert r.returncode == 0, r.stderr
+    r = _train(tmp_path, "--steps", "6", *ckpt)  # the same command, more steps: resumes after step 3
+    assert r.returncode == 0, r.stderr
+    assert "resuming after step 3" in r.stdout
+    resumed = _records(tmp_path / "run")
+    assert [x["step"] for x in resumed] == list(range(6))
+    # an uninterrupted run of 6 steps has the same losses
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    asymmetric_plan(1).write(straight / "plan.json")
+    assert _train(straight, "--steps", "6").returncode == 0
+    want = [x["loss"] for x in _records(straight / "run")]
+    assert max(abs(a["loss"] - b) / b for a, b in zip(resumed, want)) < 1e-5
+
+
+def test_rerun_without_checkpoints_is_refused_and_restart_archives(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    assert _train(tmp_path, "--steps", "2").returncode == 0
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    r = _train(tmp_path, "--steps", "2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "holds a previous run (config.json, metrics.jsonl with 2 steps) with no committed checkpoint" in r.stderr
+    assert "--restart" in r.stderr and (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    r = _train(tmp_path, "--steps", "3", "--restart")
+    assert r.returncode == 0, r.stderr
+    archived = list((tmp_path / "run" / "archive").iterdir())
+    assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == before
+    assert [x["step"] for x in _records(tmp_path / "run")] == [0, 1, 2]
+
+
+def test_metrics_path_that_is_not_a_metrics_file_is_never_touched(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the corpus\n" * 100)
+    r = _train(tmp_path, "--steps", "2", "--metrics", str(corpus), "--data", str(corpus))
+    assert r.returncode == 2 and "is not a hetrain metrics file" in r.stderr
+    assert corpus.read_text() == "the corpus\n" * 100
+
+
+def test_plan_whose_micro_batches_do_not_add_up_is_refused_without_a_cluster(tmp_path: Path):
+    data = json.loads(asymmetric_plan(1).to_json())
+    data["pipelines"][0]["num_microbatches"] += 1  # 5 micro-batches of 2 for a batch of 8
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    r = _train(tmp_path, "--steps", "1")
+    assert r.returncode == 2
+    assert "pipelines process 5 micro-batches but global batch 8 / micro-batch 2 = 4" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_stops_every_worker(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"),
+                             "--steps", "100000", "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    assert len(list((run_dir / "pids").glob("*.pid"))) == 3
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM: every training process of this run has been stopped" in stderr
+    time.sleep(0.5)
+    assert not worker_pids(run_dir)
