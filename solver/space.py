@@ -165,17 +165,36 @@ def build_template(
     tp: int,
     micro_batch_size: int,
 ) -> Template | None:
-    order = stage_order(classes, members)
-    S = len(order)
+    canonical = stage_order(classes, members)
+    S = len(canonical)
     L = cost.model.num_layers
-    units = [classes[c].units for c in order]
     first = [k == 0 for k in range(S)]
     last = [k == S - 1 for k in range(S)]
-    max_blocks = [units[k].max_blocks(first[k], last[k], S - k) for k in range(S)]
-    extra = [units[k].stage_time_s(0, first[k], last[k]) for k in range(S)]
-    blocks = split_layers(L, [u.block_s for u in units], extra, max_blocks)
-    if blocks is None:
+
+    def split(order: tuple[int, ...]) -> list[int] | None:
+        units = [classes[c].units for c in order]
+        max_blocks = [units[k].max_blocks(first[k], last[k], S - k) for k in range(S)]
+        extra = [units[k].stage_time_s(0, first[k], last[k]) for k in range(S)]
+        return split_layers(L, [u.block_s for u in units], extra, max_blocks)
+
+    # Most memory first suits the in-flight activations of the first stages, but the last stage
+    # holds the LM head, its logits and their gradients (whole on every TP rank): with a large
+    # vocabulary the roomiest group may serve better there, or the order may be best reversed.
+    # Each order is split; the one with the faster slowest stage (then the smaller total) is kept.
+    best = None
+    for order in dict.fromkeys((canonical, canonical[1:] + canonical[:1], canonical[::-1])):
+        blocks = split(order)
+        if blocks is None:
+            continue
+        units = [classes[c].units for c in order]
+        times = [units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S)]
+        key = (max(times), sum(times))
+        if best is None or key < best[0]:
+            best = (key, order, blocks)
+    if best is None:
         return None
+    _, order, blocks = best
+    units = [classes[c].units for c in order]
     b = micro_batch_size
     stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
     p2p = tuple(

@@ -66,11 +66,11 @@ def test_gradient_sync_among_holders_over_slowest_link():
     two = [StagePlan(devices=["a/1"], gpu="A100-80G", layers=(0, 2)),
            StagePlan(devices=["b/0"], gpu="V100-32G", layers=(2, 4))]
     est = cost.estimate(plan([PipelinePlan(num_microbatches=4, stages=one), PipelinePlan(num_microbatches=4, stages=two)]))
-    layer_bytes = block_params(MODEL) * 2
+    layer_bytes = block_params(MODEL) * 4  # gradients are all-reduced in fp32 (grad_reduce: fp32)
     intra = ring_allreduce_s(layer_bytes, 2, 100)  # blocks 0-1: a/0 with a/1
     inter = ring_allreduce_s(layer_bytes, 2, 10)  # blocks 2-3: a/0 with b/0
-    emb = ring_allreduce_s((1000 * 1024 + 512 * 1024) * 2, 2, 100)
-    head = ring_allreduce_s((1000 * 1024 + 2048) * 2, 2, 10)
+    emb = ring_allreduce_s((1000 * 1024 + 512 * 1024) * 4, 2, 100)
+    head = ring_allreduce_s((1000 * 1024 + 2048) * 4, 2, 10)
     assert est.sync_s["a/1"] == pytest.approx(2 * intra + emb)
     assert est.sync_s["b/0"] == pytest.approx(2 * inter + head)
     assert est.sync_s["a/0"] == pytest.approx(2 * intra + 2 * inter + emb + head)
