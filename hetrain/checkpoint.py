@@ -82,8 +82,8 @@ class CheckpointConfig(BaseModel):
 # What a step directory may hold: DCP's index and its shards (``__<rank>_<n>.distcp``), nothing
 # else and nowhere else. A manifest comes from a peer or a bucket and is untrusted: a path that
 # is not one of these is refused, never normalised into place (no '/', no '..', no absolute path).
-CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+CHECKPOINT_FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # whole names: use fullmatch
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class FileEntry(BaseModel):
@@ -97,14 +97,14 @@ class FileEntry(BaseModel):
     @field_validator("path")
     @classmethod
     def _confined(cls, v: str) -> str:
-        if not CHECKPOINT_FILE.match(v):
+        if not CHECKPOINT_FILE.fullmatch(v):
             raise ValueError(f"{v!r} is not a checkpoint file name (.metadata or __<rank>_<n>.distcp)")
         return v
 
     @field_validator("sha256")
     @classmethod
     def _hex_digest(cls, v: str) -> str:
-        if not SHA256_HEX.match(v):
+        if not SHA256_HEX.fullmatch(v):
             raise ValueError("expected 64 lowercase hex digits")
         return v
 

@@ -30,7 +30,7 @@ from hetrain.errors import HetrainError
 from hetrain.layout import Layout, Role
 from hetrain.plan import Plan
 from hetrain.reassemble import Source, copy_verified
-from hetrain.safe_metadata import SafeFsspecReader
+from hetrain.safe_metadata import SafeFsspecReader, SafeLoadPlanner
 
 log = logging.getLogger("hetrain.checkpoint")
 # Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
@@ -63,7 +63,7 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     has_train_state = TRAIN_STATE in reader.read_metadata().state_dict_metadata
     state = training_state(model, optimizer,
                            torch.zeros(TRAIN_STATE_LEN, dtype=torch.float64) if has_train_state else None)
-    dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})))
+    dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])

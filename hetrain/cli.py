@@ -393,11 +393,14 @@ def train(
 
     resumed_step = None
     nodes = list(layout.nodes)
-    previous = previous_run_files(run_dir.resolve(), config, nodes)
+    previous = [] if print_launch else previous_run_files(run_dir.resolve(), config, nodes)
     if previous and restart:
+        if config.checkpoint is not None and config.checkpoint.remote_url:
+            raise HetrainError(f"--restart: {config.checkpoint.remote_url} still holds the old run's checkpoints, which "
+                               f"a recovery would take for this run's; give the new run another --remote prefix")
         archived = archive_run(run_dir.resolve(), config, nodes)
         err.print(f"previous run moved to {archived}", highlight=False)
-    elif previous or resume:
+    elif previous or (resume and not print_launch):
         if config.checkpoint is not None:
             config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False)
         if resumed_step is None:
@@ -407,7 +410,8 @@ def train(
                 if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
         if config.start_step >= config.steps:
             raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is "
-                               f"already at --steps {steps}; raise --steps to train on")
+                               f"already at --steps {steps}; raise --steps to train on (at the schedule's floor "
+                               f"once past its decay steps)")
     if precision is not None and pl.training is not None and precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in {precision}",
                   highlight=False)
@@ -419,7 +423,8 @@ def train(
         return
     out.print(f"training {pl.model.name} on {layout.world_size} processes "
               f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
-              + (f", resuming after step {resumed_step}" if resumed_step is not None else "")
+              + (f", resuming after step {resumed_step} (the learning-rate schedule is the one the run started "
+                 f"with; --lr and the schedule options apply to new runs)" if resumed_step is not None else "")
               + f"; run directory {run_dir}", highlight=False)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)

@@ -12,10 +12,11 @@ What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro
   ``hetrain.instrument.StageMeter`` counts them at run time. With recompute that is just the
   block input (the checkpoint keeps it to recompute from); without, every tensor autograd saves.
 
-Each time is the median of ``repeats`` runs after ``warmup`` runs. On a GPU: wall clock
-(``time.perf_counter``) with the device synchronised around each timed region. On CPU: the
-CPU seconds of the profiling thread (``time.thread_time``), which is what an emulated CPU
-device is charged for (``hetrain.instrument``) and, unlike wall time, does not count the
+On a GPU: the mean wall-clock time (``time.perf_counter``) of ``repeats`` runs issued back to
+back after ``warmup`` runs, synchronised only around the batch, as a training step overlaps
+kernel launches with the GPU's work. On CPU: the median of ``repeats`` runs of the CPU
+seconds of the profiling thread (``time.thread_time``), which is what an emulated CPU device
+is charged for (``hetrain.instrument``) and, unlike wall time, does not count the
 moments other processes of this shared machine held the core.
 
 Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank computes, on this
@@ -156,16 +157,13 @@ def _time_fwd_bwd(
         return _time_fwd_bwd_pipelined(forward, backward, device, precision, warmup, repeats)
     fwd: list[float] = []
     bwd: list[float] = []
-    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    clock = time.thread_time  # what an emulated CPU device is charged for
     for i in range(warmup + repeats):
-        _sync(device)
         t0 = clock()
         with _autocast(device, precision):
             out = forward()
-        _sync(device)
         t1 = clock()
         backward(out)
-        _sync(device)
         t2 = clock()
         del out
         if i >= warmup:

@@ -78,15 +78,18 @@ def _metrics_records(path: Path) -> int:
     """How many records a metrics file holds; HetrainError if the file is something else (never touch it then)."""
     count = 0
     with path.open("rb") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or "step" not in record:
-                raise HetrainError(f"--metrics {path}: the file exists and is not a hetrain metrics file "
-                                   f"(line {count + 1}); choose another path")
-            count += 1
+        lines = f.read().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "step" not in record:
+            if i == len(lines) - 1 and count and not line.endswith(b"\n"):
+                break  # a record cut short by a crash: the resume drops it
+            raise HetrainError(f"--metrics {path}: the file exists and is not a hetrain metrics file "
+                               f"(line {i + 1}); choose another path")
+        count += 1
     return count
 
 

@@ -148,7 +148,9 @@ class Trainer:
             count_saved=device.type == "cpu" and not config.trace_memory,
         )
         # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
-        impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
+        fused = device.type == "cuda" and config.optimizer == "adamw"
+        impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
         self.lr_schedule = config.lr_schedule()
         lr = self.lr_schedule.lr_at(config.start_step)
         # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
@@ -172,6 +174,8 @@ class Trainer:
             self.load_s = time.perf_counter() - loading
             if train_state is not None:
                 self._restore_train_state(train_state)
+            for group in self.optimizer.param_groups:  # the checkpoint's flags are the writer's device's
+                group.update(impl)
         self.checkpointer = None
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
@@ -205,7 +209,7 @@ class Trainer:
         if restored != self.lr_schedule:
             self.restored_schedule = restored  # reported once in the first metrics record
         self.lr_schedule = restored
-        if self.scaler.enabled and state[4] > 0:
+        if self.scaler.enabled and state[4] > 1:  # a bf16/fp32 checkpoint stores scale 1: start fp16 afresh
             self.scaler.scale, self.scaler.good_steps = float(state[4]), int(state[5])
 
     # -- one step

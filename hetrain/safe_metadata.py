@@ -14,6 +14,11 @@ and torch's dtype, layout and memory-format constants; anything else is refused 
 module and name it asked for. After loading, every shard file the index points at must be
 a plain ``__<rank>_<n>.distcp`` name, so a crafted index cannot read files outside the step
 directory either.
+
+The index is not the only pickle: DCP stores non-tensor values (the optimizer's param-group
+settings) as ``torch.save`` bytes and its default load planner reads them with
+``torch.load(weights_only=False)``. ``SafeLoadPlanner`` reads them with ``weights_only=True``
+and refuses an index that declares as bytes an entry this rank holds as a tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from hetrain.checkpoint import CHECKPOINT_FILE
 from hetrain.errors import HetrainError
@@ -67,7 +74,7 @@ def load_metadata(data: bytes, source: str) -> Metadata:
         raise UnsafeMetadata(f"{source}: holds a {type(metadata).__name__}, not DCP metadata")
     for info in (metadata.storage_data or {}).values():
         relative = getattr(info, "relative_path", None)
-        if not isinstance(relative, str) or not CHECKPOINT_FILE.match(relative) or relative == ".metadata":
+        if not isinstance(relative, str) or not CHECKPOINT_FILE.fullmatch(relative) or relative == ".metadata":
             raise UnsafeMetadata(f"{source}: points at {relative!r}, not a shard file of its step directory")
     return metadata
 
@@ -83,3 +90,24 @@ class SafeFsspecReader(FsspecReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with every non-tensor value read by ``torch.load(weights_only=True)``."""
+
+    def create_local_plan(self):
+        for fqn, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata) and isinstance(self.state_dict.get(fqn), torch.Tensor):
+                raise UnsafeMetadata(f"checkpoint entry {fqn} is stored as bytes, but it is a tensor")
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise UnsafeMetadata(f"checkpoint entry {fqn}: not a plain value ({type(e).__name__}: {e})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded

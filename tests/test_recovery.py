@@ -331,3 +331,40 @@ def test_crafted_metadata_never_runs_and_recovery_takes_an_older_step(trained, s
 
     load_metadata((tmp_path / "restore" / step_name(1) / ".metadata").read_bytes(), "restored")
     assert not marker.exists()
+
+
+def test_bytes_entries_are_loaded_without_running_code(tmp_path: Path):
+    """DCP keeps non-tensor values as torch.save bytes; a crafted one must not run code, nor replace a tensor."""
+    import io
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from hetrain.safe_metadata import SafeLoadPlanner, UnsafeMetadata
+
+    marker = tmp_path / "code-ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    planner = SafeLoadPlanner()
+    planner.set_up_planner({"w": torch.zeros(2), "lr": 0.1},
+                           Metadata(state_dict_metadata={"w": BytesStorageMetadata(), "lr": BytesStorageMetadata()}),
+                           is_coordinator=True)
+    with pytest.raises(UnsafeMetadata, match="entry w is stored as bytes, but it is a tensor"):
+        planner.create_local_plan()
+    payload = io.BytesIO()
+    torch.save(Exploit(), payload)
+    payload.seek(0)
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="lr"))
+    with pytest.raises(UnsafeMetadata, match="entry lr: not a plain value"):
+        planner.load_bytes(item, payload)
+    assert not marker.exists()
+    plain = io.BytesIO()
+    torch.save(0.25, plain)
+    plain.seek(0)
+    planner.load_bytes(item, plain)
+    assert planner.original_state_dict["lr"] == 0.25
