@@ -21,9 +21,11 @@ functions that mark where the stage's backward starts and ends), so the model st
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from hetrain.errors import HetrainError
 
@@ -60,6 +62,12 @@ class _BackwardEnd(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.meter._backward_done()
         return grad, None
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage a tensor's bytes live in (a DTensor's: its local shard's); None for meta tensors."""
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return None if local.device.type == "meta" else local.untyped_storage()
 
 
 class StageMeter:
@@ -123,31 +131,27 @@ class StageMeter:
         Released when backward unpacks it, which is when autograd would free it without these
         hooks: the count is what a GPU holds, not what the hooks make this process hold.
         """
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's storage is its shard's
-        if local.device.type == "meta":
+        storage = _storage(t)
+        if storage is None or storage.data_ptr() in self._param_ptrs:
             return t
-        ptr = local.untyped_storage().data_ptr()
-        if ptr in self._param_ptrs:
-            return t
+        ptr = storage.data_ptr()
         entry = self._live.get(ptr)
         if entry is None:
-            nbytes = local.untyped_storage().nbytes()
-            self._live[ptr] = [nbytes, 1]
-            self._live_bytes += nbytes
+            self._live[ptr] = [storage.nbytes(), 1]
+            self._live_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.state_bytes + self._live_bytes)
         else:
             entry[1] += 1
         return t
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        if local.device.type != "meta":
-            entry = self._live.get(local.untyped_storage().data_ptr())
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    self._live_bytes -= entry[0]
-                    del self._live[local.untyped_storage().data_ptr()]
+        storage = _storage(t)
+        entry = self._live.get(storage.data_ptr()) if storage is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._live_bytes -= entry[0]
+                del self._live[storage.data_ptr()]
         return t
 
     # -- timing and slowdown
@@ -214,8 +218,6 @@ class AllocationTracker:
     """
 
     def __init__(self, baseline_bytes: int) -> None:
-        import weakref
-
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
@@ -233,23 +235,14 @@ class AllocationTracker:
         self.mode = _Mode()
 
     def _record(self, out) -> None:
-        from torch.utils._pytree import tree_leaves
-
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t
-            if local.device.type == "meta":
-                continue
-            storage = local.untyped_storage()
-            if storage in self._seen:
+            storage = _storage(t) if isinstance(t, torch.Tensor) else None
+            if storage is None or storage in self._seen:
                 continue
             nbytes = storage.nbytes()
             self._seen[storage] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.baseline_bytes + self.live_bytes)
-            import weakref
-
             weakref.finalize(storage, self._free, nbytes)
 
     def _free(self, nbytes: int) -> None:
