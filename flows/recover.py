@@ -57,6 +57,8 @@ def recover(
 
     result = recover_run(run_dir, lost, lambda cl, m, s: make_plan("hetrain", cl, m, s).plan,
                          cluster_file=cluster_file, steps=steps, timeout_s=timeout_s, on_record=on_record)
+    for warning in result.fetch.warnings():
+        logger.warning("fetch: %s", warning)
     new_cluster = load_cluster(cluster_file or config.cluster)
     est = CostModel(new_cluster, result.plan.model, result.plan.settings()).estimate(result.plan)
     publish_plan(result.plan, est, run_id, f"recovered-from-step-{result.step}")

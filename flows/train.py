@@ -25,8 +25,8 @@ from hetrain.layout import build_layout
 from hetrain.plan import Plan
 from hetrain.preemption import SOURCES, LocalSpotRun
 from hetrain.profile import Profile
-from hetrain.runs import default_checkpoints, run_dir_of, start_or_resume
-from hetrain.runtime import RunConfig
+from hetrain.runs import backup_problem, build_run_config, check_run_paths, run_dir_of, start_or_resume
+from hetrain.schedule import DEFAULT_LR
 from hetrain.specs import TrainingSettings, load_cluster, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,11 +78,11 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
     run_dir.mkdir(parents=True, exist_ok=True)
     the_plan = Plan.model_validate(plan_json)
     plan_path = run_dir / "plan.json"
-    ckpt = default_checkpoints(run_dir, checkpoint_every, keep, remote, remote_endpoint)
-    base = RunConfig(plan=str(plan_path), cluster=str(_path(cluster)), run_id=run_id, lr=lr, checkpoint=ckpt,
-                     **(schedule or {}),
-                     request_file=str(run_dir / "checkpoint.request"), data=str(_path(data)) if data else None)
-    config, resumed = start_or_resume(run_dir, base, the_plan, steps)
+    base = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=_path(cluster),
+                            data=_path(data) if data else None, checkpoint_every=checkpoint_every, keep=keep,
+                            remote=remote, remote_endpoint=remote_endpoint, lr=lr, **(schedule or {}))
+    check_run_paths(run_dir, base, list(build_layout(the_plan).nodes))
+    config, resumed = start_or_resume(run_dir, base, the_plan, steps, warn=lambda w: logger.warning("resume: %s", w))
     the_plan.write(plan_path)
     if resumed is not None:
         logger.info("resuming run %s from its checkpoint of step %d", run_id, resumed)
@@ -91,6 +91,8 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
 
     def on_record(r: dict) -> None:
         progress.update(r["step"])
+        for failure in r.get("backup_failed", []):
+            logger.error("backup of %s to %s failed: %s", run_id, remote, failure)
         if r["step"] % every == 0 or r["step"] == config.steps - 1:
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
@@ -120,12 +122,15 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             logger.warning("node %s is gone: run %s stopped (%s); recovery takes over", node, run_id, e)
             return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
                     "last_step": last}
+    problem = backup_problem(config)
+    if problem:
+        logger.error("backup: %s", problem)
     timing = publish_timing(run_id, predicted_s, records)
     logger.info("run %s: steps %d-%d, loss %.4f -> %.4f; iteration %.3f s measured vs %.3f s predicted", run_id,
                 config.start_step, config.steps - 1, records[0]["loss"], records[-1]["loss"],
                 timing["measured s"], predicted_s)
     return {"status": "completed", "run_id": run_id, "first_step": config.start_step, "last_step": records[-1]["step"],
-            "final_loss": records[-1]["loss"], "resumed_from": resumed, **timing}
+            "final_loss": records[-1]["loss"], "resumed_from": resumed, "backup_problem": problem, **timing}
 
 
 @flow(name="hetrain-train", log_prints=True)
@@ -143,7 +148,7 @@ def train(
     remote_endpoint: str | None = None,
     spot_metadata_url: str | None = None,
     cloud: Literal["aws", "gcp", "azure"] = "aws",
-    lr: Annotated[float, Field(gt=0)] = 3e-3,
+    lr: Annotated[float, Field(gt=0)] = DEFAULT_LR,
     lr_min: Annotated[float | None, Field(ge=0)] = None,
     warmup_steps: Annotated[int | None, Field(ge=0)] = None,
     decay_steps: Annotated[int | None, Field(gt=0)] = None,

@@ -46,12 +46,13 @@ def with_retries(what: str, fn: Callable[[], T], retries: int, first_delay_s: fl
 
 
 class Uploader:
-    def __init__(self, config: CheckpointConfig, node: str, coordinator: bool) -> None:
+    def __init__(self, config: CheckpointConfig, node: str, coordinator: bool, run_id: str | None = None) -> None:
         assert config.remote_url
-        self.config, self.node, self.coordinator = config, node, coordinator
+        self.config, self.node, self.coordinator, self.run_id = config, node, coordinator, run_id
         self.local_root = config.node_root(node)
         self.uploaded: list[int] = []  # steps this node finished (coordinator: with the manifest)
-        self.failed: list[int] = []
+        self.failed: list[tuple[int, str]] = []  # (step, why)
+        self._reported = 0  # failures already handed out by new_failures()
         self.pending: set[int] = set()  # queued or uploading: local pruning must leave them
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"hetrain-upload-{node}", daemon=True)
@@ -60,6 +61,18 @@ class Uploader:
     def submit(self, step: int, manifest_bytes: bytes) -> None:
         self.pending.add(step)
         self._queue.put((step, manifest_bytes))
+
+    def new_failures(self) -> list[str]:
+        """Failures since the last call, as "step N: why" (for the metrics record of the step that sees them)."""
+        news = self.failed[self._reported:]
+        self._reported += len(news)
+        return [f"step {step}: {why}" for step, why in news]
+
+    def status(self) -> dict:
+        """What reached the store: the ``backup.json`` a run leaves when it ends."""
+        return {"remote": self.config.remote_url, "uploaded_steps": sorted(self.uploaded),
+                "failed": [{"step": step, "error": why} for step, why in self.failed],
+                "unfinished_steps": sorted(self.pending)}
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Wait for queued uploads (at most ``timeout_s``); True when they all finished."""
@@ -78,13 +91,13 @@ class Uploader:
                 self.upload(step, manifest_bytes)
                 self.uploaded.append(step)
             except Exception as e:
-                self.failed.append(step)
+                self.failed.append((step, f"{type(e).__name__}: {e}"))
                 log.error("backup of step %d from node %s to %s failed: %s: %s", step, self.node,
                           self.config.remote_url, type(e).__name__, e)
             finally:
                 self.pending.discard(step)
                 try:  # steps kept past `keep` only because they were still uploading can go now
-                    prune(self.local_root, self.config.keep, protect=set(self.pending))
+                    prune(self.local_root, self.config.keep, protect=set(self.pending), run_id=self.run_id)
                 except Exception as e:
                     log.warning("pruning %s failed: %s", self.local_root, e)
 
@@ -123,6 +136,6 @@ class Uploader:
         with_retries(f"upload {MANIFEST} of step {step}",
                      lambda: remote_fs.pipe_file(join(remote_dir, MANIFEST), manifest_bytes), cfg.upload_retries)
         remote_fs.invalidate_cache()
-        prune(cfg.remote_url, cfg.keep, cfg.remote_options)
+        prune(cfg.remote_url, cfg.keep, cfg.remote_options, run_id=manifest.run_id)
         log.info("step %d backed up to %s (%.1f MB, %.1f s)", step, cfg.remote_url, manifest.total_bytes / 1e6,
                  time.perf_counter() - started)

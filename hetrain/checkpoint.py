@@ -202,13 +202,24 @@ def read_manifest(root_url: str, step: int, storage_options: dict | None = None)
 
 
 def prune(root_url: str, keep: int, storage_options: dict | None = None, protect: set[int] | frozenset = frozenset(),
-          ) -> list[int]:
+          run_id: str | None = None) -> list[int]:
     """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them.
 
     Steps in ``protect`` (e.g. still being uploaded) stay. Paths another node removed first are fine.
+    With ``run_id``, committed steps whose manifest names another run are neither counted nor
+    removed: a run never deletes what another run committed.
     """
     fs, root = url_to_fs(root_url, **(storage_options or {}))
     steps = committed_steps(root_url, storage_options)
+    others: set[int] = set()
+    if run_id is not None:
+        for step in steps:
+            try:
+                if read_manifest(root_url, step, storage_options).run_id != run_id:
+                    others.add(step)
+            except Exception:
+                pass  # damaged: counts as this run's, so it ages out
+        steps = [s for s in steps if s not in others]
     if len(steps) <= keep:
         return []
     oldest_kept = steps[-keep]
@@ -218,7 +229,7 @@ def prune(root_url: str, keep: int, storage_options: dict | None = None, protect
         if not (name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit()):
             continue
         step = int(name[len(_STEP_PREFIX):])
-        if step >= oldest_kept or step in protect:
+        if step >= oldest_kept or step in protect or step in others:
             continue
         manifest = join(root, name, MANIFEST)
         try:

@@ -95,7 +95,7 @@ class Checkpointer:
         self.buddy_of = nodes[nodes.index(role.node) - 1] if config.replicate and len(nodes) > 1 else None
         self.uploader = None
         if config.remote_url and self.node_leader:
-            self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0)
+            self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0, run_id=run_id)
 
     def save(self, step: int) -> None:
         """Collective: write this rank's shard, commit with a manifest on every node, prune, upload."""
@@ -153,7 +153,8 @@ class Checkpointer:
             if self.uploader is not None:
                 self.uploader.submit(step, manifest_bytes)
             try:
-                prune(self.root, self.config.keep, protect=self.uploader.pending if self.uploader else frozenset())
+                prune(self.root, self.config.keep, protect=self.uploader.pending if self.uploader else frozenset(),
+                      run_id=self.run_id)
             except Exception as e:  # pruning is housekeeping: never let it kill a rank mid-collectives
                 log.warning("pruning old checkpoints under %s failed: %s", self.root, e)
 
@@ -173,6 +174,11 @@ class Checkpointer:
                     log.warning("replicating %s of step %d from node %s failed: %s", name, step, node, e)
         return copied
 
-    def close(self) -> None:
-        if self.uploader is not None:
-            self.uploader.close()
+    def close(self) -> dict | None:
+        """Wait (bounded) for the backup; rank 0 returns what reached the remote store (None without one)."""
+        if self.uploader is None:
+            return None
+        self.uploader.close()
+        if not self.uploader.coordinator:
+            return None
+        return {**self.uploader.status(), "newest_local_step": self.last_saved}

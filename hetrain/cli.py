@@ -14,7 +14,15 @@ from rich.console import Console
 from rich.table import Table
 
 from hetrain.errors import HetrainError
+from hetrain.files import check_output_dir, check_output_file, write_text_atomic
+from hetrain.preemption import MIN_POLL_S
 from hetrain.schedule import DEFAULT_LR
+
+# Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
+MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
+MAX_STEPS = 10**9  # optimizer steps of one run (a trillion-token run at 1k sequences of 1k tokens: 1M steps)
+MAX_TIMEOUT_S = 3600.0  # a peer silent for an hour is gone
+MAX_THREADS = 1024
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train large models on mixed, preemptible GPUs.")
 out = Console()
@@ -49,10 +57,17 @@ def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int
     try:
         settings = TrainingSettings(**kwargs)
     except ValidationError as e:
-        raise HetrainError(describe_validation_error("options", e)) from None
+        message = describe_validation_error("options", e)
+        for field, option in _OPTION_OF_FIELD.items():
+            message = message.replace(f"options: {field}", option)
+        raise HetrainError(message) from None
     if micro_batch_size is not None:
         settings.check_batch(micro_batch_size)
     return settings
+
+
+_OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_sizes[0]": "--micro-batch-size",
+                    "tp_degrees": "--tp"}
 
 
 def plan_table(plan, est, title: str) -> Table:
@@ -109,7 +124,7 @@ def plan(
     out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
     compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan (or comparison) as JSON")] = False,
-    time_limit: Annotated[float, typer.Option(help="seconds per MILP solve")] = 10.0,
+    time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
 ):
     """Find the fastest plan for a model on a mixed cluster."""
     from hetrain.profile import load_profile
@@ -121,6 +136,8 @@ def plan(
     cl, md = load_cluster(cluster), load_model(model)
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, no_recompute)
     prof = load_profile(profile) if profile else None
+    if out_file:
+        check_output_file(out_file, "--out")
 
     names = [planner] + ([p for p in ("megatron", "whale") if p != planner] if compare else [])
     results = {}
@@ -227,13 +244,13 @@ def estimate(
         raise typer.Exit(1)
 
 
-def _int_list(text: str, option: str) -> list[int]:
+def _int_list(text: str, option: str, most: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise HetrainError(f"{option}: expected comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise HetrainError(f"{option}: expected positive integers, got '{text}'")
+    if not values or min(values) < 1 or max(values) > most:
+        raise HetrainError(f"{option}: expected integers from 1 to {most}, got '{text}'")
     return values
 
 
@@ -249,7 +266,7 @@ def profile(
                                                        "scaled by its `emulate.slowdown` on CPU")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32 (CPU: fp32)")] = "fp32",
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="profile without activation recompute")] = False,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads, as each training rank uses")] = 1,
+    threads: Annotated[int, typer.Option(min=1, max=MAX_THREADS, help="CPU threads, as each training rank uses")] = 1,
 ):
     """Measure per-layer forward/backward time and activation memory on this device."""
     import torch
@@ -259,8 +276,11 @@ def profile(
     from hetrain.specs import load_cluster, load_model
 
     spec = load_model(model)
-    mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
-    tps = _int_list(tp, "--tp")
+    from hetrain.specs import MAX_MICRO_BATCH, MAX_TP_DEGREE
+
+    mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes", MAX_MICRO_BATCH)
+    tps = _int_list(tp, "--tp", MAX_TP_DEGREE)
+    check_output_file(out_file, "--out")
     if cluster is not None and gpu is not None:
         raise HetrainError("give either --gpu or --cluster, not both")
     if cluster is not None:
@@ -277,10 +297,7 @@ def profile(
         prof = profile_model(spec, gpus=gpus, micro_batch_sizes=mbs, tp_degrees=tps,
                              activation_recompute=not no_recompute, precision=precision,
                              progress=lambda done, total: bar.update(task, completed=done, total=total))
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    tmp.write_text(prof.to_json() + "\n")
-    tmp.replace(out_file)
+    write_text_atomic(out_file, prof.to_json() + "\n", "--out")
     table = Table(title=f"{spec.name} per micro-batch, one rank's TP shard", title_justify="left")
     for col in ("gpu", "tp", "micro-batch", "block fwd ms", "block bwd ms", "head fwd+bwd ms", "block act MB"):
         table.add_column(col, justify="left" if col == "gpu" else "right")
@@ -299,7 +316,7 @@ def train(
     plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
     model: Annotated[Path | None, typer.Option(help="model YAML; must be the model the plan is for")] = None,
     cluster: Annotated[Path | None, typer.Option(help="cluster YAML: checks the plan, applies `emulate` on CPU")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="train until this many steps are done")] = 100,
+    steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="train until this many steps are done")] = 100,
     data: Annotated[Path | None, typer.Option(
         help="token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as "
              "byte-level tokens (default: synthetic)")] = None,
@@ -319,7 +336,7 @@ def train(
                                                           "checkpoint (an existing run resumes anyway)")] = False,
     restart: Annotated[bool, typer.Option("--restart", help="start an existing run over from step 0; its files "
                                                             "are moved to RUN_DIR/archive/<time>, never deleted")] = False,
-    max_grad_norm: Annotated[float, typer.Option(help="clip gradients to this global norm (0: off)")] = 1.0,
+    max_grad_norm: Annotated[float, typer.Option(min=0.0, help="clip gradients to this global norm (0: off)")] = 1.0,
     seed: Annotated[int, typer.Option(help="weights and data seed")] = 0,
     print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
     main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
@@ -328,8 +345,9 @@ def train(
                                                                   "memory (slow; tests and benchmarks)")] = False,
     checkpoint_dir: Annotated[str | None, typer.Option(
         help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name)")] = None,
-    checkpoint_every: Annotated[int, typer.Option(min=1, help="checkpoint every N steps (and at the end)")] = 50,
-    keep: Annotated[int, typer.Option(min=1, help="committed checkpoints to keep, locally and remotely")] = 2,
+    checkpoint_every: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="checkpoint every N steps (and at the "
+                                                                           "end)")] = 50,
+    keep: Annotated[int, typer.Option(min=1, max=1000, help="committed checkpoints to keep, locally and remotely")] = 2,
     remote: Annotated[str | None, typer.Option(help="back checkpoints up to this URL, e.g. s3://bucket/run")] = None,
     remote_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL (MinIO, R2, ...)")] = None,
     peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
@@ -342,9 +360,7 @@ def train(
     from hetrain.launch import launch, node_commands, write_config
     from hetrain.layout import build_layout
     from hetrain.plan import load_plan, validate_plan
-    from hetrain.runtime import RunConfig
     from hetrain.specs import load_cluster, load_model
-    from pydantic import ValidationError
 
     pl = load_plan(plan_file)
     if model is not None:
@@ -368,21 +384,24 @@ def train(
             raise HetrainError(f"{plan_file}: {e}") from None
     layout = build_layout(pl)
     run_dir = run_dir or Path("runs") / plan_file.stem
-    try:
-        config = RunConfig(
-            plan=str(plan_file.resolve()), cluster=str(cluster.resolve()) if cluster else None, steps=steps,
-            data=str(data.resolve()) if data else None, metrics=str(metrics.resolve()) if metrics else None,
-            optimizer=optimizer, lr=lr, lr_min=lr_min, warmup_steps=warmup_steps, decay_steps=decay_steps,
-            precision=precision, compile=compile_blocks, trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
-            dump_dir=str(dump_dir.resolve()) if dump_dir else None, run_id=run_id or run_dir.name,
-            checkpoint=_checkpoint_config(checkpoint_dir, checkpoint_every, keep, remote, remote_endpoint, peer,
-                                          run_dir),
-            request_file=str((run_dir / "checkpoint.request").resolve()),
-        )
-    except ValidationError as e:
-        from hetrain.specs import describe_validation_error
+    from hetrain.runs import RUN_ID, build_run_config, check_run_paths
 
-        raise HetrainError(describe_validation_error("options", e)) from None
+    if not RUN_ID.match(run_id or run_dir.resolve().name):
+        raise HetrainError(f"--run-id '{run_id or run_dir.resolve().name}': expected letters, digits, '.', '_' or "
+                           f"'-' (at most 64), starting with a letter or digit")
+    config = build_run_config(
+        run_dir, plan_file, steps=steps, run_id=run_id, cluster=cluster, data=data, metrics=metrics,
+        checkpoints=False, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
+        remote_endpoint=remote_endpoint, peers=_peer_urls(peer), optimizer=optimizer, lr=lr, lr_min=lr_min,
+        warmup_steps=warmup_steps, decay_steps=decay_steps, precision=precision, compile=compile_blocks,
+        trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
+        dump_dir=str(dump_dir.resolve()) if dump_dir else None)
+    if print_launch:
+        from hetrain.files import check_output_dir
+
+        check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
+    else:
+        check_run_paths(run_dir.resolve(), config, list(layout.nodes))
     if data is not None:
         from hetrain.data import TokenSource
 
@@ -402,7 +421,9 @@ def train(
         err.print(f"previous run moved to {archived}", highlight=False)
     elif previous or (resume and not print_launch):
         if config.checkpoint is not None:
-            config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False)
+            config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False,
+                                                   warn=lambda w: err.print(f"[yellow]note:[/] {w}", highlight=False,
+                                                                            soft_wrap=True))
         if resumed_step is None:
             raise HetrainError(
                 f"--run-dir {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
@@ -459,26 +480,22 @@ def train(
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
                   f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
                   highlight=False)
+    from hetrain.runs import EXIT_NOT_BACKED_UP, backup_problem
+
+    problem = backup_problem(config)
+    if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
+        err.print(f"[bold red]backup:[/] {problem}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_NOT_BACKED_UP)
 
 
-def _checkpoint_config(local_dir: str | None, every: int, keep: int, remote: str | None, endpoint: str | None,
-                       peers: list[str] | None, run_dir: Path):
-    from hetrain.checkpoint import CheckpointConfig
-
-    if local_dir is None and remote is None:
-        return None
+def _peer_urls(peers: list[str] | None) -> dict[str, str]:
     peer_urls = {}
     for item in peers or []:
         node, sep, url = item.partition("=")
         if not sep or not node or not url:
             raise HetrainError(f"--peer: expected NODE=URL, got '{item}'")
         peer_urls[node] = url
-    if local_dir is None:
-        local_dir = str((run_dir / "checkpoints" / "{node}").resolve())
-    elif "://" not in local_dir:
-        local_dir = str(Path(local_dir).resolve())
-    return CheckpointConfig(local_dir=local_dir, every_steps=every, keep=keep, remote_url=remote,
-                            remote_options=CheckpointConfig.endpoint_options(endpoint), peers=peer_urls)
+    return peer_urls
 
 
 @app.command()
@@ -487,7 +504,7 @@ def serve(
     root: Annotated[Path, typer.Option(help="this node's checkpoint root")],
     host: Annotated[str, typer.Option(help="address to listen on (peers on other machines: 0.0.0.0 or this "
                                            "node's address)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8470,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port")] = 8470,
     token_env: Annotated[str, typer.Option(help="environment variable holding the bearer token (unset: no token)")]
     = "HETRAIN_PEER_TOKEN",
     insecure: Annotated[bool, typer.Option("--insecure", help="serve beyond loopback without a token")] = False,
@@ -516,7 +533,8 @@ def recover(
     cluster: Annotated[Path | None, typer.Option(help="new cluster file (e.g. with replacement nodes)")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="train until this step (default: as before)")] = None,
     planner: Annotated[str, typer.Option(help="planner for the survivors")] = "hetrain",
-    timeout_s: Annotated[float, typer.Option(help="seconds before a silent peer counts as gone")] = 10.0,
+    timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
+                                             help="seconds before a silent peer counts as gone")] = 10.0,
     no_peers: Annotated[bool, typer.Option("--no-peers", help="fetch everything from the remote store")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ):
@@ -545,7 +563,9 @@ def recover(
     summary = {"run": str(result.run_dir), "lost_nodes": lost, "checkpoint_step": result.step,
                "resumed_at": result.step + 1, "plan": str(result.plan_path), "timings_s": result.timings_s,
                "bytes_from_peers": by_kind["peers"], "bytes_from_remote": by_kind["remote"],
-               "steps_trained": len(result.records)}
+               "steps_trained": len(result.records), "warnings": result.fetch.warnings()}
+    for warning in result.fetch.warnings():  # why a peer or a newer step was not used: never silent
+        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
     if json_out:
         out.print_json(json.dumps(summary))
         return
@@ -566,9 +586,11 @@ def watch(
     cloud: Annotated[str, typer.Option(help="aws, gcp or azure")],
     run: Annotated[Path | None, typer.Option(help="run directory: ask its ranks for an emergency checkpoint")] = None,
     metadata_url: Annotated[str | None, typer.Option(help="metadata endpoint base URL (default: the cloud's)")] = None,
-    poll_s: Annotated[float, typer.Option(help="seconds between polls")] = 5.0,
-    min_checkpoint_s: Annotated[float, typer.Option(help="skip the checkpoint when less time is left")] = 10.0,
-    wait_checkpoint_s: Annotated[float, typer.Option(help="after a request, wait this long for the checkpoint")] = 60.0,
+    poll_s: Annotated[float, typer.Option(min=MIN_POLL_S, max=60.0, help="seconds between polls (at least "
+                                                                         f"{MIN_POLL_S:g}: the endpoint is shared)")] = 5.0,
+    min_checkpoint_s: Annotated[float, typer.Option(min=0.0, help="skip the checkpoint when less time is left")] = 10.0,
+    wait_checkpoint_s: Annotated[float, typer.Option(min=0.0, max=MAX_TIMEOUT_S,
+                                                     help="after a request, wait this long for the checkpoint")] = 60.0,
     hook_command: Annotated[str | None, typer.Option(
         help="shell command run on a notice; gets HETRAIN_NOTICE (JSON), HETRAIN_NODE, HETRAIN_CHECKPOINT_STEP")] = None,
 ):
@@ -630,8 +652,30 @@ def data_prepare(
     out.print(table)
 
 
-def main() -> None:
-    app()
+def _cli_exceptions() -> tuple[type, ...]:
+    """Click's exception base: typer >= 0.20 vendors click (``typer._click``), older typer uses click itself."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(__import__(module, fromlist=["ClickException"]).ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
+def main() -> int:
+    """The console script: typer's usage errors (a bad option value) as one line and exit code 2, like ours."""
+    try:
+        return app(standalone_mode=False) or 0
+    except _cli_exceptions() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `hetrain` or `hetrain data` alone: the help
+            e.show()
+            return 0
+        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    except typer.Abort:
+        err.print("aborted")
+        return 130
 
 
 if __name__ == "__main__":

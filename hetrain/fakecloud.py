@@ -45,6 +45,11 @@ class FakeCloudMetadata:
 
             def do_GET(self) -> None:
                 notice, path = self._split()
+                for cloud, route in (("aws", "/latest/meta-data/spot/instance-action"),
+                                     ("gcp", "/computeMetadata/v1/instance/preempted"),
+                                     ("azure", "/metadata/scheduledevents?api-version=2020-07-01")):
+                    if path == route and f"raw_{cloud}" in notice:  # an odd answer, as real services give
+                        return self._send(200, notice[f"raw_{cloud}"])
                 if path == "/latest/meta-data/spot/instance-action":
                     if self.headers.get("X-aws-ec2-metadata-token") != AWS_TOKEN:
                         return self._send(401)
@@ -85,6 +90,10 @@ class FakeCloudMetadata:
                        "NotBefore": when.strftime("%a, %d %b %Y %H:%M:%S GMT")}],
         }
         return when
+
+    def answer(self, node: str, cloud: str, body: bytes | str) -> None:
+        """Make ``cloud``'s notice endpoint for ``node`` answer ``body`` with status 200, whatever it is."""
+        self.notices.setdefault(node, {})[f"raw_{cloud}"] = body
 
     def clear(self, node: str) -> None:
         self.notices.pop(node, None)

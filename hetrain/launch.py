@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -111,12 +112,26 @@ def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2, pos:
         time.sleep(poll_s)
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
+
+
 def _worker_error(log: Path) -> str | None:
+    """The one line a user needs from the workers' output: a rank's own error, else its first exception.
+
+    Workers print user errors as ``hetrain: error: ...``. Anything else (a disk that filled, a
+    library's failure) ends a traceback with ``SomeError: message``; the first one is the cause,
+    the later ones are other ranks noticing that a peer is gone.
+    """
     if not log.exists():
         return None
-    for line in log.read_text(errors="replace").splitlines():
+    lines = log.read_text(errors="replace").splitlines()
+    for line in lines:
         if "hetrain: error: " in line:
             return line.split("hetrain: error: ", 1)[1]
+    for line in lines:
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match and not match.group(1).endswith("KeyboardInterrupt"):
+            return f"{match.group(1)}: {match.group(2)} (full output in {log})"
     return None
 
 
@@ -211,6 +226,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     elif metrics.exists():
         _drop_records_from(metrics, config.start_step)  # steps after the checkpoint are trained again
     start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends
+    if config.backup_status_file:
+        Path(config.backup_status_file).unlink(missing_ok=True)  # this launch's account, not the last one's
     config_path = write_config(config, run_dir)
     cmd = local_command(layout, str(config_path), free_port())
     log = run_dir / "launch.log"

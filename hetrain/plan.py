@@ -8,15 +8,15 @@ a cluster and says in one sentence what is wrong.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, ValidationError
 
 from hetrain.errors import HetrainError
-from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings, describe_validation_error
+from hetrain.files import read_text, write_text_atomic
+from hetrain.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, TrainingSettings,
+                           describe_validation_error)
 
 PLAN_SCHEMA = "hetrain.plan/v1"
 
@@ -59,9 +59,9 @@ class Plan(BaseModel):
     schema_: Literal["hetrain.plan/v1"] = Field(default=PLAN_SCHEMA, alias="schema")
     model: ModelSpec
     cluster: str
-    global_batch_size: PositiveInt
-    micro_batch_size: PositiveInt
-    tp: PositiveInt
+    global_batch_size: PositiveInt = Field(le=MAX_GLOBAL_BATCH)
+    micro_batch_size: PositiveInt = Field(le=MAX_MICRO_BATCH)
+    tp: PositiveInt = Field(le=MAX_TP_DEGREE)
     pipelines: list[PipelinePlan] = Field(min_length=1)
     training: TrainingSettings | None = None
     predicted: Predicted | None = None
@@ -84,24 +84,13 @@ class Plan(BaseModel):
 
     def write(self, path: str | Path) -> None:
         """Write atomically: a reader never sees half a plan."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json() + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, self.to_json() + "\n", "plan")
 
 
 def load_plan(path: str | Path) -> Plan:
     p = Path(path)
-    if not p.is_file():
-        raise HetrainError(f"{p}: file not found")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:

@@ -38,6 +38,7 @@ DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.
                 "azure": "http://169.254.169.254"}
 GCP_SPOT_NOTICE_S = 30.0
 SIGTERM_GRACE_S = 30.0
+MIN_POLL_S = 0.5  # the metadata endpoint is shared by everything on the VM and rate-limited (AWS: ~10 req/s)
 
 
 @dataclass
@@ -67,8 +68,28 @@ def _request(url: str, headers: dict[str, str], method: str = "GET", timeout_s: 
         return e.code, e.read()
 
 
+SHORTEST_NOTICE_S = 30.0  # GCP and Azure give 30 s: an answer we cannot read gets no more than that
+
+
+class UnreadableNotice(ValueError):
+    """The endpoint answered something other than "no notice" that we cannot read."""
+
+
+def _utc(text: str) -> datetime:
+    """An ISO 8601 time; one without a zone is UTC (what the metadata services mean)."""
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
 class _MetadataSource:
-    """A cloud's metadata endpoint; ``poll`` returns a Notice or None."""
+    """A cloud's metadata endpoint; ``poll`` returns a Notice or None.
+
+    Transport failures (no answer, a 5xx) raise: the watcher retries. An answer that is
+    neither "no notice" nor a notice we can read counts as a notice with the shortest
+    deadline any cloud gives (``SHORTEST_NOTICE_S``): the node may be about to go, and a
+    checkpoint that turns out unneeded costs seconds where a missed notice costs the work
+    since the last one.
+    """
 
     cloud = ""
 
@@ -77,54 +98,91 @@ class _MetadataSource:
         self.timeout_s = timeout_s
 
     def poll(self) -> Notice | None:
+        body = self.fetch()
+        if body is None:
+            return None
+        try:
+            return self.parse(body)
+        except (UnreadableNotice, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            return Notice(self.cloud, "unreadable", datetime.now(UTC) + timedelta(seconds=SHORTEST_NOTICE_S),
+                          {"answer": body[:500].decode(errors="replace"), "error": f"{type(e).__name__}: {e}"})
+
+    def fetch(self) -> bytes | None:
+        """The endpoint's answer, or None for its "no notice" answer."""
+        raise NotImplementedError
+
+    def parse(self, body: bytes) -> Notice | None:
         raise NotImplementedError
 
 
 class AwsSpot(_MetadataSource):
     cloud = "aws"
 
-    def poll(self) -> Notice | None:
+    def fetch(self) -> bytes | None:
         status, token = _request(f"{self.base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
                                  method="PUT", timeout_s=self.timeout_s)
         if status != 200:
             raise HetrainError(f"AWS metadata token request to {self.base} answered {status}")
         status, body = _request(f"{self.base}/latest/meta-data/spot/instance-action",
-                                {"X-aws-ec2-metadata-token": token.decode()}, timeout_s=self.timeout_s)
+                                {"X-aws-ec2-metadata-token": token.decode(errors="replace")}, timeout_s=self.timeout_s)
         if status == 404:
             return None
         if status != 200:
             raise HetrainError(f"AWS spot/instance-action at {self.base} answered {status}")
+        return body
+
+    def parse(self, body: bytes) -> Notice | None:
         data = json.loads(body)
-        deadline = datetime.fromisoformat(data["time"].replace("Z", "+00:00"))
-        return Notice("aws", data.get("action", "terminate"), deadline, data)
+        if not isinstance(data, dict):
+            raise UnreadableNotice(f"expected a JSON object, got {type(data).__name__}")
+        action = data.get("action")
+        deadline = _utc(data["time"]) if isinstance(data.get("time"), str) else None
+        if deadline is None or not isinstance(action, str):
+            raise UnreadableNotice("expected 'action' and 'time'")
+        return Notice("aws", action, deadline, data)
 
 
 class GcpPreempted(_MetadataSource):
     cloud = "gcp"
 
-    def poll(self) -> Notice | None:
+    def fetch(self) -> bytes | None:
         status, body = _request(f"{self.base}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"},
                                 timeout_s=self.timeout_s)
         if status != 200:
             raise HetrainError(f"GCP instance/preempted at {self.base} answered {status}")
+        return None if body.strip().upper() == b"FALSE" else body
+
+    def parse(self, body: bytes) -> Notice | None:
         if body.strip().upper() != b"TRUE":
-            return None
+            raise UnreadableNotice("expected TRUE or FALSE")
         return Notice("gcp", "preempt", datetime.now(UTC) + timedelta(seconds=GCP_SPOT_NOTICE_S), {})
 
 
 class AzureScheduledEvents(_MetadataSource):
     cloud = "azure"
 
-    def poll(self) -> Notice | None:
+    def fetch(self) -> bytes | None:
         status, body = _request(f"{self.base}/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"},
                                 timeout_s=self.timeout_s)
         if status != 200:
             raise HetrainError(f"Azure scheduledevents at {self.base} answered {status}")
-        for event in json.loads(body).get("Events", []):
+        return body
+
+    def parse(self, body: bytes) -> Notice | None:
+        data = json.loads(body)
+        events = data.get("Events") if isinstance(data, dict) else None
+        if not isinstance(events, list):
+            raise UnreadableNotice("expected an object with an 'Events' list")
+        for event in events:
+            if not isinstance(event, dict):
+                raise UnreadableNotice("expected each event to be an object")
             if event.get("EventType") == "Preempt":
                 not_before = event.get("NotBefore")
                 deadline = email.utils.parsedate_to_datetime(not_before) if not_before else None
-                return Notice("azure", "preempt", deadline, event)
+                if deadline is not None and deadline.tzinfo is None:
+                    deadline = deadline.replace(tzinfo=UTC)
+                return Notice("azure", "preempt", deadline or datetime.now(UTC) + timedelta(seconds=SHORTEST_NOTICE_S),
+                              event)
         return None
 
 
@@ -153,14 +211,19 @@ class PreemptionWatcher:
         self.stopped.set()
         left = notice.seconds_left()
         checkpoint = self.request_file is not None and (left is None or left >= self.min_checkpoint_s)
+        why_not = "no time for a checkpoint"
         if checkpoint:
-            self.request_file.parent.mkdir(parents=True, exist_ok=True)
-            for old in self.request_file.parent.glob(self.request_file.name + ".done-*"):
-                old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
-            self.request_file.write_text(json.dumps(notice.to_dict()))
+            try:
+                self.request_file.parent.mkdir(parents=True, exist_ok=True)
+                for old in self.request_file.parent.glob(self.request_file.name + ".done-*"):
+                    old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
+                self.request_file.write_text(json.dumps(notice.to_dict()))
+            except OSError as e:  # the notice still goes to the hook: it matters more than the checkpoint
+                checkpoint, why_not = False, f"cannot request a checkpoint ({self.request_file}: {e.strerror or e})"
         when = f"{left:.0f} s left" if left is not None else "no deadline given"
-        self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}); "
-                 + ("emergency checkpoint requested" if checkpoint else "no time for a checkpoint"))
+        unreadable = f" (unreadable answer: {notice.detail.get('error')})" if notice.action == "unreadable" else ""
+        self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}){unreadable}; "
+                 + ("emergency checkpoint requested" if checkpoint else why_not))
         try:
             if self.on_notice is not None:
                 self.on_notice(notice, checkpoint)

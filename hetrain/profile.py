@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError
 
 from hetrain.errors import HetrainError
+from hetrain.files import read_text
 from hetrain.specs import ModelSpec, describe_validation_error
 
 PROFILE_SCHEMA = "hetrain.profile/v1"
@@ -76,10 +77,8 @@ class Profile(BaseModel):
 
 def load_profile(path: str | Path) -> Profile:
     p = Path(path)
-    if not p.is_file():
-        raise HetrainError(f"{p}: file not found")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
     if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:

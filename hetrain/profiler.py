@@ -339,6 +339,43 @@ def _measure_ends(
     return embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s
 
 
+def profiling_bytes(spec: ModelSpec, b: int) -> float:
+    """A lower bound on what profiling micro-batch ``b`` holds at once (the head's step dominates).
+
+    The LM head's fp32 weight and gradient, its input, the logits and their gradient (softmax
+    keeps one more copy), and one unsharded block's weights, gradients and saved activations.
+    """
+    s, h, V = spec.seq_length, spec.hidden_size, spec.vocab_size
+    from hetrain.costmodel import block_params
+
+    head = 4.0 * (2 * V * h + 2 * b * s * h + 3 * b * s * V)
+    block = 4.0 * (2 * block_params(spec) + b * s * (6 * h + 2 * spec.ffn_size))
+    return max(head, block)
+
+
+def available_bytes(device: torch.device) -> float:
+    """Free memory on ``device``: the CUDA allocator's free bytes, or the machine's MemAvailable on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _check_fits(spec: ModelSpec, mbs: list[int], device: torch.device) -> None:
+    """Refuse sizes that would exhaust the device before starting (the kernel's OOM killer is no error message)."""
+    free = available_bytes(device)
+    for b in mbs:
+        need = profiling_bytes(spec, b)
+        if need > free:
+            raise HetrainError(f"micro-batch size {b}: profiling {spec.name} at it needs at least {need / 1e9:.1f} GB, "
+                               f"{device.type} has {free / 1e9:.1f} GB free; choose smaller micro-batch sizes")
+
+
 def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
     if slowdown == 1.0:
         return entry.model_copy()
@@ -426,6 +463,7 @@ def profile_model(
         raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")
     dev = _check_device(device)
     prec = _check_precision(precision)
+    _check_fits(spec, mbs, dev)
 
     total, done = len(tps) * len(mbs), 0
     devices: dict[str, list[ProfileEntry]] = {name: [] for name in gpus}

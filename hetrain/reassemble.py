@@ -87,12 +87,26 @@ class FetchReport:
     dest: str
     files: list[FileFetch]
     seconds: float
+    passed_over: list[str] = field(default_factory=list)  # "step N: why" for each newer step not used
+    unreachable: list[str] = field(default_factory=list)  # "source: why" for sources that could not be asked
+
+    def warnings(self) -> list[str]:
+        """What a user should hear: sources that failed, newer steps passed over, files a peer served badly."""
+        out = [f"source {u}" for u in self.unreachable]
+        out += [f"passed over {p}" for p in self.passed_over]
+        for f in self.files:
+            out += [f"{f.path}: skipped {s}" for s in f.skipped]
+        return out
 
     def by_source(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files:
             out[f.source] = out.get(f.source, 0) + f.size
         return out
+
+
+class WrongModel(HetrainError):
+    """A source holds a checkpoint of another model: a configuration error, never a reason to fall back."""
 
 
 class NoCheckpoint(HetrainError):
@@ -126,7 +140,7 @@ def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout
             last = e
             continue
         if model is not None and manifest.model != model:
-            raise HetrainError(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
+            raise WrongModel(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
                                f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
                                f"not the run's '{model.name}'")
         return manifest
@@ -157,16 +171,25 @@ def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Calla
         raise NoCheckpoint(errors)
     failures = []
     for step in sorted(holders, reverse=True):
-        manifest = _manifest(step, holders[step], model, timeout_s)
         try:
-            return reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress)
-        except HetrainError as e:
-            failures.append(str(e))
+            manifest = _manifest(step, holders[step], model, timeout_s)
+            report = reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress)
+        except WrongModel:
+            raise
+        except HetrainError as e:  # a damaged or incomplete step: the one before it may be whole
+            failures.append(f"step {step}: {e}")
+            continue
+        report.passed_over, report.unreachable = failures, errors
+        return report
     raise HetrainError("no committed checkpoint could be fetched whole: " + " | ".join(failures))
 
 
 def _why(e: BaseException) -> str:
     """A short reason; fsspec's HTTP layer reports a timeout as FileNotFoundError from the real cause."""
+    status = getattr(e, "status", None) or getattr(e.__cause__, "status", None)
+    if status in (401, 403):
+        return (f"refused our peer token (HTTP {status}): give this node the ${PEER_TOKEN_ENV} that "
+                f"`hetrain serve` there was started with")
     cause = e.__cause__
     if isinstance(e, FileNotFoundError) and cause is not None and not isinstance(cause, FileNotFoundError):
         if "404" not in str(cause):

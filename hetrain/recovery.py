@@ -159,6 +159,7 @@ def write_report(result: RecoveryResult, old_plan: Plan) -> Path:
             "timings_s": result.timings_s, "bytes_from_peers": kinds["peers"], "bytes_from_remote": kinds["remote"],
             "files": [{"path": f.path, "bytes": f.size, "source": f.source, "seconds": round(f.seconds, 4),
                        "skipped": f.skipped} for f in result.fetch.files],
+            "warnings": result.fetch.warnings(),
             "steps_trained": len(result.records)}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")

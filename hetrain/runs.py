@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hetrain.checkpoint import CheckpointConfig, committed_steps, restore_dir
@@ -35,16 +36,120 @@ def existing_run(runs_root: str | Path, run_id: str) -> tuple[Path, RunConfig]:
     return run_dir, RunConfig.load(path)
 
 
-def default_checkpoints(run_dir: Path, every_steps: int, keep: int, remote_url: str | None = None,
-                        remote_endpoint: str | None = None) -> CheckpointConfig:
-    """Node roots under the run directory (``nodes/<node>``): right for one machine and the emulated cluster."""
-    return CheckpointConfig(local_dir=str(run_dir / "nodes" / "{node}"), every_steps=every_steps, keep=keep,
-                            remote_url=remote_url,
-                            remote_options=CheckpointConfig.endpoint_options(remote_endpoint))
+BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
+DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
+DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
+
+
+def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str | None = None,
+                     cluster: Path | None = None, data: Path | None = None, metrics: Path | None = None,
+                     checkpoints: bool = True, checkpoint_dir: str | None = None,
+                     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
+                     remote: str | None = None, remote_endpoint: str | None = None,
+                     peers: dict[str, str] | None = None, **training) -> RunConfig:
+    """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
+
+    Checkpoints go to ``checkpoint_dir`` (``{node}`` becomes each node's name; a path or fsspec
+    URL), by default ``RUN_DIR/checkpoints/{node}``. ``training`` holds ``RunConfig``'s own
+    fields (lr and schedule, precision, optimizer, seed...), whose defaults are ``RunConfig``'s.
+    A bad value is one HetrainError line naming the field.
+    """
+    from pydantic import ValidationError
+
+    from hetrain.specs import describe_validation_error
+
+    run_dir = run_dir.resolve()
+    try:
+        ckpt = None
+        if checkpoints or checkpoint_dir or remote:
+            if checkpoint_dir is None:
+                checkpoint_dir = str(run_dir / "checkpoints" / "{node}")
+            elif "://" not in checkpoint_dir:
+                checkpoint_dir = str(Path(checkpoint_dir).resolve())
+            ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
+                                    remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
+                                    peers=peers or {})
+        return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
+                         steps=steps, data=str(Path(data).resolve()) if data else None,
+                         metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,
+                         checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"),
+                         backup_status_file=str(run_dir / BACKUP_STATUS) if remote else None, **training)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error("options", e)) from None
+
+
+EXIT_NOT_BACKED_UP = 3  # `hetrain train`: trained and checkpointed locally, but the remote store lacks the newest
+
+
+def backup_problem(config: RunConfig) -> str | None:
+    """One line when the run's newest checkpoint did not reach its remote store (None when it did, or no store)."""
+    ckpt = config.checkpoint
+    if ckpt is None or not ckpt.remote_url or not config.backup_status_file:
+        return None
+    path = Path(config.backup_status_file)
+    if not path.is_file():
+        return (f"rank 0 did not report on the backup to {ckpt.remote_url} (it stopped before the end); "
+                f"check that the store holds the newest step before relying on it")
+    try:
+        status = json.loads(path.read_text())
+    except ValueError:
+        return f"{path}: unreadable backup status"
+    newest = status.get("newest_local_step")
+    failed = status.get("failed") or []
+    if newest is not None and newest in status.get("uploaded_steps", []):
+        return None if not failed else (f"{len(failed)} earlier backup(s) to {ckpt.remote_url} failed (first: step "
+                                        f"{failed[0]['step']}: {failed[0]['error']}); the newest, step {newest}, is "
+                                        f"there")
+    why = next((f["error"] for f in failed if f["step"] == newest), None)
+    if why is None and newest in status.get("unfinished_steps", []):
+        why = f"still uploading after {ckpt.upload_timeout_s:g} s"
+    return (f"step {newest} did not reach {ckpt.remote_url} ({why or 'not uploaded'}); it is committed on the "
+            f"nodes' disks, so a recovery without a surviving node would go back to an older step")
+
+
+def check_run_paths(run_dir: Path, config: RunConfig, nodes: list[str]) -> None:
+    """Before any process starts: every directory the run writes is writable, no root holds another run.
+
+    A read-only checkpoint root would otherwise surface at the first save (``every_steps``
+    steps of work lost), and a root shared with another run would mix the two runs' steps
+    (a shorter run pruning its own checkpoints and leaving the other's newer step "newest").
+    Remote roots (``s3://``...) are checked by the first upload, which reports in the metrics.
+    """
+    from hetrain.files import check_output_dir, check_output_file
+
+    check_output_dir(run_dir, "--run-dir")
+    if config.metrics:
+        check_output_file(config.metrics, "--metrics")
+    ckpt = config.checkpoint
+    if ckpt is None or "://" in ckpt.local_dir:
+        return
+    for node in nodes:
+        root = Path(ckpt.node_root(node))
+        check_output_dir(root, "--checkpoint-dir")
+        other = other_runs_steps(str(root), config.run_id)
+        if other:
+            step, run_id = other[-1]
+            raise HetrainError(f"--checkpoint-dir {root}: holds committed checkpoints of run '{run_id}' (newest: step "
+                               f"{step}), not of this run '{config.run_id}'; give this run its own --checkpoint-dir")
+
+
+def other_runs_steps(root_url: str, run_id: str, storage_options: dict | None = None) -> list[tuple[int, str]]:
+    """(step, run id) of committed steps under ``root_url`` whose manifest names another run."""
+    from hetrain.checkpoint import read_manifest
+
+    found = []
+    for step in committed_steps(root_url, storage_options):
+        try:
+            owner = read_manifest(root_url, step, storage_options).run_id
+        except Exception:
+            continue  # damaged: the resume falls back past it; it says nothing about whose it is
+        if owner != run_id:
+            found.append((step, owner))
+    return found
 
 
 def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int,
-                    more: bool = True) -> tuple[RunConfig, int | None]:
+                    more: bool = True, warn: Callable[[str], None] | None = None) -> tuple[RunConfig, int | None]:
     """``config`` for ``more_steps`` steps: from 0, or after the newest committed checkpoint of this run.
 
     ``more=False``: ``more_steps`` is the run's total (``hetrain train --resume --steps N``), not
@@ -67,6 +172,8 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
                 if e.errors:  # a source did not answer: starting over could overwrite what it holds
                     raise
             else:
+                for warning in report.warnings() if warn else []:
+                    warn(warning)
                 start = report.step + 1
                 return config.model_copy(update={"start_step": start,
                                                  "steps": start + more_steps if more else more_steps,

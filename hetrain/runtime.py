@@ -73,10 +73,19 @@ class RunConfig(BaseModel):
     resume_from: str | None = None  # fsspec URL of a complete checkpoint step directory; start_step follows it
     resume_options: dict = {}  # fsspec options for resume_from
     request_file: str | None = None  # when this file appears (preemption notice), checkpoint at the next step
+    backup_status_file: str | None = None  # rank 0 writes what reached the remote store here when the run ends
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        return cls.model_validate_json(Path(path).read_text())
+        from pydantic import ValidationError
+
+        from hetrain.files import read_text
+        from hetrain.specs import describe_validation_error
+
+        try:
+            return cls.model_validate_json(read_text(path))
+        except ValidationError as e:
+            raise HetrainError(describe_validation_error(str(path), e)) from None
 
     def lr_schedule(self) -> LRSchedule:
         """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
@@ -434,6 +443,10 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
                 if config.request_file and ckpt.node_leader:
                     with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
                         os.replace(config.request_file, config.request_file + f".done-{step}")
+            if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
+                failures = ckpt.uploader.new_failures()
+                if failures:
+                    record["backup_failed"] = failures
             if step == config.start_step and trainer.load_s is not None:
                 record["resume_load_s"] = trainer.load_s  # rank 0's; all ranks load at once
                 if trainer.restored_schedule is not None:  # the checkpoint's schedule, not the options'
@@ -447,4 +460,8 @@ def _loop(trainer: Trainer, config: RunConfig) -> None:
         if metrics is not None:
             metrics.close()
         if trainer.checkpointer is not None:
-            trainer.checkpointer.close()
+            status = trainer.checkpointer.close()
+            if status is not None and config.backup_status_file:
+                from hetrain.files import write_text_atomic
+
+                write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")

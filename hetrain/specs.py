@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -27,8 +27,23 @@ from pydantic import (
 
 from hetrain.catalog import CATALOG, GPUType
 from hetrain.errors import HetrainError
+from hetrain.files import read_text
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+# Sizes no one can mean. Beyond them a typo (an extra zero, a count of bytes for GPUs) would not
+# fail but hang: the planner would enumerate billions of devices, a run would allocate a
+# batch no machine holds. Each limit is far above anything trained today.
+MAX_GPUS_PER_NODE = 1024  # the largest single NVLink domains have 256 GPUs (GH200 NVL256)
+MAX_CLUSTER_GPUS = 65536  # the largest training clusters are ~100k GPUs split over jobs
+MAX_LAYERS = 1024  # the deepest LLMs have ~130 blocks
+MAX_HIDDEN_SIZE = 1 << 17  # 131072; the widest LLMs use ~25k
+MAX_HEADS = 1024
+MAX_SEQ_LENGTH = 1 << 22  # 4M tokens; the longest-context models train at 1M
+MAX_VOCAB_SIZE = 1 << 22  # 4M ids; the largest vocabularies have ~256k
+MAX_GLOBAL_BATCH = 1 << 20  # sequences per step; Llama 3 405B used ~2k sequences of 8k tokens
+MAX_MICRO_BATCH = 4096  # sequences per micro-batch
+MAX_TP_DEGREE = 64
 
 
 class _Spec(BaseModel):
@@ -54,7 +69,7 @@ class NodeSpec(_Spec):
 
     name: str = Field(pattern=NAME_PATTERN)
     gpu: str
-    count: PositiveInt
+    count: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
     intra_node_bandwidth_gbps: PositiveFloat = Field(description="GB/s between two GPUs of this node")
     spot: bool = False
     price_per_gpu_hour: NonNegativeFloat | None = None
@@ -94,6 +109,9 @@ class ClusterSpec(_Spec):
 
     @model_validator(mode="after")
     def _check_references(self) -> ClusterSpec:
+        total = sum(n.count for n in self.nodes)
+        if total > MAX_CLUSTER_GPUS:
+            raise _FieldError("nodes", f"expected at most {MAX_CLUSTER_GPUS} GPUs in all, got {total}")
         seen: set[str] = set()
         for i, node in enumerate(self.nodes):
             if node.name in seen:
@@ -170,12 +188,12 @@ class ModelSpec(_Spec):
     """A decoder-only GPT: ``num_layers`` transformer blocks between an embedding and an LM head."""
 
     name: str
-    num_layers: PositiveInt
-    hidden_size: PositiveInt
-    num_heads: PositiveInt
-    seq_length: PositiveInt
-    vocab_size: PositiveInt
-    ffn_hidden_size: PositiveInt | None = None
+    num_layers: PositiveInt = Field(le=MAX_LAYERS)
+    hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
+    num_heads: PositiveInt = Field(le=MAX_HEADS)
+    seq_length: PositiveInt = Field(le=MAX_SEQ_LENGTH)
+    vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
+    ffn_hidden_size: PositiveInt | None = Field(default=None, le=4 * MAX_HIDDEN_SIZE)
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
@@ -196,9 +214,11 @@ class ModelSpec(_Spec):
 class TrainingSettings(_Spec):
     """What the planner may vary and what it must respect, besides the hardware."""
 
-    global_batch_size: PositiveInt = Field(description="sequences per optimizer step")
-    micro_batch_sizes: list[PositiveInt] = Field(default=[1, 2, 4], min_length=1)
-    tp_degrees: list[PositiveInt] = Field(default=[1, 2, 4, 8], min_length=1)
+    global_batch_size: PositiveInt = Field(le=MAX_GLOBAL_BATCH, description="sequences per optimizer step")
+    micro_batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_MICRO_BATCH)]] = Field(default=[1, 2, 4], min_length=1,
+                                                                                       max_length=64)
+    tp_degrees: list[Annotated[int, Field(ge=1, le=MAX_TP_DEGREE)]] = Field(default=[1, 2, 4, 8], min_length=1,
+                                                                              max_length=64)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     bytes_per_param: PositiveFloat = Field(
         default=16.0,
@@ -264,6 +284,10 @@ _PYDANTIC_HINTS = {
     "missing": "is required",
     "extra_forbidden": "is not a known field",
 }
+_PYDANTIC_BOUNDS = {  # error type -> (words, ctx key)
+    "less_than_equal": ("at most", "le"), "less_than": ("less than", "lt"),
+    "greater_than_equal": ("at least", "ge"), "greater_than": ("more than", "gt"),
+}
 
 
 def describe_validation_error(source: str, err: ValidationError) -> str:
@@ -278,8 +302,12 @@ def describe_validation_error(source: str, err: ValidationError) -> str:
     else:
         where = _loc_to_str(first["loc"])
         kind = first["type"]
+        ctx = first.get("ctx") or {}
         if kind in _PYDANTIC_HINTS:
             what = _PYDANTIC_HINTS[kind]
+        elif kind in _PYDANTIC_BOUNDS:
+            words, key = _PYDANTIC_BOUNDS[kind]
+            what = f"expected {words} {ctx[key]}, got {first.get('input')!r}"
         else:
             msg = re.sub(r"^Value error, ", "", first["msg"])
             what = f"expected {msg[0].lower() + msg[1:]}" if not msg.lower().startswith("expected") else msg
@@ -292,10 +320,8 @@ def describe_validation_error(source: str, err: ValidationError) -> str:
 
 def load_yaml(path: str | Path) -> Any:
     p = Path(path)
-    if not p.is_file():
-        raise HetrainError(f"{p}: file not found")
     try:
-        return yaml.safe_load(p.read_text())
+        return yaml.safe_load(read_text(p))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

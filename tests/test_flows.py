@@ -117,7 +117,7 @@ def wait_for_runs(deployment_id, count: int, timeout_s: float = 240) -> list:
 def test_train_flow_end_to_end(server, tmp_path: Path):
     result = train(steps=8, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4)
     assert result["status"] == "completed" and result["first_step"] == 0 and result["last_step"] == 7
-    assert committed_steps(str(tmp_path / "e2e" / "nodes" / "fast")) == [3, 7]
+    assert committed_steps(str(tmp_path / "e2e" / "checkpoints" / "fast")) == [3, 7]
     import anyio
 
     async def artifacts():
@@ -155,7 +155,7 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     plan_before = json.loads((runs_root / "spot" / "plan.json").read_text())
     assert any(d.startswith("slow/") for p in plan_before["pipelines"] for s in p["stages"] for d in s["devices"])
     assert first["status"] == "completed"
-    nodes = runs_root / "spot" / "nodes"
+    nodes = runs_root / "spot" / "checkpoints"
     assert committed_steps(str(nodes / "fast")) == [2, 5]
     # the run goes on to step 12 after recovery: raise the target as a longer run would have had
     config_path = runs_root / "spot" / "config.json"

@@ -1,0 +1,93 @@
+"""Reading the user's files and writing where the user pointed: one-line errors, nothing half-written.
+
+Every input file of hetrain (cluster, model, plan, profile, run config) is small UTF-8 text;
+anything else (a checkpoint shard, a corpus, a binary) is the wrong file and is named as such
+instead of failing deep inside a parser. Every output path is checked *before* the work that
+produces it (a plan, a profile, a training run), so a typo costs a second, not the work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from hetrain.errors import HetrainError
+
+MAX_INPUT_BYTES = 64 << 20  # specs, plans and profiles are kilobytes; 64 MB is a plan for ~100k GPUs
+
+
+def read_text(path: str | Path) -> str:
+    """The file's text; HetrainError naming the file when it is missing, a directory, huge or not UTF-8."""
+    p = Path(path)
+    if p.is_dir():
+        raise HetrainError(f"{p}: is a directory, expected a file")
+    if not p.is_file():
+        raise HetrainError(f"{p}: file not found")
+    size = p.stat().st_size
+    if size > MAX_INPUT_BYTES:
+        raise HetrainError(f"{p}: {size / 1e6:.0f} MB is not a hetrain spec, plan or profile (at most "
+                           f"{MAX_INPUT_BYTES >> 20} MB); wrong file?")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HetrainError(f"{p}: not a UTF-8 text file (byte {e.start}); expected YAML or JSON") from None
+    except OSError as e:
+        raise HetrainError(f"{p}: cannot read ({e.strerror or e})") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe_writable(directory: Path, what: str) -> None:
+    """Create and remove a file in ``directory``: the one test that also catches read-only mounts for root."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".hetrain-write-test-")
+    except OSError as e:
+        raise HetrainError(f"{what}: cannot write in {directory} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output_dir(path: str | Path, what: str) -> None:
+    """HetrainError unless ``path`` is (or can be created as) a directory this process can write in.
+
+    Nothing is created: the probe runs in the nearest existing ancestor.
+    """
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise HetrainError(f"{what} {path}: is a file, expected a directory")
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        raise HetrainError(f"{what} {path}: {base} is a file, not a directory")
+    _probe_writable(base, f"{what} {path}")
+
+
+def check_output_file(path: str | Path, what: str) -> None:
+    """HetrainError unless a file can be written at ``path`` (parents created when needed)."""
+    p = Path(path)
+    if p.is_dir():
+        raise HetrainError(f"{what} {path}: is a directory, expected a file path")
+    base = _nearest_existing(p.absolute().parent)
+    if not base.is_dir():
+        raise HetrainError(f"{what} {path}: {base} is a file, not a directory")
+    _probe_writable(base, f"{what} {path}")
+
+
+def write_text_atomic(path: str | Path, text: str, what: str = "output") -> None:
+    """Write through a temporary file and a rename: a reader never sees half a file, a failure leaves none."""
+    p = Path(path)
+    check_output_file(p, what)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
