@@ -1,3 +1,5 @@
+import sys
+
 from hetrain.cli import main
 
-main()
+sys.exit(main())

@@ -80,7 +80,7 @@ def test_sigterm_counts_as_a_notice_and_runs_the_hook(fake, tmp_path: Path):
     hook_out = tmp_path / "hook.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetrain", "watch", "--node", "spot-1", "--cloud", "aws", "--metadata-url", fake.url("spot-1"),
-         "--run", str(tmp_path / "run"), "--poll-s", "0.1", "--wait-checkpoint-s", "0.5",
+         "--run", str(tmp_path / "run"), "--poll-s", "0.5", "--wait-checkpoint-s", "0.5",
          "--hook-command", f'echo "$HETRAIN_NODE $HETRAIN_NOTICE" > {hook_out}'],
         cwd=ROOT, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
@@ -106,3 +106,48 @@ def test_ranks_take_an_emergency_checkpoint_when_asked(tmp_path: Path):
     for node in ("a", "b"):
         assert committed_steps(cfg.node_root(node)) == [0, 2]  # the emergency one and the final one
     assert os.path.getsize(tmp_path / "checkpoint.request.done-0") == 2
+
+
+@pytest.mark.parametrize("cloud,answer", [
+    ("aws", '[{"action": "terminate"}]'),  # a JSON list
+    ("aws", '{"action": "terminate"}'),  # no time
+    ("aws", '{"action": "terminate", "time": "soon"}'),  # a time that is not one
+    ("aws", "<html>proxy error</html>"),  # not JSON at all
+    ("azure", '{"Events": {"EventType": "Preempt"}}'),  # Events not a list
+    ("azure", '{"Events": ["Preempt"]}'),  # an event that is not an object
+    ("azure", "[]"),
+    ("gcp", "MAYBE"),
+], ids=["aws-list", "aws-no-time", "aws-bad-time", "aws-html", "azure-events-dict", "azure-event-str", "azure-list",
+        "gcp-maybe"])
+def test_an_answer_that_cannot_be_read_counts_as_a_notice_with_the_shortest_deadline(fake, cloud, answer):
+    from hetrain.preemption import SHORTEST_NOTICE_S
+
+    source = {"aws": AwsSpot, "gcp": GcpPreempted, "azure": AzureScheduledEvents}[cloud](fake.url("n1"))
+    assert source.poll() is None
+    fake.answer("n1", cloud, answer)
+    notice = source.poll()
+    assert notice is not None and notice.cloud == cloud and notice.action == "unreadable"
+    assert SHORTEST_NOTICE_S - 5 < notice.seconds_left() <= SHORTEST_NOTICE_S
+    assert notice.detail["answer"] == answer[:500] and notice.detail["error"]
+
+
+def test_times_without_a_zone_are_utc(fake):
+    fake.answer("n1", "aws", '{"action": "stop", "time": "2030-01-01T00:00:00"}')
+    notice = AwsSpot(fake.url("n1")).poll()
+    assert notice.action == "stop" and notice.deadline.isoformat() == "2030-01-01T00:00:00+00:00"
+    fake.answer("n1", "azure", json.dumps({"Events": [{"EventType": "Preempt",
+                                                       "NotBefore": "Tue, 01 Jan 2030 00:00:00"}]}))
+    notice = AzureScheduledEvents(fake.url("n1")).poll()
+    assert notice.deadline.isoformat() == "2030-01-01T00:00:00+00:00"
+
+
+def test_a_run_directory_that_cannot_take_the_request_still_reaches_the_hook(fake, tmp_path: Path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    calls, logged = [], []
+    watcher = PreemptionWatcher(GcpPreempted(fake.url("n1")), "n1", request_file=blocker / "checkpoint.request",
+                                on_notice=lambda n, c: calls.append(c), poll_s=0.05, log=logged.append)
+    fake.preempt("n1", 30)
+    notice = watcher.run()
+    assert notice is not None and calls == [False]
+    assert "cannot request a checkpoint" in logged[-1] and str(blocker) in logged[-1]

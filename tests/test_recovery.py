@@ -368,3 +368,67 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path: Path):
     plain.seek(0)
     planner.load_bytes(item, plain)
     assert planner.original_state_dict["lr"] == 0.25
+
+
+# --------------------------------------------------------------------------- failures that must surface
+
+
+def test_an_unreadable_newest_manifest_falls_back_to_the_step_before_and_says_why(trained, s3, tmp_path: Path):
+    from hetrain.reassemble import reassemble_newest
+
+    cfg = copy_run(trained, s3, tmp_path, "torn")
+    for node in "abc":  # step 3's manifest damaged on every peer, and the bucket's too
+        (Path(cfg.node_root(node)) / step_name(3) / MANIFEST).write_text('{"run_id": "run", "st')
+    endpoint, fs = s3
+    fs.pipe(f"{BUCKET}/torn/{step_name(3)}/{MANIFEST}", b"\x00\x01")
+    peers = [Source(n, cfg.node_root(n)) for n in "abc"]
+    report = reassemble_newest(peers, remote_source(cfg), lambda s: str(tmp_path / "restore" / step_name(s)))
+    assert report.step == 1
+    assert len(report.passed_over) == 1 and report.passed_over[0].startswith("step 3: manifest of step 3 unreadable")
+    assert any(w.startswith("passed over step 3") for w in report.warnings())
+
+
+def test_a_wrong_peer_token_is_named_as_the_reason(trained, monkeypatch):
+    from hetrain.reassemble import committed_by_source
+
+    base, cfg = trained
+    with PeerServer(cfg.node_root("a"), token="s3cret") as peer:
+        monkeypatch.setenv("HETRAIN_PEER_TOKEN", "wrong")
+        holders, errors = committed_by_source([Source("a", peer.url)], 2.0)
+    assert not holders
+    assert errors == ["a: refused our peer token (HTTP 401): give this node the $HETRAIN_PEER_TOKEN that "
+                      "`hetrain serve` there was started with"]
+
+
+def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path, s3):
+    from conftest import run_cli
+
+    one = plan(1, [(8, [("a/0", [0, 6])])])
+    one.write(tmp_path / "plan.json")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--steps", "2",
+                "--remote", f"s3://{BUCKET}/dead", "--remote-endpoint", dead)
+    assert r.returncode == 3, r.stderr
+    assert "done: 2 steps" in r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.startswith("backup:")]
+    assert len(lines) == 1 and f"step 1 did not reach s3://{BUCKET}/dead" in lines[0]
+    assert "committed on the nodes' disks" in lines[0]
+    status = json.loads((tmp_path / "run" / "backup.json").read_text())
+    assert status["newest_local_step"] == 1 and status["uploaded_steps"] == [] and status["failed"][0]["step"] == 1
+    assert committed_steps(str(tmp_path / "run" / "checkpoints" / "a")) == [1]
+
+
+def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s3, tmp_path: Path):
+    from conftest import run_cli
+    from hetrain.checkpoint import prune
+
+    cfg = copy_run(trained, s3, tmp_path, "foreign")  # steps 1 and 3 of run 'run'
+    SAVE.write(tmp_path / "plan.json")
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "mine"), "--steps", "2",
+                "--checkpoint-dir", cfg.local_dir)
+    assert r.returncode == 2
+    assert f"--checkpoint-dir {cfg.node_root('a')}: holds committed checkpoints of run 'run' (newest: step 3)" in r.stderr
+    assert not (tmp_path / "mine").exists() or not any((tmp_path / "mine").iterdir())
+    assert prune(cfg.node_root("a"), keep=1, run_id="mine") == []
+    assert committed_steps(cfg.node_root("a")) == [1, 3]
+    assert prune(cfg.node_root("a"), keep=1, run_id="run") == [1]

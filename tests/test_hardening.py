@@ -1,0 +1,177 @@
+"""Bad input to every command, as a new user (or a typo) gives it: exit code 2, one line naming the file,
+option or value, no traceback, nothing half-written, nothing outside the test's directory touched.
+
+Commands run in-process through ``hetrain.cli.main`` (the console script itself, typer's usage
+errors included), so a hundred cases cost seconds. Cases that need a running server or a
+trained checkpoint live beside their subject (test_recovery, test_preemption, test_lifecycle).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES
+from hetrain.cli import main
+
+CLUSTER = str(EXAMPLES / "clusters" / "cpu-emulated.yaml")
+MODEL = str(EXAMPLES / "models" / "gpt-tiny.yaml")
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` with its size and mtime: what a command must leave alone."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_size if p.is_file() else -1, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("inputs")
+    binary = d / "binary.yaml"
+    binary.write_bytes(bytes(range(256)) * 8)
+    bjson = d / "binary.json"
+    bjson.write_bytes(b"\xff\xfe\x00\x80not json")
+    a_file = d / "a-file"
+    a_file.write_text("x\n")
+    a_dir = d / "a-dir"
+    a_dir.mkdir()
+    cluster = Path(CLUSTER).read_text()
+    (d / "billion.yaml").write_text(cluster.replace("count: 2", "count: 1000000000", 1))
+    nodes = "".join(f"  - {{name: n{i}, gpu: A100-80G, count: 1024, intra_node_bandwidth_gbps: 300}}\n"
+                    for i in range(70))
+    (d / "huge-cluster.yaml").write_text(f"name: huge\nnodes:\n{nodes}")
+    model = Path(MODEL).read_text()
+    (d / "deep.yaml").write_text(model.replace("num_layers: 6", "num_layers: 1000000"))
+    (d / "list.yaml").write_text("- 1\n- 2\n")
+    (d / "huge.json").write_bytes(b" " * (65 << 20))
+    assert main_ok(["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
+                    "--out", str(d / "plan.json")])
+    return {"binary": binary, "bjson": bjson, "file": a_file, "dir": a_dir, "plan": d / "plan.json", "root": d}
+
+
+def main_ok(argv: list[str]) -> bool:
+    old = sys.argv
+    sys.argv = ["hetrain", *argv]
+    try:
+        return main() == 0
+    finally:
+        sys.argv = old
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    old = sys.argv
+    sys.argv = ["hetrain", *argv]
+    try:
+        try:
+            rc = main()
+        except SystemExit as e:  # never expected: main returns its code
+            rc = f"SystemExit({e.code})"
+    finally:
+        sys.argv = old
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+# (case, argv with {name} for the files above, what the one line must say)
+CASES = [
+    # files that are not what they claim
+    ("binary cluster", ["plan", "--cluster", "{binary}", "--model", MODEL, "--global-batch-size", "16"],
+     "binary.yaml: not a UTF-8 text file"),
+    ("binary model", ["plan", "--cluster", CLUSTER, "--model", "{binary}", "--global-batch-size", "16"],
+     "binary.yaml: not a UTF-8 text file"),
+    ("binary profile", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
+                        "--profile", "{bjson}"], "binary.json: not a UTF-8 text file"),
+    ("binary plan (estimate)", ["estimate", "--plan", "{bjson}", "--cluster", CLUSTER], "binary.json: not a UTF-8"),
+    ("binary plan (train)", ["train", "--plan", "{bjson}"], "binary.json: not a UTF-8 text file"),
+    ("a 65 MB plan", ["train", "--plan", "{root}/huge.json"], "is not a hetrain spec, plan or profile"),
+    ("a directory as cluster", ["plan", "--cluster", "{dir}", "--model", MODEL, "--global-batch-size", "16"],
+     "a-dir: is a directory, expected a file"),
+    ("a YAML list as model", ["plan", "--cluster", CLUSTER, "--model", "{root}/list.yaml", "--global-batch-size", "16"],
+     "list.yaml: expected a mapping of fields at the top level, got list"),
+    # sizes no one means (each would hang or exhaust memory)
+    ("a billion GPUs", ["plan", "--cluster", "{root}/billion.yaml", "--model", MODEL, "--global-batch-size", "16"],
+     "billion.yaml: nodes[0].count: expected at most 1024, got 1000000000"),
+    ("71,680 GPUs", ["plan", "--cluster", "{root}/huge-cluster.yaml", "--model", MODEL, "--global-batch-size", "16"],
+     "huge-cluster.yaml: nodes: expected at most 65536 GPUs in all, got 71680"),
+    ("a million layers", ["plan", "--cluster", CLUSTER, "--model", "{root}/deep.yaml", "--global-batch-size", "16"],
+     "deep.yaml: num_layers: expected at most 1024, got 1000000"),
+    ("global batch 10^12", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "1000000000000"],
+     "--global-batch-size: expected at most 1048576, got 1000000000000"),
+    ("micro-batch 10^6", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
+                          "--micro-batch-size", "1000000"], "--micro-batch-size: expected at most 4096"),
+    ("profile micro-batch 10^8", ["profile", "--model", MODEL, "--out", "{root}/p.json", "--micro-batch-sizes",
+                                  "100000000"], "--micro-batch-sizes: expected integers from 1 to 4096"),
+    ("train 10^13 steps", ["train", "--plan", "{plan}", "--steps", "10000000000000"], "'--steps'"),
+    # option values outside their range
+    ("time limit -1", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--time-limit",
+                       "-1"], "'--time-limit'"),
+    ("port 70000", ["serve", "--root", "{dir}", "--port", "70000"], "'--port'"),
+    ("port -1", ["serve", "--root", "{dir}", "--port", "-1"], "'--port'"),
+    ("recover timeout -1", ["recover", "--run", "{dir}", "--lost-nodes", "a", "--timeout-s", "-1"], "'--timeout-s'"),
+    ("watch poll 0", ["watch", "--node", "a", "--cloud", "aws", "--poll-s", "0"], "'--poll-s'"),
+    ("train keep 0", ["train", "--plan", "{plan}", "--keep", "0"], "'--keep'"),
+    ("not a number", ["train", "--plan", "{plan}", "--steps", "ten"], "'--steps'"),
+    ("unknown planner", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--planner",
+                         "best"], "--planner: expected one of"),
+    ("unknown cloud", ["watch", "--node", "a", "--cloud", "ibm"], "--cloud: expected one of aws, gcp, azure"),
+    ("missing option", ["plan", "--model", MODEL], "Missing option '--cluster'"),
+    ("unknown command", ["trian"], "No such command 'trian'"),
+    ("bad run id", ["train", "--plan", "{plan}", "--run-id", "../x"], "--run-id '../x': expected letters"),
+    # outputs that cannot be written: refused before the work, nothing created
+    ("plan --out a directory", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--out",
+                                "{dir}"], "--out {dir}: is a directory, expected a file path"),
+    ("plan --out under a file", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
+                                 "--out", "{file}/plan.json"], "--out {file}/plan.json: {file} is a file"),
+    ("profile --out a directory", ["profile", "--model", MODEL, "--out", "{dir}", "--micro-batch-sizes", "1",
+                                   "--tp", "1"], "--out {dir}: is a directory"),
+    ("data --out a directory", ["data", "prepare", "--text", "{file}", "--out", "{dir}"], "--out {dir}"),
+    ("train --run-dir a file", ["train", "--plan", "{plan}", "--run-dir", "{file}"],
+     "--run-dir {file}: is a file, expected a directory"),
+    ("train --metrics a directory", ["train", "--plan", "{plan}", "--run-dir", "{root}/r1", "--metrics", "{dir}"],
+     "--metrics {dir}: is a directory"),
+    ("train --checkpoint-dir under a file", ["train", "--plan", "{plan}", "--run-dir", "{root}/r2",
+                                             "--checkpoint-dir", "{file}/ckpt/{{node}}"], "--checkpoint-dir {file}/ckpt/"),
+    ("train --peer without =", ["train", "--plan", "{plan}", "--run-dir", "{root}/r3", "--peer", "nodeurl"],
+     "--peer: expected NODE=URL, got 'nodeurl'"),
+]
+
+
+@pytest.mark.parametrize("argv,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(files, capsys, argv, expect):
+    fill = {k: str(v) for k, v in files.items()}
+    argv = [a.format(**fill) for a in argv]
+    before = tree(files["root"])
+    rc, out, err = run_main(argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, (rc, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expect.format(**fill) in lines[0], lines[0]
+    assert "Traceback" not in err + out
+    assert tree(files["root"]) == before  # nothing written, created or removed
+
+
+def test_a_profile_that_cannot_fit_is_refused_before_it_allocates():
+    from hetrain.errors import HetrainError
+    from hetrain.profiler import available_bytes, profile_model, profiling_bytes
+    from hetrain.specs import load_model
+
+    spec = load_model(EXAMPLES / "models" / "gpt-13b.yaml")
+    import torch
+
+    free = available_bytes(torch.device("cpu"))
+    b = next(b for b in (64, 256, 1024, 4096) if profiling_bytes(spec, b) > free)
+    with pytest.raises(HetrainError, match=rf"micro-batch size {b}: profiling gpt-13b at it needs at least"):
+        profile_model(spec, gpus={"cpu": 1.0}, micro_batch_sizes=[b], tp_degrees=[1])
+
+
+def test_help_still_works(capsys):
+    rc, out, _ = run_main([], capsys)
+    assert rc == 0 and "plan" in out and "train" in out
