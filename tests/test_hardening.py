@@ -175,3 +175,22 @@ def test_a_profile_that_cannot_fit_is_refused_before_it_allocates():
 def test_help_still_works(capsys):
     rc, out, _ = run_main([], capsys)
     assert rc == 0 and "plan" in out and "train" in out
+
+
+def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
+    """Not "see launch.log": the rank's own error line, else the first exception of the output (the cause)."""
+    from hetrain.launch import _worker_error
+
+    log = tmp_path / "launch.log"
+    log.write_text(
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "hetrain/checkpointer.py", line 103, in save\n'
+        "[rank1]: OSError: [Errno 28] No space left on device: '/ckpt/b/step-000049/__1_0.distcp'\n"
+        "[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+        "KeyboardInterrupt: \n")
+    assert _worker_error(log) == ("OSError: [Errno 28] No space left on device: '/ckpt/b/step-000049/__1_0.distcp' "
+                                  f"(full output in {log})")
+    log.write_text("noise\nhetrain: error: rank 2: --data x.bin: holds ids up to 70000, the model's vocabulary "
+                   "is 50257\nRuntimeError: later\n")
+    assert _worker_error(log) == "rank 2: --data x.bin: holds ids up to 70000, the model's vocabulary is 50257"
