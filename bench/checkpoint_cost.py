@@ -18,11 +18,11 @@ from pathlib import Path
 
 from _common import print_table, write_results
 
-from hetrain.checkpoint import CheckpointConfig, read_manifest
-from hetrain.launch import launch
-from hetrain.layout import build_layout
-from hetrain.runtime import RunConfig
-from hetrain.specs import ModelSpec, TrainingSettings, load_cluster
+from hetrain.checkpoint.manifest import read_manifest
+from hetrain.config import CheckpointConfig, RunConfig
+from hetrain.plan.layout import build_layout
+from hetrain.runtime.launch import launch
+from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster
 from recovery import CLUSTER
 from solver.planner import make_plan
 

@@ -3,7 +3,7 @@
 Why: the runtime must train at the speed of a well-written PyTorch loop (target: ratio >= 0.97,
 >= 40 % MFU on the 1.4B GPT on an H100, bf16 with recompute), and the plan's predictions must
 be what the user sees (step time within 10 % when fed a profile taken on that device, memory
-within 10 %). Both sides use the same ``hetrain.model.GPT``, precision, micro-batching,
+within 10 %). Both sides use the same ``hetrain.runtime.model.GPT``, precision, micro-batching,
 recompute, AdamW (fused on GPUs, foreach on CPU), clipping and LR schedule; the plain loop is
 bench code (30 lines below), not library code. Each side runs in its own process (a fresh
 allocator, so peak memory is its own), alternating ``--repeats`` times; the median step after
@@ -12,7 +12,7 @@ warm-up counts.
 On a GPU: the 1.4B GPT (24 blocks, hidden 2048, 16 heads, sequence 2048, vocabulary 50304),
 global batch 16, micro-batch 4. Without a GPU: the same comparison on CPU with a small model
 in fp32 (one thread), so the bench runs everywhere; memory there is counted by
-``hetrain.instrument.AllocationTracker`` on both sides.
+``hetrain.runtime.instrument.AllocationTracker`` on both sides.
 
     python bench/gpu_step.py [--steps 12] [--repeats 2] [--precision bf16]
 """
@@ -52,10 +52,10 @@ def plain_loop(spec_json: str, steps: int, global_batch: int, micro_batch: int, 
     """The reference: what a careful engineer writes by hand for one device."""
     import torch
 
-    from hetrain.data import TokenSource
-    from hetrain.model import GPT, lm_loss
-    from hetrain.schedule import LRSchedule
-    from hetrain.specs import ModelSpec
+    from hetrain.runtime.data import TokenSource
+    from hetrain.runtime.model import GPT, lm_loss
+    from hetrain.runtime.schedule import LRSchedule
+    from hetrain.spec.specs import ModelSpec
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -71,7 +71,7 @@ def plain_loop(spec_json: str, steps: int, global_batch: int, micro_batch: int, 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     tracker = None
     if trace_memory:
-        from hetrain.instrument import AllocationTracker
+        from hetrain.runtime.instrument import AllocationTracker
 
         tracker = AllocationTracker(sum(p.numel() * p.element_size() for p in model.parameters()))
     times = []
@@ -120,10 +120,10 @@ def main() -> None:
 
     import torch
 
-    from hetrain.costmodel import CostModel, train_flops_per_sequence
-    from hetrain.plan import Plan
-    from hetrain.profiler import profile_model
-    from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+    from hetrain.cost.costmodel import CostModel, train_flops_per_sequence
+    from hetrain.plan.schema import Plan
+    from hetrain.profiling.profiler import profile_model
+    from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 
     cuda = torch.cuda.is_available()
     spec = ModelSpec.model_validate(GPU_MODEL if cuda else CPU_MODEL)

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from _common import ROOT, print_table, write_results
 
-from hetrain.costmodel import CostModel
-from hetrain.launch import launch
-from hetrain.layout import build_layout
-from hetrain.profiler import gpus_from_cluster, profile_model
-from hetrain.runtime import RunConfig
-from hetrain.specs import TrainingSettings, load_cluster, load_model
+from hetrain.config import RunConfig
+from hetrain.cost.costmodel import CostModel
+from hetrain.plan.layout import build_layout
+from hetrain.profiling.profiler import gpus_from_cluster, profile_model
+from hetrain.runtime.launch import launch
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.planner import make_plan
 
 WARMUP_STEPS = 5

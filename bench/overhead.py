@@ -32,13 +32,13 @@ from _common import print_table, write_results
 
 import torch
 
-from hetrain.data import PipelineSampler, TokenSource
-from hetrain.launch import free_port, launch
-from hetrain.layout import build_layout
-from hetrain.model import GPT, lm_loss
-from hetrain.plan import Plan
-from hetrain.runtime import RunConfig
-from hetrain.specs import ModelSpec
+from hetrain.config import RunConfig
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.runtime.data import PipelineSampler, TokenSource
+from hetrain.runtime.launch import free_port, launch
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.spec.specs import ModelSpec
 
 TARGET = 1.05
 PROCESSES = 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from _common import ROOT, print_table, write_results
 
-from hetrain.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
-from hetrain.specs import TrainingSettings, load_cluster, load_model
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.planner import make_plan
 
 CASES = [

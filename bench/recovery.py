@@ -39,12 +39,12 @@ from _common import print_table, write_results
 
 import s3fs
 
-from hetrain.checkpoint import CheckpointConfig, committed_steps, read_manifest
-from hetrain.launch import free_port, launch, write_config
-from hetrain.layout import build_layout
-from hetrain.recovery import recover
-from hetrain.runtime import RunConfig
-from hetrain.specs import ModelSpec, TrainingSettings, load_cluster
+from hetrain.checkpoint.manifest import committed_steps, read_manifest
+from hetrain.config import CheckpointConfig, RunConfig
+from hetrain.plan.layout import build_layout
+from hetrain.recovery.recover import recover
+from hetrain.runtime.launch import free_port, launch, write_config
+from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster
 from solver.planner import make_plan
 
 BUCKET = "hetrain-bench"

@@ -14,7 +14,7 @@ import time
 
 from _common import ROOT, print_table, write_results
 
-from hetrain.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 from solver.planner import make_plan
 
 REPEATS = 3

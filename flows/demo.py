@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hetrain.runtime.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 console = Console()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout_s: float, what: str) -> None:
@@ -176,7 +171,7 @@ def main() -> None:
         console.print("    deployed hetrain-train/train (nightly cron) and hetrain-recover/recover "
                       "(trigger: hetrain.node.preempted); worker started")
 
-        from hetrain.fakecloud import FakeCloudMetadata
+        from hetrain.testing.fakecloud import FakeCloudMetadata
 
         metadata = FakeCloudMetadata().start()
         run_id = "demo"

@@ -17,17 +17,18 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
 from flows.report import Progress, artifact_key, publish_plan
-from hetrain.costmodel import CostModel
-from hetrain.recovery import recover as recover_run
-from hetrain.runs import existing_run
-from hetrain.specs import load_cluster
+from hetrain.config import RUN_ID_PATTERN
+from hetrain.cost.costmodel import CostModel
+from hetrain.recovery.recover import recover as recover_run
+from hetrain.recovery.runs import existing_run
+from hetrain.spec.specs import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @flow(name="hetrain-recover", log_prints=True)
 def recover(
-    run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")],
+    run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)],
     lost_node: Annotated[str, Field(min_length=1, description="node name, or several separated by commas")],
     cluster: str | None = None,
     steps: Annotated[int, Field(gt=0)] | None = None,

@@ -7,25 +7,15 @@ import statistics
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
-from hetrain.costmodel import Estimate
-from hetrain.plan import Plan
+from hetrain.cost.costmodel import Estimate
+from hetrain.cost.report import plan_rows
+from hetrain.plan.schema import Plan
 
 
 def artifact_key(*parts: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     raw = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in raw).strip("-")[:100]
-
-
-def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
-    rows = []
-    for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
-        for k, (stage, stage_s) in enumerate(zip(pipe.stages, pest.stage_s)):
-            rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": ", ".join(stage.devices),
-                         "blocks": f"{stage.layers[0]}-{stage.layers[1]}",
-                         "micro-batches": pipe.num_microbatches, "stage ms": round(stage_s * 1e3, 2),
-                         "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2)})
-    return rows
 
 
 def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
@@ -43,7 +33,9 @@ def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
 
 
 def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str) -> None:
-    create_table_artifact(plan_rows(plan, est), key=artifact_key(run_id, what, "plan"),
+    rows = [{**{k: v for k, v in r.items() if k not in ("num_blocks", "capacity GB")},
+             "devices": ", ".join(r["devices"])} for r in plan_rows(plan, est)]
+    create_table_artifact(rows, key=artifact_key(run_id, what, "plan"),
                           description=f"{what} plan of run {run_id}")
     create_markdown_artifact(pipelines_markdown(plan, est, f"{what} plan of run {run_id}"),
                              key=artifact_key(run_id, what, "pipelines"), description="pipelines of the plan")

@@ -18,16 +18,19 @@ from pydantic import Field
 
 from flows.events import emit_preempted
 from flows.report import Progress, publish_plan, publish_timing
-from hetrain.costmodel import CostModel
+from hetrain.config import build_run_config
+from hetrain.config import RUN_ID_PATTERN
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
-from hetrain.launch import RunStopped, launch
-from hetrain.layout import build_layout
-from hetrain.plan import Plan
-from hetrain.preemption import SOURCES, LocalSpotRun
-from hetrain.profile import Profile
-from hetrain.runs import backup_problem, build_run_config, check_run_paths, run_dir_of, start_or_resume
-from hetrain.schedule import DEFAULT_LR
-from hetrain.specs import TrainingSettings, load_cluster, load_model
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.profiling.profile import Profile
+from hetrain.recovery.preemption import SOURCES
+from hetrain.recovery.runs import backup_problem, check_run_paths, run_dir_of, start_or_resume
+from hetrain.runtime.launch import RunStopped, launch
+from hetrain.runtime.schedule import DEFAULT_LR
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+from hetrain.testing.spot import LocalSpotRun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,8 +47,8 @@ def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[in
     """Per-layer times on this machine for each GPU type (cached by model and types)."""
     import torch
 
-    from hetrain.profiler import profile_model
-    from hetrain.specs import ModelSpec
+    from hetrain.profiling.profiler import profile_model
+    from hetrain.spec.specs import ModelSpec
 
     torch.set_num_threads(1)  # as each training rank
     prof = profile_model(ModelSpec.model_validate(model_spec), gpus=gpus, micro_batch_sizes=micro_batch_sizes,
@@ -137,7 +140,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
 def train(
     cluster: str = "examples/clusters/cpu-emulated.yaml",
     model: str = "examples/models/gpt-tiny.yaml",
-    run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] = "demo",
+    run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)] = "demo",
     steps: Annotated[int, Field(gt=0, le=1_000_000)] = 60,
     global_batch_size: Annotated[int, Field(gt=0)] = 16,
     planner: Literal["hetrain", "megatron", "whale"] = "hetrain",
@@ -167,7 +170,7 @@ def train(
     """
     if data and not _path(data).is_file():
         raise FileNotFoundError(f"data: {data}: file not found")
-    from hetrain.profiler import gpus_from_cluster
+    from hetrain.profiling.profiler import gpus_from_cluster
 
     cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
     if precision is None:
@@ -176,7 +179,7 @@ def train(
     prof = None
     if use_profile:
         prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
-                       [t for t in settings.tp_degrees if spec.hidden_size % t == 0 and spec.num_heads % t == 0],
+                       [t for t in settings.tp_degrees if spec.tp_divides(t)],
                        settings.activation_recompute, settings.precision)
     plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
     the_plan = Plan.model_validate(plan_json)

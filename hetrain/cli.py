@@ -15,8 +15,8 @@ from rich.table import Table
 
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir, check_output_file, write_text_atomic
-from hetrain.preemption import MIN_POLL_S
-from hetrain.schedule import DEFAULT_LR
+from hetrain.recovery.preemption import MIN_POLL_S
+from hetrain.runtime.schedule import DEFAULT_LR
 
 # Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
 MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
@@ -45,7 +45,7 @@ def user_errors(fn):
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
               no_recompute: bool):
-    from hetrain.specs import TrainingSettings, describe_validation_error
+    from hetrain.spec.specs import TrainingSettings, describe_validation_error
     from pydantic import ValidationError
 
     kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
@@ -74,22 +74,14 @@ def plan_table(plan, est, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for col in ("pipeline", "stage", "gpu", "devices", "blocks", "micro-batches", "stage ms", "memory GB"):
         table.add_column(col, justify="right" if col not in ("gpu", "devices") else "left")
-    for pi, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
-        for si, stage in enumerate(pipe.stages):
-            mem = max(est.peak_memory_gb[d] for d in stage.devices)
-            cap = est.capacity_gb[stage.devices[0]]
-            devs = _compact_devices(stage.devices)
-            table.add_row(
-                str(pi) if si == 0 else "",
-                str(si),
-                stage.gpu,
-                devs,
-                f"{stage.layers[0]}-{stage.layers[1]} ({stage.layers[1] - stage.layers[0]})",
-                str(pipe.num_microbatches) if si == 0 else "",
-                f"{pest.stage_s[si] * 1e3:.1f}",
-                f"{mem:.1f} / {cap:.0f}",
-                end_section=si == len(pipe.stages) - 1,
-            )
+    from hetrain.cost.report import plan_rows
+
+    rows = plan_rows(plan, est)
+    for i, r in enumerate(rows):
+        first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
+        table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
+                      f"{r['blocks']} ({r['num_blocks']})", str(r["micro-batches"]) if first else "",
+                      f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
     return table
 
 
@@ -119,7 +111,7 @@ def plan(
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations")] = False,
-    planner: Annotated[str, typer.Option(help="hetrain, megatron, whale or exhaustive")] = "hetrain",
+    planner: Annotated[str, typer.Option(help="hetrain (the MILP planner, also 'milp'), megatron, whale or exhaustive")] = "hetrain",
     profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
     compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
@@ -127,8 +119,8 @@ def plan(
     time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
 ):
     """Find the fastest plan for a model on a mixed cluster."""
-    from hetrain.profile import load_profile
-    from hetrain.specs import load_cluster, load_model
+    from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster, load_model
     from solver.planner import PLANNERS, make_plan
 
     if planner not in PLANNERS:
@@ -217,10 +209,10 @@ def estimate(
     as_json: Annotated[bool, typer.Option("--json", help="print the prediction as JSON")] = False,
 ):
     """Validate any plan against a cluster and predict its iteration time and memory."""
-    from hetrain.costmodel import CostModel
-    from hetrain.plan import load_plan, validate_plan
-    from hetrain.profile import load_profile
-    from hetrain.specs import load_cluster
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.plan.schema import load_plan, validate_plan
+    from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster
 
     cl = load_cluster(cluster)
     pl = load_plan(plan_file)
@@ -272,11 +264,11 @@ def profile(
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from hetrain.profiler import gpus_from_cluster, profile_model
-    from hetrain.specs import load_cluster, load_model
+    from hetrain.profiling.profiler import gpus_from_cluster, profile_model
+    from hetrain.spec.specs import load_cluster, load_model
 
     spec = load_model(model)
-    from hetrain.specs import MAX_MICRO_BATCH, MAX_TP_DEGREE
+    from hetrain.spec.specs import MAX_MICRO_BATCH, MAX_TP_DEGREE
 
     mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes", MAX_MICRO_BATCH)
     tps = _int_list(tp, "--tp", MAX_TP_DEGREE)
@@ -357,10 +349,10 @@ def train(
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from hetrain.launch import launch, node_commands, write_config
-    from hetrain.layout import build_layout
-    from hetrain.plan import load_plan, validate_plan
-    from hetrain.specs import load_cluster, load_model
+    from hetrain.plan.layout import build_layout
+    from hetrain.plan.schema import load_plan, validate_plan
+    from hetrain.runtime.launch import launch, node_commands, write_config
+    from hetrain.spec.specs import load_cluster, load_model
 
     pl = load_plan(plan_file)
     if model is not None:
@@ -376,7 +368,7 @@ def train(
         except HetrainError as e:
             raise HetrainError(f"{plan_file}: {e}") from None
     else:
-        from hetrain.plan import validate_plan_structure
+        from hetrain.plan.schema import validate_plan_structure
 
         try:
             validate_plan_structure(pl)
@@ -384,7 +376,8 @@ def train(
             raise HetrainError(f"{plan_file}: {e}") from None
     layout = build_layout(pl)
     run_dir = run_dir or Path("runs") / plan_file.stem
-    from hetrain.runs import RUN_ID, build_run_config, check_run_paths
+    from hetrain.config import RUN_ID, build_run_config
+    from hetrain.recovery.runs import check_run_paths
 
     if not RUN_ID.match(run_id or run_dir.resolve().name):
         raise HetrainError(f"--run-id '{run_id or run_dir.resolve().name}': expected letters, digits, '.', '_' or "
@@ -397,18 +390,16 @@ def train(
         trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
         dump_dir=str(dump_dir.resolve()) if dump_dir else None)
     if print_launch:
-        from hetrain.files import check_output_dir
-
         check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
     else:
         check_run_paths(run_dir.resolve(), config, list(layout.nodes))
     if data is not None:
-        from hetrain.data import TokenSource
+        from hetrain.runtime.data import TokenSource
 
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=data)  # bad data: one line now, not per rank
     if resume and restart:
         raise HetrainError("give --resume or --restart, not both")
-    from hetrain.runs import archive_run, previous_run_files, start_or_resume
+    from hetrain.recovery.runs import archive_run, previous_run_files, start_or_resume
 
     resumed_step = None
     nodes = list(layout.nodes)
@@ -480,7 +471,7 @@ def train(
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
                   f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
                   highlight=False)
-    from hetrain.runs import EXIT_NOT_BACKED_UP, backup_problem
+    from hetrain.recovery.runs import EXIT_NOT_BACKED_UP, backup_problem
 
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
@@ -514,7 +505,7 @@ def serve(
 
     import uvicorn
 
-    from hetrain.peer import make_app
+    from hetrain.checkpoint.peer import make_app
 
     token = os.environ.get(token_env) or None
     loopback = host == "localhost" or host.startswith("127.") or host == "::1"
@@ -541,7 +532,7 @@ def recover(
     """Re-plan without the lost nodes, reassemble the last checkpoint (peers first), resume training."""
     from rich.progress import BarColumn, Progress, TextColumn
 
-    from hetrain.recovery import recover as do_recover
+    from hetrain.recovery.recover import recover as do_recover
     from solver.planner import make_plan
 
     lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
@@ -598,7 +589,7 @@ def watch(
     import os
     import subprocess
 
-    from hetrain.preemption import SOURCES, PreemptionWatcher, wait_for_checkpoint
+    from hetrain.recovery.preemption import SOURCES, PreemptionWatcher, wait_for_checkpoint
 
     if cloud not in SOURCES:
         raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
@@ -637,7 +628,7 @@ def data_prepare(
     """Tokenize a text file into a flat token file for `hetrain train --data`."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from hetrain.data import prepare_tokens
+    from hetrain.runtime.data import prepare_tokens
 
     with Progress(TextColumn("[bold]tokenize"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as bar:

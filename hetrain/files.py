@@ -36,6 +36,21 @@ def read_text(path: str | Path) -> str:
         raise HetrainError(f"{p}: cannot read ({e.strerror or e})") from None
 
 
+def read_versioned_json(path: str | Path, schema: str) -> dict:
+    """A JSON file contract (``{"schema": "hetrain.<kind>/v1", ...}``): the object, or one line on what is wrong."""
+    import json
+
+    p = Path(path)
+    try:
+        data = json.loads(read_text(p))
+    except json.JSONDecodeError as e:
+        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise HetrainError(f"{p}: schema: expected '{schema}', got {got!r}")
+    return data
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path
     while not p.exists() and p != p.parent:

@@ -6,9 +6,9 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from hetrain.costmodel import CostModel, Estimate
-from hetrain.plan import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
-from hetrain.specs import ClusterSpec
+from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
+from hetrain.spec.specs import ClusterSpec
 from solver.space import Space, Template
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 
-from hetrain.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
-from hetrain.plan import PipelinePlan, Plan, StagePlan
-from hetrain.specs import ClusterSpec
+from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
+from hetrain.spec.specs import ClusterSpec
 from solver.assemble import allocate_microbatches, finish
-from solver.planner import PlanResult, explain_no_plan, tp_and_micro_batch
+from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
 from solver.space import group_classes
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from hetrain.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, NoPlanError
-from hetrain.specs import ClusterSpec
+from hetrain.spec.specs import ClusterSpec
 from solver.assemble import finish, score
-from solver.planner import PlanResult, explain_no_plan, spaces
+from solver.common import PlanResult, explain_no_plan, spaces
 from solver.space import Template
 
 MAX_CANDIDATES = 2_000_000

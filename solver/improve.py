@@ -24,9 +24,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hetrain.costmodel import CostModel, Estimate
-from hetrain.plan import Plan
-from hetrain.specs import ClusterSpec
+from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.plan.schema import Plan
+from hetrain.spec.specs import ClusterSpec
 from solver.assemble import score
 from solver.space import Space
 

@@ -22,8 +22,8 @@ from functools import cached_property
 
 import numpy as np
 
-from hetrain.costmodel import CostModel, UnitCosts
-from hetrain.specs import ClusterSpec
+from hetrain.cost.costmodel import CostModel, UnitCosts
+from hetrain.spec.specs import ClusterSpec
 
 
 DEPTH_SLACK = 3
@@ -114,7 +114,7 @@ def split_layers(
 class Template:
     """A pipeline shape: stage classes in order, blocks per stage, and its 1F1B time terms.
 
-    ``T_pipe(m) = m * tau_s + fill_s`` for m micro-batches (see hetrain.costmodel).
+    ``T_pipe(m) = m * tau_s + fill_s`` for m micro-batches (see hetrain.cost.costmodel).
     """
 
     classes: tuple[int, ...]

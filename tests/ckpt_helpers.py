@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 
 from conftest import EXAMPLES
-from hetrain.checkpoint import CheckpointConfig
-from hetrain.launch import launch
-from hetrain.layout import build_layout
-from hetrain.plan import Plan
-from hetrain.runtime import RunConfig
-from hetrain.specs import load_model
+from hetrain.config import CheckpointConfig, RunConfig
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.runtime.launch import launch
+from hetrain.spec.specs import load_model
 
 TINY = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 GLOBAL_BATCH = 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 
 SMALL_MODEL = ModelSpec(name="gpt-test", num_layers=12, hidden_size=2048, num_heads=16, seq_length=1024,
                         vocab_size=32000)

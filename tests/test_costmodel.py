@@ -2,16 +2,9 @@
 
 import pytest
 
-from hetrain.costmodel import (
-    GB,
-    CostModel,
-    block_forward_flops,
-    block_params,
-    ring_allreduce_s,
-    train_flops_per_sequence,
-)
-from hetrain.plan import PipelinePlan, Plan, StagePlan
-from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+from hetrain.cost.costmodel import CostModel, block_forward_flops, block_params, ring_allreduce_s, train_flops_per_sequence
+from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
+from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
 MODEL = ModelSpec(name="m", num_layers=4, hidden_size=1024, num_heads=8, seq_length=512, vocab_size=1000)
 CLUSTER = ClusterSpec.model_validate({

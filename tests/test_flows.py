@@ -30,7 +30,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from flows.events import emit_preempted  # noqa: E402
 from flows.train import train  # noqa: E402
-from hetrain.checkpoint import committed_steps  # noqa: E402
+from hetrain.checkpoint.manifest import committed_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def bucket():
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from hetrain.launch import free_port
+    from hetrain.runtime.launch import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

@@ -160,8 +160,8 @@ def test_bad_input_is_one_line_and_exit_2(files, capsys, argv, expect):
 
 def test_a_profile_that_cannot_fit_is_refused_before_it_allocates():
     from hetrain.errors import HetrainError
-    from hetrain.profiler import available_bytes, profile_model, profiling_bytes
-    from hetrain.specs import load_model
+    from hetrain.profiling.profiler import available_bytes, profile_model, profiling_bytes
+    from hetrain.spec.specs import load_model
 
     spec = load_model(EXAMPLES / "models" / "gpt-13b.yaml")
     import torch
@@ -179,7 +179,7 @@ def test_help_still_works(capsys):
 
 def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
     """Not "see launch.log": the rank's own error line, else the first exception of the output (the cause)."""
-    from hetrain.launch import _worker_error
+    from hetrain.runtime.launch import _worker_error
 
     log = tmp_path / "launch.log"
     log.write_text(

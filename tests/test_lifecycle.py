@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, run_cli
-from hetrain.launch import worker_pids
+from hetrain.runtime.launch import worker_pids
 from test_runtime import asymmetric_plan
 
 

@@ -4,10 +4,10 @@ import pytest
 from conftest import EXAMPLES
 from randomclusters import SMALL_MODEL, random_cluster, small_settings
 
-from hetrain.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
-from hetrain.plan import validate_plan
-from hetrain.specs import TrainingSettings, load_cluster, load_model
+from hetrain.plan.schema import validate_plan
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.assemble import allocate_microbatches
 from solver.planner import make_plan
 from solver.space import split_layers
@@ -143,7 +143,7 @@ def test_lp_ruling_out_agrees_with_the_milp(seed):
     """Whenever the LP relaxation says no plan covers the batch by T, HiGHS agrees."""
     from solver.bounds import CoverLp
     from solver.milp import TemplateMilp
-    from solver.planner import spaces
+    from solver.common import spaces
 
     cluster, settings = random_cluster(seed), small_settings(seed)
     cost = CostModel(cluster, SMALL_MODEL, settings)
@@ -170,7 +170,7 @@ def test_vectorised_helpers_match_their_references():
 
     from solver.assemble import allocate_microbatches
     from solver.milp import _TemplateArrays, simple_upper_bound_s
-    from solver.planner import spaces
+    from solver.common import spaces
     from solver.space import _dominates, _undominated
 
     rng = random.Random(3)

@@ -15,16 +15,16 @@ import torch.multiprocessing as mp
 
 from ckpt_helpers import TINY, metrics, plan, run
 from conftest import EXAMPLES, run_cli
-from hetrain.checkpoint import CheckpointConfig
-from hetrain.costmodel import CostModel
-from hetrain.data import TokenSource, prepare_tokens
+from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
+from hetrain.config import CheckpointConfig
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
-from hetrain.layout import build_layout
-from hetrain.model import GPT, lm_loss
-from hetrain.plan import Plan
-from hetrain.reassemble import Source, find_latest, reassemble
-from hetrain.schedule import LRSchedule
-from hetrain.specs import TrainingSettings, load_cluster
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.runtime.data import TokenSource, prepare_tokens
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.specs import TrainingSettings, load_cluster
 
 from test_runtime import asymmetric_plan
 

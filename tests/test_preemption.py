@@ -16,9 +16,10 @@ import pytest
 
 from ckpt_helpers import plan, run
 from conftest import ROOT
-from hetrain.checkpoint import CheckpointConfig, committed_steps
-from hetrain.fakecloud import FakeCloudMetadata
-from hetrain.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
+from hetrain.checkpoint.manifest import committed_steps
+from hetrain.config import CheckpointConfig
+from hetrain.recovery.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
+from hetrain.testing.fakecloud import FakeCloudMetadata
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_ranks_take_an_emergency_checkpoint_when_asked(tmp_path: Path):
 ], ids=["aws-list", "aws-no-time", "aws-bad-time", "aws-html", "azure-events-dict", "azure-event-str", "azure-list",
         "gcp-maybe"])
 def test_an_answer_that_cannot_be_read_counts_as_a_notice_with_the_shortest_deadline(fake, cloud, answer):
-    from hetrain.preemption import SHORTEST_NOTICE_S
+    from hetrain.recovery.preemption import SHORTEST_NOTICE_S
 
     source = {"aws": AwsSpot, "gcp": GcpPreempted, "azure": AzureScheduledEvents}[cloud](fake.url("n1"))
     assert source.poll() is None

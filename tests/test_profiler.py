@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from hetrain.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
-from hetrain.model import Block
-from hetrain.plan import PipelinePlan, Plan, StagePlan, validate_plan
-from hetrain.profile import load_profile
-from hetrain.profiler import gpus_from_cluster, profile_entry, profile_model, shard_block
-from hetrain.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, validate_plan
+from hetrain.profiling.profile import load_profile
+from hetrain.profiling.profiler import gpus_from_cluster, profile_entry, profile_model, shard_block
+from hetrain.runtime.model import Block
+from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 CLUSTER = load_cluster(EXAMPLES / "clusters" / "cpu-emulated.yaml")

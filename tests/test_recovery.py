@@ -20,13 +20,13 @@ import s3fs
 from moto.server import ThreadedMotoServer
 
 from ckpt_helpers import TINY, plan, run
-from hetrain.checkpoint import MANIFEST, CheckpointConfig, committed_steps, read_manifest, step_name
+from hetrain.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name
+from hetrain.checkpoint.peer import PeerServer
+from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
+from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.errors import HetrainError
-from hetrain.launch import free_port, write_config
-from hetrain.peer import PeerServer
-from hetrain.reassemble import Source, find_latest, reassemble
-from hetrain.recovery import recover
-from hetrain.runtime import RunConfig
+from hetrain.recovery.recover import recover
+from hetrain.runtime.launch import free_port, write_config
 from solver.planner import make_plan
 
 BUCKET = "hetrain-test"
@@ -300,7 +300,7 @@ def test_crafted_metadata_never_runs_and_recovery_takes_an_older_step(trained, s
     import os
     import pickle
 
-    from hetrain.reassemble import reassemble_newest
+    from hetrain.checkpoint.reassemble import reassemble_newest
 
     marker = tmp_path / "code-ran"
 
@@ -327,7 +327,7 @@ def test_crafted_metadata_never_runs_and_recovery_takes_an_older_step(trained, s
     report = reassemble_newest(peers, None, lambda s: str(tmp_path / "restore" / step_name(s)))
     assert report.step == 1 and not marker.exists()
     # the step-1 copy loads (through the same restricted reader the ranks use)
-    from hetrain.safe_metadata import load_metadata
+    from hetrain.checkpoint.safe_metadata import load_metadata
 
     load_metadata((tmp_path / "restore" / step_name(1) / ".metadata").read_bytes(), "restored")
     assert not marker.exists()
@@ -342,7 +342,7 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path: Path):
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-    from hetrain.safe_metadata import SafeLoadPlanner, UnsafeMetadata
+    from hetrain.checkpoint.safe_metadata import SafeLoadPlanner, UnsafeMetadata
 
     marker = tmp_path / "code-ran"
 
@@ -374,7 +374,7 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path: Path):
 
 
 def test_an_unreadable_newest_manifest_falls_back_to_the_step_before_and_says_why(trained, s3, tmp_path: Path):
-    from hetrain.reassemble import reassemble_newest
+    from hetrain.checkpoint.reassemble import reassemble_newest
 
     cfg = copy_run(trained, s3, tmp_path, "torn")
     for node in "abc":  # step 3's manifest damaged on every peer, and the bucket's too
@@ -389,7 +389,7 @@ def test_an_unreadable_newest_manifest_falls_back_to_the_step_before_and_says_wh
 
 
 def test_a_wrong_peer_token_is_named_as_the_reason(trained, monkeypatch):
-    from hetrain.reassemble import committed_by_source
+    from hetrain.checkpoint.reassemble import committed_by_source
 
     base, cfg = trained
     with PeerServer(cfg.node_root("a"), token="s3cret") as peer:
@@ -420,7 +420,7 @@ def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path,
 
 def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s3, tmp_path: Path):
     from conftest import run_cli
-    from hetrain.checkpoint import prune
+    from hetrain.checkpoint.manifest import prune
 
     cfg = copy_run(trained, s3, tmp_path, "foreign")  # steps 1 and 3 of run 'run'
     SAVE.write(tmp_path / "plan.json")

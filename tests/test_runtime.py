@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from conftest import EXAMPLES, ROOT, run_cli
-from hetrain.data import TokenSource
-from hetrain.launch import free_port, worker_pids
-from hetrain.layout import build_layout
-from hetrain.model import GPT, lm_loss
-from hetrain.plan import Plan
-from hetrain.schedule import LRSchedule
-from hetrain.specs import load_model
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.runtime.data import TokenSource
+from hetrain.runtime.launch import free_port, worker_pids
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.specs import load_model
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3
@@ -140,7 +140,7 @@ def test_world_size_must_match_the_plan(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"plan": str(tmp_path / "plan.json"), "steps": 1}))
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                        "--main_process_port", str(free_port()), "-m", "hetrain.worker",
+                        "--main_process_port", str(free_port()), "-m", "hetrain.runtime.worker",
                         str(tmp_path / "config.json")], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert "the plan uses 3 devices, one process each, but 2 processes were launched" in r.stderr

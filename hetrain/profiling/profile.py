@@ -30,8 +30,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError
 
 from hetrain.errors import HetrainError
-from hetrain.files import read_text
-from hetrain.specs import ModelSpec, describe_validation_error
+from hetrain.files import read_versioned_json
+from hetrain.spec.specs import ModelSpec, describe_validation_error
 
 PROFILE_SCHEMA = "hetrain.profile/v1"
 
@@ -77,12 +77,7 @@ class Profile(BaseModel):
 
 def load_profile(path: str | Path) -> Profile:
     p = Path(path)
-    try:
-        data = json.loads(read_text(p))
-    except json.JSONDecodeError as e:
-        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
-    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
-        raise HetrainError(f"{p}: schema: expected '{PROFILE_SCHEMA}', got {data.get('schema') if isinstance(data, dict) else data!r}")
+    data = read_versioned_json(p, PROFILE_SCHEMA)
     data = {k: v for k, v in data.items() if k != "schema"}
     try:
         return Profile.model_validate(data)

@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from hetrain.errors import HetrainError
+from hetrain.spec.specs import GB
 
-GB = 1e9
 
 
 class DeviceOutOfMemory(HetrainError):

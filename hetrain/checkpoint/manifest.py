@@ -37,46 +37,16 @@ from typing import Any, Literal
 
 import fsspec
 from fsspec.core import url_to_fs
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
 
 from hetrain.errors import HetrainError
-from hetrain.plan import Plan
-from hetrain.specs import ModelSpec
+from hetrain.plan.schema import Plan
+from hetrain.spec.specs import ModelSpec
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
 CHECKPOINT_SCHEMA = "hetrain.checkpoint/v1"
 _STEP_PREFIX = "step-"
-
-
-class CheckpointConfig(BaseModel):
-    """Where and how often a run checkpoints (part of the run config every rank reads)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
-    every_steps: PositiveInt = 50
-    save_at_end: bool = True  # also checkpoint after the run's last step
-    replicate: bool = False  # each node also keeps a copy of the previous node's shards (ring order)
-    replicate_timeout_s: float = 30.0
-    keep: PositiveInt = 2
-    remote_url: str | None = None  # e.g. s3://bucket/runs/x; uploaded in the background
-    remote_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options, e.g. {"endpoint_url": ...}
-    upload_retries: NonNegativeInt = 5
-    upload_timeout_s: float = 600.0  # how long the manifest upload waits for every node's files
-    peers: dict[str, str] = Field(default_factory=dict)  # node -> URL its checkpoint root is served at
-
-    @staticmethod
-    def endpoint_options(endpoint_url: str | None) -> dict[str, Any]:
-        """fsspec options for an S3-compatible endpoint (MinIO, R2, moto); none for AWS itself."""
-        return {"endpoint_url": endpoint_url} if endpoint_url else {}
-
-    def node_root(self, node: str) -> str:
-        return self.local_dir.replace("{node}", node).rstrip("/")
-
-    def peer_url(self, node: str) -> str:
-        """Where other nodes read this node's checkpoints: its peer server, else its root."""
-        return self.peers.get(node, self.node_root(node)).rstrip("/")
 
 
 # What a step directory may hold: DCP's index and its shards (``__<rank>_<n>.distcp``), nothing

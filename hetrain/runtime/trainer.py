@@ -1,13 +1,10 @@
-"""Run one rank of a plan: build its stage, apply TP, pipeline it, sync gradients, step.
+"""One rank of a plan: build its stage, parallelize it, pipeline it, train it (torchtitan's split).
 
-The pieces follow torchtitan's split: ``GPT`` (hetrain.model) is plain; ``parallelize_stage``
-applies tensor parallelism to it; ``Trainer`` owns the loop. What is specific to
-heterogeneous plans is ``sync_gradients``: each pipeline holds the whole model, cut at
-different places, so each gradient bucket is all-reduced among exactly the ranks (one per
-pipeline, same TP rank) that hold those layers. The loss of every micro-batch is scaled by
-``micro_batch_size / global_batch_size`` and pipelines never rescale, so after the SUM
-all-reduce each gradient is the gradient of the mean loss over the whole global batch, as on
-one device, however the batch was split.
+``run`` is what every training process runs (``hetrain.runtime.worker``): it joins the process
+group, finds its role in the plan, and hands a ``Trainer`` the plain model (``runtime.model``)
+to parallelize (``runtime.parallelize``), put under the plan's precision
+(``runtime.precision``) and pipeline with one 1F1B schedule per plan pipeline. The trainer
+owns its loop; its checkpointer decides when to save.
 """
 
 from __future__ import annotations
@@ -18,108 +15,26 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hetrain.checkpoint import CheckpointConfig
-from hetrain.checkpointer import Checkpointer, load_training_state
-from hetrain.data import PipelineSampler, TokenSource, pipeline_slices
+from hetrain.checkpoint.save import Checkpointer, load_training_state
+from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
-from hetrain.instrument import AllocationTracker, StageMeter
-from hetrain.layout import Layout, Role, SyncBucket, build_layout
-from hetrain.model import GPT, lm_loss
-from hetrain.plan import Plan, load_plan
-from hetrain.precision import GRAD_REDUCE_DTYPE, LossScaler, Precision, apply_mixed_precision
-from hetrain.schedule import DEFAULT_LR, LRSchedule
-from hetrain.specs import EmulateSpec, load_cluster
-
-
-class RunConfig(BaseModel):
-    """What every rank of one training run reads (written by ``hetrain train``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    plan: str
-    cluster: str | None = None  # for emulated nodes; optional on real GPUs
-    steps: PositiveInt = 100
-    start_step: int = 0
-    data: str | None = None
-    seed: int = 0
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: PositiveFloat = DEFAULT_LR  # peak of the schedule
-    lr_min: NonNegativeFloat | None = None  # None: 10 % of lr
-    warmup_steps: NonNegativeInt | None = None  # None: min(200, 10 % of steps)
-    decay_steps: PositiveInt | None = None  # None: the steps after warmup
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    activation_recompute: bool | None = None  # None: what the plan's training settings say
-    precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
-    compile: bool = False  # torch.compile each block (GPU only)
-    trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
-    metrics: str | None = None
-    dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
-    threads_per_rank: PositiveInt = 1
-    run_id: str = "run"
-    checkpoint: CheckpointConfig | None = None
-    resume_from: str | None = None  # fsspec URL of a complete checkpoint step directory; start_step follows it
-    resume_options: dict = {}  # fsspec options for resume_from
-    request_file: str | None = None  # when this file appears (preemption notice), checkpoint at the next step
-    backup_status_file: str | None = None  # rank 0 writes what reached the remote store here when the run ends
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunConfig:
-        from pydantic import ValidationError
-
-        from hetrain.files import read_text
-        from hetrain.specs import describe_validation_error
-
-        try:
-            return cls.model_validate_json(read_text(path))
-        except ValidationError as e:
-            raise HetrainError(describe_validation_error(str(path), e)) from None
-
-    def lr_schedule(self) -> LRSchedule:
-        """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
-        return LRSchedule.for_run(self.steps, self.lr, self.lr_min, self.warmup_steps, self.decay_steps)
-
-    def resolved_precision(self, plan: Plan, device_type: str) -> Precision:
-        if self.precision is not None:
-            return self.precision
-        if plan.training is not None:
-            return plan.training.precision
-        return "bf16" if device_type == "cuda" else "fp32"
-
-
-TP_PLAN = {
-    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-    "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(),
-}
-
-
-def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP per block: column-wise into attention heads and the MLP, row-wise out."""
-    for block in stage.layers.values():
-        parallelize_module(block, tp_mesh, TP_PLAN)
-
-
-def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
-    names = []
-    if bucket.embedding and stage.tok_embedding is not None:
-        names += ["tok_embedding", "pos_embedding"]
-    lo, hi = bucket.layers
-    names += [f"layers.{i}" for i in range(lo, hi) if str(i) in stage.layers]
-    if bucket.head and stage.head is not None:
-        names += ["norm", "head"]
-    return [p for n in names for p in stage.get_submodule(n).parameters()]
+from hetrain.plan.layout import Layout, Role, build_layout
+from hetrain.plan.schema import Plan, load_plan
+from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
+from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
+from hetrain.runtime.instrument import AllocationTracker, StageMeter
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.parallelize import bucket_params, local_tensor, parallelize_stage, sync_gradients
+from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
+from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.specs import EmulateSpec, load_cluster
 
 
 # The last stage would otherwise keep every micro-batch's logits until the step ends, to return
@@ -127,12 +42,8 @@ def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 class Trainer:
-    def __init__(self, config: RunConfig, plan: Plan, layout: Layout, role: Role, groups: dict,
+    def __init__(self, config: RunConfig, plan: Plan, layout: Layout, role: Role, groups: ProcessGroups,
                  emulate: EmulateSpec | None, device: torch.device) -> None:
         self.config, self.plan, self.layout, self.role, self.device = config, plan, layout, role, device
         settings = plan.settings()
@@ -144,7 +55,7 @@ class Trainer:
         model.to(device)
         # torchtitan's order: tensor parallelism, then precision, then compile each block.
         if plan.tp > 1:
-            parallelize_stage(model, DeviceMesh.from_group(groups["tp"], device.type))
+            parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
@@ -173,7 +84,7 @@ class Trainer:
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
-            local = [_local(p) for p in model.parameters()]
+            local = [local_tensor(p) for p in model.parameters()]
             self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
@@ -190,14 +101,14 @@ class Trainer:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
                                              self.optimizer, config.optimizer, train_state=self.train_state)
 
-        stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups["pp"])
+        stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups.pp)
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
         self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
         self.sampler = PipelineSampler(source, plan.global_batch_size, offset, count)
-        self.buckets = [(groups["sync"][b.ranks], bucket_params(model, b))
+        self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
         # Replicated parameters (norms, embeddings, head) are counted once per TP group in the norm.
@@ -242,7 +153,7 @@ class Trainer:
         else:
             self.schedule.step(**kw)
         compute_done = time.perf_counter()
-        self.sync_gradients()
+        sync_gradients(self.buckets, self.reduce_dtype)
         synced = time.perf_counter()
 
         # One world all-reduce per step carries the squared gradient norm (pipeline 0
@@ -254,7 +165,7 @@ class Trainer:
         if self.config.request_file and os.path.exists(self.config.request_file):
             totals[-1] = 1.0
         if role.pipeline == 0:
-            grads = [_local(p.grad) for p in self.norm_params if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
                 totals[0] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if role.is_last and role.tp_rank == 0:
@@ -273,7 +184,7 @@ class Trainer:
             if self.config.max_grad_norm is not None:
                 coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
             if coef != 1.0:
-                grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+                grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
                 torch._foreach_mul_(grads, coef)
             if self.config.dump_dir and step == self.config.start_step:
                 self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
@@ -297,22 +208,47 @@ class Trainer:
                 record["skipped"] = True  # fp16 overflow: no update, the scale halves
         return record
 
-    @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket."""
-        for group, params in self.buckets:
-            grads = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(_local(p.grad))
-            flat = _flatten_dense_tensors(grads)
-            wire = flat.to(self.reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
-            dist.all_reduce(wire, group=group)
-            if wire is not flat:
-                flat.copy_(wire)
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+    # -- the loop
+    def train(self) -> None:
+        """Steps ``start_step`` to ``steps``: checkpoint when the checkpointer says so, one metrics line per step."""
+        config = self.config
+        plan = self.plan
+        tokens_per_step = plan.global_batch_size * plan.model.seq_length
+        metrics = open(config.metrics, "a") if config.metrics and dist.get_rank() == 0 else None
+        try:
+            for step in range(config.start_step, config.steps):
+                record = self.train_step(step)
+                requested = record.pop("checkpoint_requested")
+                ckpt = self.checkpointer
+                if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
+                    saved = time.perf_counter()
+                    ckpt.save(step)
+                    record["checkpoint_s"] = time.perf_counter() - saved
+                    if config.request_file and ckpt.node_leader:
+                        with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
+                            os.replace(config.request_file, config.request_file + f".done-{step}")
+                if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
+                    failures = ckpt.uploader.new_failures()
+                    if failures:
+                        record["backup_failed"] = failures
+                if step == config.start_step and self.load_s is not None:
+                    record["resume_load_s"] = self.load_s  # rank 0's; all ranks load at once
+                    if self.restored_schedule is not None:  # the checkpoint's schedule, not the options'
+                        record["lr_schedule"] = self.restored_schedule.model_dump()
+                if metrics is not None:
+                    record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+                    record["time"] = time.time()
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+        finally:
+            if metrics is not None:
+                metrics.close()
+            if self.checkpointer is not None:
+                status = self.checkpointer.close()
+                if status is not None and config.backup_status_file:
+                    from hetrain.files import write_text_atomic
+
+                    write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")
 
     def _dump(self, what: str, tensors: dict[str, torch.Tensor | None]) -> None:
         full = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
@@ -337,45 +273,6 @@ class Trainer:
 # --------------------------------------------------------------------------- process setup
 
 
-def _layout_rank(layout: Layout) -> int:
-    """This process's rank in the plan: from HETRAIN_NODE + LOCAL_RANK on multi-node launches."""
-    node = os.environ.get("HETRAIN_NODE")
-    if not node:
-        return int(os.environ.get("RANK", 0))
-    if node not in layout.nodes:
-        raise HetrainError(f"HETRAIN_NODE={node} is not a node of the plan (plan nodes: {', '.join(layout.nodes)})")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if local >= len(layout.nodes[node]):
-        raise HetrainError(
-            f"node {node} started {local + 1}+ processes but the plan uses {len(layout.nodes[node])} of its devices"
-        )
-    return layout.nodes[node][local]
-
-
-def _make_groups(layout: Layout, to_dist: list[int], layout_rank: int) -> dict:
-    """Create every group on every rank in the same order; keep this rank's."""
-
-    def new(ranks: tuple[int, ...]):
-        return dist.new_group([to_dist[r] for r in ranks])
-
-    role = layout.roles[layout_rank]
-    groups: dict = {"sync": {}}
-    for ranks in layout.tp_groups:
-        g = new(ranks)
-        if layout_rank in ranks:
-            groups["tp"] = g
-    for ranks in layout.pp_groups:
-        g = new(ranks)
-        if layout_rank in ranks:
-            groups["pp"] = g
-    for ranks in layout.sync_groups():
-        g = new(ranks)
-        if layout_rank in ranks:
-            groups["sync"][ranks] = g
-    assert role.rank == layout_rank
-    return groups
-
-
 def run(config: RunConfig) -> None:
     plan = load_plan(config.plan)
     layout = build_layout(plan)
@@ -385,7 +282,7 @@ def run(config: RunConfig) -> None:
             f"{config.plan}: the plan uses {layout.world_size} devices, one process each, "
             f"but {world} processes were launched"
         )
-    if plan.model.hidden_size % plan.tp or plan.model.num_heads % plan.tp:
+    if not plan.model.tp_divides(plan.tp):
         raise HetrainError(f"{config.plan}: tp {plan.tp} must divide hidden_size {plan.model.hidden_size} "
                            f"and num_heads {plan.model.num_heads}")
     emulate = None
@@ -397,7 +294,7 @@ def run(config: RunConfig) -> None:
     os.environ.setdefault("RANK", "0")
     dist.init_process_group("nccl" if use_cuda else "gloo", world_size=world)
     try:
-        my_layout_rank = _layout_rank(layout)
+        my_layout_rank = layout_rank(layout)
         claimed = [None] * world
         dist.all_gather_object(claimed, my_layout_rank)
         if sorted(claimed) != list(range(world)):
@@ -416,52 +313,11 @@ def run(config: RunConfig) -> None:
         else:
             device = torch.device("cpu")
             torch.set_num_threads(config.threads_per_rank)
-        groups = _make_groups(layout, to_dist, my_layout_rank)
+        groups = make_groups(layout, to_dist, my_layout_rank)
         trainer = Trainer(config, plan, layout, role, groups, emulate, device)
-        _loop(trainer, config)
+        trainer.train()
         trainer.dump_params()
         dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _loop(trainer: Trainer, config: RunConfig) -> None:
-    plan = trainer.plan
-    tokens_per_step = plan.global_batch_size * plan.model.seq_length
-    metrics = open(config.metrics, "a") if config.metrics and dist.get_rank() == 0 else None
-    try:
-        for step in range(config.start_step, config.steps):
-            record = trainer.train_step(step)
-            requested = record.pop("checkpoint_requested")
-            ckpt = trainer.checkpointer
-            if ckpt is not None and (requested or (step + 1) % ckpt.config.every_steps == 0
-                                     or (step + 1 == config.steps and ckpt.config.save_at_end)):
-                saved = time.perf_counter()
-                ckpt.save(step)
-                record["checkpoint_s"] = time.perf_counter() - saved
-                if config.request_file and ckpt.node_leader:
-                    with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
-                        os.replace(config.request_file, config.request_file + f".done-{step}")
-            if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
-                failures = ckpt.uploader.new_failures()
-                if failures:
-                    record["backup_failed"] = failures
-            if step == config.start_step and trainer.load_s is not None:
-                record["resume_load_s"] = trainer.load_s  # rank 0's; all ranks load at once
-                if trainer.restored_schedule is not None:  # the checkpoint's schedule, not the options'
-                    record["lr_schedule"] = trainer.restored_schedule.model_dump()
-            if metrics is not None:
-                record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
-                record["time"] = time.time()
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-    finally:
-        if metrics is not None:
-            metrics.close()
-        if trainer.checkpointer is not None:
-            status = trainer.checkpointer.close()
-            if status is not None and config.backup_status_file:
-                from hetrain.files import write_text_atomic
-
-                write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
-from hetrain.layout import Layout
-from hetrain.runtime import RunConfig
+from hetrain.plan.layout import Layout
 
-WORKER = ["-m", "hetrain.worker"]
+WORKER = ["-m", "hetrain.runtime.worker"]
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,16 @@ later (scheduled retraining) from its newest committed checkpoint, whatever plan
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetrain.checkpoint import CheckpointConfig, committed_steps, restore_dir
+from hetrain.checkpoint.manifest import committed_steps, restore_dir
+from hetrain.checkpoint.reassemble import NoCheckpoint, reassemble_newest
+from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
-from hetrain.plan import Plan
-from hetrain.reassemble import NoCheckpoint, reassemble_newest
-from hetrain.runtime import RunConfig
-
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+from hetrain.plan.schema import Plan
 
 
 def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
@@ -28,54 +25,18 @@ def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
     return Path(runs_root).resolve() / run_id
 
 
-def existing_run(runs_root: str | Path, run_id: str) -> tuple[Path, RunConfig]:
-    run_dir = run_dir_of(runs_root, run_id)
+def load_run(run_dir: Path, missing: str | None = None) -> RunConfig:
+    """The config of the run in ``run_dir``; ``missing`` is the message when it has none."""
     path = run_dir / "config.json"
     if not path.is_file():
-        raise HetrainError(f"unknown run '{run_id}': {path} does not exist")
-    return run_dir, RunConfig.load(path)
+        raise HetrainError(missing or f"--run {run_dir}: no config.json there (is it the run directory of "
+                                      f"hetrain train?)")
+    return RunConfig.load(path)
 
 
-BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
-DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
-DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
-
-
-def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str | None = None,
-                     cluster: Path | None = None, data: Path | None = None, metrics: Path | None = None,
-                     checkpoints: bool = True, checkpoint_dir: str | None = None,
-                     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
-                     remote: str | None = None, remote_endpoint: str | None = None,
-                     peers: dict[str, str] | None = None, **training) -> RunConfig:
-    """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
-
-    Checkpoints go to ``checkpoint_dir`` (``{node}`` becomes each node's name; a path or fsspec
-    URL), by default ``RUN_DIR/checkpoints/{node}``. ``training`` holds ``RunConfig``'s own
-    fields (lr and schedule, precision, optimizer, seed...), whose defaults are ``RunConfig``'s.
-    A bad value is one HetrainError line naming the field.
-    """
-    from pydantic import ValidationError
-
-    from hetrain.specs import describe_validation_error
-
-    run_dir = run_dir.resolve()
-    try:
-        ckpt = None
-        if checkpoints or checkpoint_dir or remote:
-            if checkpoint_dir is None:
-                checkpoint_dir = str(run_dir / "checkpoints" / "{node}")
-            elif "://" not in checkpoint_dir:
-                checkpoint_dir = str(Path(checkpoint_dir).resolve())
-            ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
-                                    remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
-                                    peers=peers or {})
-        return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
-                         steps=steps, data=str(Path(data).resolve()) if data else None,
-                         metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,
-                         checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"),
-                         backup_status_file=str(run_dir / BACKUP_STATUS) if remote else None, **training)
-    except ValidationError as e:
-        raise HetrainError(describe_validation_error("options", e)) from None
+def existing_run(runs_root: str | Path, run_id: str) -> tuple[Path, RunConfig]:
+    run_dir = run_dir_of(runs_root, run_id)
+    return run_dir, load_run(run_dir, f"unknown run '{run_id}': {run_dir / 'config.json'} does not exist")
 
 
 EXIT_NOT_BACKED_UP = 3  # `hetrain train`: trained and checkpointed locally, but the remote store lacks the newest
@@ -135,7 +96,7 @@ def check_run_paths(run_dir: Path, config: RunConfig, nodes: list[str]) -> None:
 
 def other_runs_steps(root_url: str, run_id: str, storage_options: dict | None = None) -> list[tuple[int, str]]:
     """(step, run id) of committed steps under ``root_url`` whose manifest names another run."""
-    from hetrain.checkpoint import read_manifest
+    from hetrain.checkpoint.manifest import read_manifest
 
     found = []
     for step in committed_steps(root_url, storage_options):
@@ -162,8 +123,8 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
     if previous.is_file():
         before = RunConfig.load(previous)
         if before.checkpoint is not None:
-            from hetrain.plan import load_plan
-            from hetrain.recovery import sources_for
+            from hetrain.plan.schema import load_plan
+            from hetrain.recovery.recover import sources_for
 
             peers, remote = sources_for(before, load_plan(before.plan), [])
             try:

@@ -7,7 +7,7 @@ passed in (``solver`` depends on ``hetrain``, never the reverse). Steps, each ti
    the lost nodes, same model and training settings;
 2. *fetch*: the newest committed checkpoint, peers first (every surviving node of the old
    plan, at its peer URL), the remote store for whatever they lack or serve damaged
-   (``hetrain.reassemble``), into ``RUN/restore/step-N``;
+   (``hetrain.checkpoint.reassemble``), into ``RUN/restore/step-N``;
 3. *launch* the new plan from ``step + 1`` (DCP reshards while loading): the first metric
    record gives the load and first-step seconds.
 """
@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetrain.checkpoint import restore_dir
+from hetrain.checkpoint.manifest import restore_dir
+from hetrain.checkpoint.reassemble import FetchReport, Source, reassemble_newest
+from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
-from hetrain.plan import Plan, load_plan, validate_plan
-from hetrain.reassemble import FetchReport, Source, reassemble_newest
-from hetrain.runtime import RunConfig
-from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
+from hetrain.plan.schema import Plan, load_plan, validate_plan
+from hetrain.recovery.runs import load_run
+from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
 
 Planner = Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]
 
@@ -45,13 +46,6 @@ class RecoveryResult:
         for f in self.fetch.files:
             out["remote" if f.source == "remote" else "peers"] += f.size
         return out
-
-
-def load_run(run_dir: Path) -> RunConfig:
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise HetrainError(f"--run {run_dir}: no config.json there (is it the run directory of hetrain train?)")
-    return RunConfig.load(path)
 
 
 def surviving_cluster(cluster: ClusterSpec, lost_nodes: list[str], source: str) -> ClusterSpec:
@@ -84,8 +78,8 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
 
     ``use_peers=False`` reads everything from the remote store (the spot baseline AutoHet compares with).
     """
-    from hetrain.launch import launch, wait_for_workers_to_exit, write_config
-    from hetrain.layout import build_layout
+    from hetrain.plan.layout import build_layout
+    from hetrain.runtime.launch import launch, wait_for_workers_to_exit, write_config
 
     run_dir = run_dir.resolve()
     config = load_run(run_dir)

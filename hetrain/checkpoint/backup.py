@@ -22,9 +22,10 @@ from typing import TypeVar
 
 from fsspec.core import url_to_fs
 
-from hetrain.checkpoint import MANIFEST, METADATA, CheckpointConfig, join, parse_manifest, prune, step_name
+from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest, prune, step_name
+from hetrain.config import CheckpointConfig
 
-log = logging.getLogger("hetrain.backup")
+log = logging.getLogger("hetrain.checkpoint.backup")
 T = TypeVar("T")
 
 

@@ -23,14 +23,14 @@ from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hetrain.backup import Uploader
-from hetrain.checkpoint import (MANIFEST, METADATA, CheckpointConfig, FileEntry, build_manifest, join, prune,
-                                sha256_bytes, sha256_file, step_name, write_atomic)
+from hetrain.checkpoint.backup import Uploader
+from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, build_manifest, join, prune, sha256_bytes, sha256_file, step_name, write_atomic)
+from hetrain.checkpoint.reassemble import Source, copy_verified
+from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
+from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
-from hetrain.layout import Layout, Role
-from hetrain.plan import Plan
-from hetrain.reassemble import Source, copy_verified
-from hetrain.safe_metadata import SafeFsspecReader, SafeLoadPlanner
+from hetrain.plan.layout import Layout, Role
+from hetrain.plan.schema import Plan
 
 log = logging.getLogger("hetrain.checkpoint")
 # Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
@@ -96,6 +96,11 @@ class Checkpointer:
         self.uploader = None
         if config.remote_url and self.node_leader:
             self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0, run_id=run_id)
+
+    def due(self, step: int, requested: bool, last_step: int) -> bool:
+        """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
+        return (requested or (step + 1) % self.config.every_steps == 0
+                or (step == last_step and self.config.save_at_end))
 
     def save(self, step: int) -> None:
         """Collective: write this rank's shard, commit with a manifest on every node, prune, upload."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import fsspec
 from fsspec.core import url_to_fs
 
-from hetrain.checkpoint import MANIFEST, METADATA, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name
+from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name)
 from hetrain.errors import HetrainError
-from hetrain.specs import ModelSpec
+from hetrain.spec.specs import ModelSpec
 
 CHUNK_BYTES = 8 << 20
 PEER_TOKEN_ENV = "HETRAIN_PEER_TOKEN"
@@ -222,7 +222,7 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
         raise ValueError(f"checksum mismatch (got {size} bytes, sha256 {digest.hexdigest()[:12]}..., "
                          f"manifest says {entry.size} bytes, {entry.sha256[:12]}...)")
     if entry.path == METADATA:  # the manifest vouching for it came from the same source: check what it is
-        from hetrain.safe_metadata import load_metadata
+        from hetrain.checkpoint.safe_metadata import load_metadata
 
         try:
             load_metadata(dest_fs.cat_file(tmp), f"{src.name}: {entry.path} of step {step}")

@@ -1,4 +1,4 @@
-"""Entry point of every training process: ``python -m hetrain.worker RUN_DIR/config.json``.
+"""Entry point of every training process: ``python -m hetrain.runtime.worker RUN_DIR/config.json``.
 
 ``hetrain train`` starts it through ``accelerate launch`` (or ``torchrun`` for nodes with
 different device counts). Errors a user can fix print one line and exit 2; the launcher then
@@ -13,15 +13,16 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
-from hetrain.runtime import RunConfig, run
-from hetrain.specs import describe_validation_error
+from hetrain.runtime.trainer import run
+from hetrain.spec.specs import describe_validation_error
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m hetrain.worker RUN_CONFIG.json", file=sys.stderr)
+        print("usage: python -m hetrain.runtime.worker RUN_CONFIG.json", file=sys.stderr)
         sys.exit(2)
     rank = os.environ.get("RANK", "0")
     pids = Path(args[0]).resolve().parent / "pids"  # lets the launcher make sure no worker outlives it

@@ -25,11 +25,12 @@ from pydantic import (
     model_validator,
 )
 
-from hetrain.catalog import CATALOG, GPUType
 from hetrain.errors import HetrainError
 from hetrain.files import read_text
+from hetrain.spec.catalog import CATALOG, GPUType
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+GB = 1e9  # every *_gb in hetrain is decimal gigabytes, as GPU datasheets count them
 
 # Sizes no one can mean. Beyond them a typo (an extra zero, a count of bytes for GPUs) would not
 # fail but hang: the planner would enumerate billions of devices, a run would allocate a
@@ -202,6 +203,10 @@ class ModelSpec(_Spec):
                 "num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}"
             )
         return self
+
+    def tp_divides(self, tp: int) -> bool:
+        """Whether ``tp`` ranks can split this model's heads and hidden size evenly (what TP needs)."""
+        return tp >= 1 and self.hidden_size % tp == 0 and self.num_heads % tp == 0
 
     @property
     def ffn_size(self) -> int:

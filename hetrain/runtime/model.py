@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetrain.specs import ModelSpec
+from hetrain.spec.specs import ModelSpec
 
 INIT_STD = 0.02
 

@@ -14,9 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, ValidationError
 
 from hetrain.errors import HetrainError
-from hetrain.files import read_text, write_text_atomic
-from hetrain.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, TrainingSettings,
-                           describe_validation_error)
+from hetrain.files import read_versioned_json, write_text_atomic
+from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, TrainingSettings, describe_validation_error)
 
 PLAN_SCHEMA = "hetrain.plan/v1"
 
@@ -89,13 +88,7 @@ class Plan(BaseModel):
 
 def load_plan(path: str | Path) -> Plan:
     p = Path(path)
-    try:
-        data = json.loads(read_text(p))
-    except json.JSONDecodeError as e:
-        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
-    if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise HetrainError(f"{p}: schema: expected '{PLAN_SCHEMA}', got {got!r}")
+    data = read_versioned_json(p, PLAN_SCHEMA)
     try:
         return Plan.model_validate(data)
     except ValidationError as e:
@@ -110,7 +103,7 @@ def validate_plan_structure(plan: Plan) -> None:
     batch's sequences and scale the loss wrongly).
     """
     model, t = plan.model, plan.tp
-    if model.hidden_size % t or model.num_heads % t:
+    if not model.tp_divides(t):
         raise HetrainError(
             f"tp {t} must divide hidden_size {model.hidden_size} and num_heads {model.num_heads} of {model.name}"
         )

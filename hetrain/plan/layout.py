@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetrain.plan import Plan
+from hetrain.plan.schema import Plan
 
 
 @dataclass(frozen=True)

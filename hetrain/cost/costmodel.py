@@ -49,7 +49,7 @@ Iteration time
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
-run under autocast over fp32 parameters, see hetrain.precision):
+run under autocast over fp32 parameters, see hetrain.runtime.precision):
     states = bytes_per_param * (P_blocks / t + P_embed + P_head)   (TP splits only the blocks)
     activations per block per micro-batch (``block_activation_bytes``): the fp32 LayerNorm
         inputs and the projection inputs whole, q/k/v, attention output and MLP hidden split
@@ -69,13 +69,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetrain.catalog import GPUType
 from hetrain.errors import HetrainError
-from hetrain.plan import Plan
-from hetrain.profile import Profile
-from hetrain.specs import ClusterSpec, ModelSpec, TrainingSettings
+from hetrain.plan.schema import Plan
+from hetrain.profiling.profile import Profile
+from hetrain.spec.catalog import GPUType
+from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
-GB = 1e9
 
 
 def block_params(model: ModelSpec) -> int:
@@ -110,7 +109,7 @@ def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> fl
     return mult * model.num_layers * block_forward_flops(model, 1) + 3 * head_forward_flops(model, 1)
 
 
-RESIDUAL_BYTES = 4  # the residual stream stays fp32 under autocast (hetrain.precision)
+RESIDUAL_BYTES = 4  # the residual stream stays fp32 under autocast (hetrain.runtime.precision)
 FOREACH_TEMP_RATIO = 0.5  # foreach AdamW's temporaries: about two fp32 copies of the parameters = half of 16 B/param
 
 
@@ -307,7 +306,7 @@ class CostModel:
 
     @property
     def grad_wire_bytes(self) -> int:
-        """Bytes per gradient element in the data-parallel all-reduce (``hetrain.precision``)."""
+        """Bytes per gradient element in the data-parallel all-reduce (``hetrain.runtime.precision``)."""
         return 2 if self.settings.grad_reduce == "bf16" else 4
 
     def p2p_bytes(self, micro_batch_size: int) -> float:
@@ -335,7 +334,7 @@ class CostModel:
     # ------------------------------------------------------------------ whole plans
 
     def estimate(self, plan: Plan) -> Estimate:
-        """Predict a structurally valid plan (see ``hetrain.plan.validate_plan``)."""
+        """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
         node_of = {d.name: d.node for d in cl.devices}
         pipes: list[PipelineEstimate] = []

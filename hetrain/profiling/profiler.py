@@ -9,20 +9,20 @@ What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro
   head and ``lm_loss``), forward and backward;
 * ``block_activation_bytes``: bytes one block keeps saved for backward for one micro-batch,
   counted with ``saved_tensors_hooks`` and de-duplicated by storage (parameters excluded), as
-  ``hetrain.instrument.StageMeter`` counts them at run time. With recompute that is just the
+  ``hetrain.runtime.instrument.StageMeter`` counts them at run time. With recompute that is just the
   block input (the checkpoint keeps it to recompute from); without, every tensor autograd saves.
 
 On a GPU: the mean wall-clock time (``time.perf_counter``) of ``repeats`` runs issued back to
 back after ``warmup`` runs, synchronised only around the batch, as a training step overlaps
 kernel launches with the GPU's work. On CPU: the median of ``repeats`` runs of the CPU
 seconds of the profiling thread (``time.thread_time``), which is what an emulated CPU device
-is charged for (``hetrain.instrument``) and, unlike wall time, does not count the
+is charged for (``hetrain.runtime.instrument``) and, unlike wall time, does not count the
 moments other processes of this shared machine held the core.
 
 Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank computes, on this
 single device, with NO communication: a block whose attention has ``num_heads / tp`` heads
 (``hidden_size / tp`` wide q/k/v, the output projection reading ``hidden_size / tp``) and
-whose MLP is ``ffn_size / tp`` wide, the column/row split ``hetrain.runtime.parallelize_stage``
+whose MLP is ``ffn_size / tp`` wide, the column/row split ``hetrain.runtime.parallelize.parallelize_stage``
 applies. The all-reduces are added by the cost model from the cluster's links. The runtime
 does not shard the embedding or the head (every TP rank runs them whole), so they are
 measured whole for every ``tp``.
@@ -50,9 +50,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
-from hetrain.model import INIT_STD, Block, lm_loss
-from hetrain.profile import Profile, ProfileEntry
-from hetrain.specs import ClusterSpec, ModelSpec
+from hetrain.profiling.profile import Profile, ProfileEntry
+from hetrain.runtime.model import INIT_STD, Block, lm_loss
+from hetrain.spec.specs import ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -63,7 +63,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 def tp_valid(spec: ModelSpec, tp: int) -> bool:
     """Whether the runtime can split this model ``tp`` ways (tp divides hidden_size and num_heads)."""
-    return tp >= 1 and spec.hidden_size % tp == 0 and spec.num_heads % tp == 0
+    return spec.tp_divides(tp)
 
 
 def shard_block(spec: ModelSpec, tp: int) -> Block:
@@ -346,7 +346,7 @@ def profiling_bytes(spec: ModelSpec, b: int) -> float:
     keeps one more copy), and one unsharded block's weights, gradients and saved activations.
     """
     s, h, V = spec.seq_length, spec.hidden_size, spec.vocab_size
-    from hetrain.costmodel import block_params
+    from hetrain.cost.costmodel import block_params
 
     head = 4.0 * (2 * V * h + 2 * b * s * h + 3 * b * s * V)
     block = 4.0 * (2 * block_params(spec) + b * s * (6 * h + 2 * spec.ffn_size))

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from hetrain.checkpoint import CHECKPOINT_FILE
+from hetrain.checkpoint.manifest import CHECKPOINT_FILE
 from hetrain.errors import HetrainError
 
 _DCP_TYPES = {

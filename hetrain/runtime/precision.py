@@ -30,18 +30,18 @@ skipped by every rank together and halves the scale.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from torch import nn
 
-Precision = Literal["bf16", "fp16", "fp32"]
+from hetrain.config import Precision
+
 COMPUTE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GRAD_REDUCE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def apply_mixed_precision(stage: nn.Module, precision: Precision, device_type: str, *, is_last: bool) -> None:
-    """Run ``stage`` (a ``hetrain.model.GPT``, possibly tensor-parallel) under autocast at ``precision``."""
+    """Run ``stage`` (a ``hetrain.runtime.model.GPT``, possibly tensor-parallel) under autocast at ``precision``."""
     if precision == "fp32":
         return
     dtype = COMPUTE_DTYPE[precision]

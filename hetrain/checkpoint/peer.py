@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hetrain.checkpoint import committed_steps
+from hetrain.checkpoint.manifest import committed_steps
 from hetrain.errors import HetrainError
 
 

@@ -1,0 +1,153 @@
+"""The run's configuration: what every rank reads and what the control plane writes (torch-free).
+
+``RunConfig`` is ``RUN_DIR/config.json``, written by ``hetrain train`` and the flows through
+the one builder, ``build_run_config`` (so the CLI and the flows share their defaults), and
+read by every training process. ``CheckpointConfig`` is its checkpoint part. Importing this
+module costs pydantic, not torch: the control plane (launch, recovery, flows) uses it freely.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationError)
+
+from hetrain.errors import HetrainError
+from hetrain.plan.schema import Plan
+from hetrain.runtime.schedule import DEFAULT_LR, LRSchedule
+
+Precision = Literal["bf16", "fp16", "fp32"]
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a directory name, never a path
+RUN_ID = re.compile(RUN_ID_PATTERN)
+
+
+
+class CheckpointConfig(BaseModel):
+    """Where and how often a run checkpoints (part of the run config every rank reads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
+    every_steps: PositiveInt = 50
+    save_at_end: bool = True  # also checkpoint after the run's last step
+    replicate: bool = False  # each node also keeps a copy of the previous node's shards (ring order)
+    replicate_timeout_s: float = 30.0
+    keep: PositiveInt = 2
+    remote_url: str | None = None  # e.g. s3://bucket/runs/x; uploaded in the background
+    remote_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options, e.g. {"endpoint_url": ...}
+    upload_retries: NonNegativeInt = 5
+    upload_timeout_s: float = 600.0  # how long the manifest upload waits for every node's files
+    peers: dict[str, str] = Field(default_factory=dict)  # node -> URL its checkpoint root is served at
+
+    @staticmethod
+    def endpoint_options(endpoint_url: str | None) -> dict[str, Any]:
+        """fsspec options for an S3-compatible endpoint (MinIO, R2, moto); none for AWS itself."""
+        return {"endpoint_url": endpoint_url} if endpoint_url else {}
+
+    def node_root(self, node: str) -> str:
+        return self.local_dir.replace("{node}", node).rstrip("/")
+
+    def peer_url(self, node: str) -> str:
+        """Where other nodes read this node's checkpoints: its peer server, else its root."""
+        return self.peers.get(node, self.node_root(node)).rstrip("/")
+
+
+
+class RunConfig(BaseModel):
+    """What every rank of one training run reads (written by ``hetrain train``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: str
+    cluster: str | None = None  # for emulated nodes; optional on real GPUs
+    steps: PositiveInt = 100
+    start_step: int = 0
+    data: str | None = None
+    seed: int = 0
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = DEFAULT_LR  # peak of the schedule
+    lr_min: NonNegativeFloat | None = None  # None: 10 % of lr
+    warmup_steps: NonNegativeInt | None = None  # None: min(200, 10 % of steps)
+    decay_steps: PositiveInt | None = None  # None: the steps after warmup
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    activation_recompute: bool | None = None  # None: what the plan's training settings say
+    precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
+    compile: bool = False  # torch.compile each block (GPU only)
+    trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
+    metrics: str | None = None
+    dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
+    threads_per_rank: PositiveInt = 1
+    run_id: str = "run"
+    checkpoint: CheckpointConfig | None = None
+    resume_from: str | None = None  # fsspec URL of a complete checkpoint step directory; start_step follows it
+    resume_options: dict = {}  # fsspec options for resume_from
+    request_file: str | None = None  # when this file appears (preemption notice), checkpoint at the next step
+    backup_status_file: str | None = None  # rank 0 writes what reached the remote store here when the run ends
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        from hetrain.files import read_text
+        from hetrain.spec.specs import describe_validation_error
+
+        try:
+            return cls.model_validate_json(read_text(path))
+        except ValidationError as e:
+            raise HetrainError(describe_validation_error(str(path), e)) from None
+
+    def lr_schedule(self) -> LRSchedule:
+        """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
+        return LRSchedule.for_run(self.steps, self.lr, self.lr_min, self.warmup_steps, self.decay_steps)
+
+    def resolved_precision(self, plan: Plan, device_type: str) -> Precision:
+        if self.precision is not None:
+            return self.precision
+        if plan.training is not None:
+            return plan.training.precision
+        return "bf16" if device_type == "cuda" else "fp32"
+
+
+
+BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
+DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
+DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
+
+
+def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str | None = None,
+                     cluster: Path | None = None, data: Path | None = None, metrics: Path | None = None,
+                     checkpoints: bool = True, checkpoint_dir: str | None = None,
+                     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
+                     remote: str | None = None, remote_endpoint: str | None = None,
+                     peers: dict[str, str] | None = None, **training) -> RunConfig:
+    """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
+
+    Checkpoints go to ``checkpoint_dir`` (``{node}`` becomes each node's name; a path or fsspec
+    URL), by default ``RUN_DIR/checkpoints/{node}``. ``training`` holds ``RunConfig``'s own
+    fields (lr and schedule, precision, optimizer, seed...), whose defaults are ``RunConfig``'s.
+    A bad value is one HetrainError line naming the field.
+    """
+    from hetrain.spec.specs import describe_validation_error
+
+    run_dir = run_dir.resolve()
+    try:
+        ckpt = None
+        if checkpoints or checkpoint_dir or remote:
+            if checkpoint_dir is None:
+                checkpoint_dir = str(run_dir / "checkpoints" / "{node}")
+            elif "://" not in checkpoint_dir:
+                checkpoint_dir = str(Path(checkpoint_dir).resolve())
+            ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
+                                    remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
+                                    peers=peers or {})
+        return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
+                         steps=steps, data=str(Path(data).resolve()) if data else None,
+                         metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,
+                         checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"),
+                         backup_status_file=str(run_dir / BACKUP_STATUS) if remote else None, **training)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error("options", e)) from None
+
+

@@ -1,0 +1,5 @@
+"""Stage 1, profile: per-layer times and activation memory measured on each GPU type.
+
+``profile`` is the file contract (``hetrain.profile/v1``, torch-free); ``profiler`` measures
+(torch). May import ``spec``; the cost model reads profiles, never the profiler.
+"""

@@ -1,0 +1,68 @@
+"""Parallelism applied to a plain stage from outside: tensor parallelism, and the gradient sync of
+pipelines that cut the model in different places.
+
+Each pipeline holds the whole model, cut at different places, so each gradient *bucket* (the
+layers held by the same set of stages, ``hetrain.plan.layout``) is all-reduced among exactly
+the ranks (one per pipeline, same TP rank) that hold those layers. The loss of every
+micro-batch is scaled by ``micro_batch_size / global_batch_size`` and pipelines never
+rescale, so after the SUM all-reduce each gradient is the gradient of the mean loss over
+the whole global batch, as on one device, however the batch was split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hetrain.plan.layout import SyncBucket
+from hetrain.runtime.model import GPT
+
+TP_PLAN = {
+    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(),
+}
+
+
+def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP per block: column-wise into attention heads and the MLP, row-wise out."""
+    for block in stage.layers.values():
+        parallelize_module(block, tp_mesh, TP_PLAN)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
+    names = []
+    if bucket.embedding and stage.tok_embedding is not None:
+        names += ["tok_embedding", "pos_embedding"]
+    lo, hi = bucket.layers
+    names += [f"layers.{i}" for i in range(lo, hi) if str(i) in stage.layers]
+    if bucket.head and stage.head is not None:
+        names += ["norm", "head"]
+    return [p for n in names for p in stage.get_submodule(n).parameters()]
+
+
+@torch.no_grad()
+def sync_gradients(buckets: list[tuple[dist.ProcessGroup, list[nn.Parameter]]], reduce_dtype: torch.dtype) -> None:
+    """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket."""
+    for group, params in buckets:
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(local_tensor(p.grad))
+        flat = _flatten_dense_tensors(grads)
+        wire = flat.to(reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
+        dist.all_reduce(wire, group=group)
+        if wire is not flat:
+            flat.copy_(wire)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)

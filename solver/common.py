@@ -1,0 +1,77 @@
+"""What every planner shares: the result type, the discrete choices (TP degree, micro-batch size) and
+the explanation when nothing fits. Imports only ``hetrain`` and ``solver.space``: the planners
+import it, never each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hetrain.cost.costmodel import CostModel, Estimate, total_params
+from hetrain.errors import HetrainError
+from hetrain.plan.schema import Plan
+from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
+from solver.space import Space, build_space
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    estimate: Estimate
+
+
+def tp_candidates(model: ModelSpec, settings: TrainingSettings, cluster: ClusterSpec) -> list[int]:
+    biggest_node = max(n.count for n in cluster.nodes)
+    return [
+        t
+        for t in settings.tp_degrees
+        if model.tp_divides(t) and t <= biggest_node
+    ]
+
+
+def mbs_candidates(settings: TrainingSettings) -> list[int]:
+    ok = [b for b in settings.micro_batch_sizes if settings.global_batch_size % b == 0]
+    if not ok:
+        raise HetrainError(
+            f"global batch size {settings.global_batch_size} is not divisible by any micro-batch size in "
+            f"{settings.micro_batch_sizes}"
+        )
+    return ok
+
+
+def tp_and_micro_batch(cluster: ClusterSpec, cost: CostModel) -> Iterator[tuple[int, int]]:
+    """The small discrete choices enumerated outside the MILP."""
+    return itertools.product(tp_candidates(cost.model, cost.settings, cluster), mbs_candidates(cost.settings))
+
+
+def spaces(cluster: ClusterSpec, cost: CostModel) -> Iterator[Space]:
+    for t, b in tp_and_micro_batch(cluster, cost):
+        yield build_space(cluster, cost, t, b)
+
+
+def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
+    """Why nothing fits, in the user's terms."""
+    model, st = cost.model, cost.settings
+    need = total_params(model) * st.bytes_per_param / GB
+    have = cluster.total_memory_gb()
+    usable = have - cluster.num_devices * st.framework_reserve_gb
+    if need > usable:
+        return (
+            f"{model.name} needs at least {need:,.0f} GB for weights and optimizer state; cluster "
+            f"'{cluster.name}' has {have:,.0f} GB ({usable:,.0f} GB after the {st.framework_reserve_gb:g} GB "
+            f"per-GPU framework reserve)"
+        )
+    tps = tp_candidates(model, st, cluster)
+    if not tps:
+        return (
+            f"no TP degree in {st.tp_degrees} divides hidden_size {model.hidden_size} and num_heads "
+            f"{model.num_heads} of {model.name} and fits on a node"
+        )
+    return (
+        f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and optimizer state) "
+        f"fits in the cluster's {have:,.0f} GB only in aggregate: no pipeline of at most "
+        f"{model.num_layers} stages with tp in {tps} holds all {model.num_layers} blocks plus the activations "
+        f"of its in-flight micro-batches; try activation_recompute, a smaller micro-batch or larger GPUs"
+    )

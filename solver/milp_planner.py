@@ -1,0 +1,180 @@
+"""The MILP planner (hetrain's own): symmetric TP groups, asymmetric pipelines, each pipeline's share.
+
+For each TP degree and micro-batch size (``solver.common``) it builds the pipeline templates
+(``solver.space``), lets HiGHS choose how many copies of each template to run and their
+micro-batches (``solver.milp``), assembles and scores the best candidates exactly on the one
+cost model (``solver.assemble``) and improves the best few locally (``solver.improve``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+
+from hetrain.cost.costmodel import CostModel
+from hetrain.errors import NoPlanError
+from hetrain.plan.schema import Plan
+from hetrain.spec.specs import ClusterSpec
+from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
+from solver.assemble import finish, score
+from solver.improve import improve
+from solver.milp import fluid_lower_bound_s, solve_templates
+from solver.space import Space, build_space, group_classes
+
+# (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
+# still assembled and scored exactly: the MILP's sync estimate is conservative.
+PRUNE_MARGIN = 0.02
+# clusters with at most this many nodes get a scope per subset of nodes
+MAX_SUBSET_NODES = 4
+# plans of 1..ALIGNED_COPIES identical pipelines (and the most that fit) are scored exactly too
+ALIGNED_COPIES = 8
+# the local-improvement pass starts from this many of the best distinct scored plans (and the
+# best of each TP degree x micro-batch size)
+IMPROVE_STARTS = 3
+# exact scorings the local-improvement pass may spend, in plan-devices (a scoring costs about
+# linear time in the number of devices): 750 plans on 8 GPUs, 10 per start on 1024
+IMPROVE_DEVICE_SCORES = 6_000
+# On clusters of more than IMPROVE_ALL_STARTS_UP_TO GPUs a start more than IMPROVE_WITHIN
+# slower than the best plan is not searched: over the benchmark clusters (12 to 1024 GPUs) no
+# start more than 0.7 % behind ended best, and on 1024 GPUs the (t, b) starts 13-70 % behind
+# cost a quarter of a second. Small clusters search every start (cheap, and there starts
+# 25 % behind do reach the optimum).
+IMPROVE_ALL_STARTS_UP_TO = 8
+IMPROVE_WITHIN = 0.03
+
+
+def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int], float]]:
+    """(label, groups available per class, gradient all-reduce bandwidth) for each scope.
+
+    A scope restricts the plan to some nodes so the MILP knows the slowest link its
+    all-reduces cross: every subset of nodes on small clusters, else each class's biggest
+    node alone and all nodes together.
+    """
+    holders = [(c.index, n, g) for c in space.classes for n, g in zip(c.nodes, c.groups_per_node) if g]
+    nodes = sorted({n for _, n, _ in holders})
+    scopes = [("all nodes", space.available, cluster.min_bandwidth_gbps(frozenset(nodes)))]
+    if len(nodes) <= MAX_SUBSET_NODES:
+        subsets = [set(sub) for k in range(1, len(nodes)) for sub in itertools.combinations(nodes, k)]
+    else:
+        subsets = []
+        for c in space.classes:
+            biggest = max(range(len(c.nodes)), key=lambda i: c.groups_per_node[i])
+            subsets.append({c.nodes[biggest]})
+    for sub in subsets:
+        avail = [0] * len(space.classes)
+        for cls, n, g in holders:
+            if n in sub:
+                avail[cls] += g
+        label = "node " + ",".join(sorted(sub)) if len(sub) == 1 else "nodes " + ",".join(sorted(sub))
+        scopes.append((label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
+    return scopes
+
+
+def plan_milp(
+    cluster: ClusterSpec,
+    cost: CostModel,
+    time_limit_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
+    t0 = time.perf_counter()
+    best: tuple[float, Plan, dict] | None = None
+    templates, best_gap, statuses = 0, 0.0, set()
+    stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
+    best_milp_s: float | None = None
+    starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
+
+    def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
+        nonlocal best, best_gap
+        scored = score(cluster, cost, space, chosen)
+        if scored is None:
+            return
+        plan, est = scored
+        key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
+        starts[key] = (est.iteration_time_s, space, chosen)
+        if best is None or est.iteration_time_s < best[0]:
+            best_gap = gap
+            extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
+            best = (est.iteration_time_s, plan, extra)
+
+    # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
+    # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
+    # best plan scored so far is never built.
+    pending = []
+    for t, b in tp_and_micro_batch(cluster, cost):
+        classes = group_classes(cluster, cost, t, b)
+        M = cost.settings.global_batch_size // b
+        rate = sum(c.count / c.units.block_s for c in classes)
+        pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
+    all_spaces = []
+    for fluid_s, t, b in sorted(pending):
+        if best is not None and fluid_s >= best[0]:
+            continue
+        space = build_space(cluster, cost, t, b)
+        if not space.templates:
+            continue
+        all_spaces.append(space)
+        templates += len(space.templates)
+        M = cost.settings.global_batch_size // space.micro_batch_size
+        for label, avail, bw in _sync_scopes(cluster, space):
+            if best is not None and fluid_lower_bound_s(space, avail, M) >= best[0]:
+                continue  # this scope's groups cannot beat the best plan even computing nonstop
+            if progress:
+                progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
+            prune = best_milp_s * (1 + PRUNE_MARGIN) if best_milp_s is not None else None
+            res = solve_templates(space, M, avail, bw, time_limit_s=time_limit_s, prune_above_s=prune, stats=stats)
+            if res is None:
+                continue
+            statuses.add(res.status)
+            best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
+            # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
+            # the full cost model decides among its best answer for each pipeline count
+            for chosen in res.candidates:
+                consider(space, chosen, label, res.objective_s, res.gap)
+    # Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
+    # inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
+    # those whose time without any gradient sync would beat the best plan are worth scoring.
+    for space in all_spaces:
+        M = cost.settings.global_batch_size // space.micro_batch_size
+        aligned = []
+        for tpl in space.templates:
+            most = min(tpl.max_copies(space.available), M)
+            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)}:
+                no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
+                aligned.append((no_sync_s, copies, tpl))
+        for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
+            if best is not None and no_sync_s >= best[0]:
+                break
+            consider(space, [tpl] * copies, "aligned copies", None, 0.0)
+    if best is None:
+        raise NoPlanError(explain_no_plan(cluster, cost))
+    # The cost model prices gradient sync per block bucket, the MILP per scope: search the
+    # neighbourhood of the best plans found, scored exactly (see solver.improve).
+    ranked = sorted(starts.values(), key=lambda s: s[0])
+    firsts = {}  # the best plan of each (tp, micro-batch size) as well
+    for s in ranked:
+        firsts.setdefault(id(s[1]), s)
+    begin = ranked[:IMPROVE_STARTS] + [s for s in firsts.values() if not any(s is r for r in ranked[:IMPROVE_STARTS])]
+    per_start = max(10, IMPROVE_DEVICE_SCORES // cluster.num_devices // max(1, len(begin)))
+    if cluster.num_devices > IMPROVE_ALL_STARTS_UP_TO:
+        begin = [s for s in begin if s[0] <= best[0] * (1 + IMPROVE_WITHIN)]
+    for _, space, chosen in begin:
+        found = improve(cluster, cost, space, chosen, max_scores=per_start)
+        if found is not None and found[0] < best[0] * (1 - 1e-9):
+            best = (found[0], found[1], {"scope": "local improvement"})
+            best_gap = 0.0
+    _, plan, extra = best
+    info = {
+        "planner": "milp",
+        "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
+        "gap": best_gap,
+        "wall_s": round(time.perf_counter() - t0, 4),
+        "milp_solves": stats.get("milp_solves", 0),
+        "lp_proofs": stats.get("lp_proofs", 0),
+        "templates": templates,
+        **extra,
+    }
+    plan, est = finish(plan, cost, info)
+    return PlanResult(plan, est)

@@ -1,0 +1,54 @@
+"""The house's rules hold: dependencies flow one way (.importlinter, checked by import-linter), and a
+forbidden import added anywhere breaks the check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+        "sys.exit(lint_imports_command())"]
+
+
+def lint(cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(LINT + ["--config", str(cwd / ".importlinter"), "--no-cache"], cwd=cwd,
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_contracts_hold():
+    r = lint(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 kept, 0 broken" in r.stdout
+
+
+def test_a_forbidden_import_breaks_the_contracts(tmp_path: Path):
+    """The cost model importing a planner (the cycle the layers forbid) and a flow importing the trainer."""
+    for package in ("hetrain", "solver", "flows"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    with (tmp_path / "hetrain" / "cost" / "costmodel.py").open("a") as f:
+        f.write("\nimport solver.planner  # noqa: E402\n")
+    with (tmp_path / "flows" / "report.py").open("a") as f:
+        f.write("\nimport hetrain.runtime.trainer  # noqa: E402\n")
+    r = lint(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode != 0
+    assert "Specs <- cost model <- planners BROKEN" in r.stdout
+    assert "hetrain.cost.costmodel -> solver.planner" in r.stdout
+    assert "training internals BROKEN" in r.stdout.replace("\n", " ")
+    assert "flows.report -> hetrain.runtime.trainer" in r.stdout
+
+
+def test_the_control_plane_does_not_load_torch_distributed_training():
+    """What the CLI, recovery and the launcher import never pulls in pipelining or DTensor."""
+    code = ("import sys, hetrain.cli, hetrain.recovery.recover, hetrain.recovery.runs, hetrain.runtime.launch, "
+            "hetrain.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
+            "'torch.distributed.tensor', 'hetrain.runtime.trainer', 'hetrain.checkpoint.save'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
