@@ -42,6 +42,27 @@ from hetrain.spec.specs import EmulateSpec, load_cluster
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
+class StepTotals:
+    """The one float64 vector every rank all-reduces per step (SUM): what the step's record needs from all.
+
+    ``[grad norm squared (pipeline 0's ranks), loss (last stages), per rank: schedule s, sync s,
+    compute s, peak GB, ..., checkpoint requested]``.
+    """
+
+    GRAD_NORM_SQ, LOSS = 0, 1
+    PER_RANK = 4  # schedule_s, sync_s, compute_s, peak_gb
+    REQUEST = -1
+
+    @classmethod
+    def size(cls, world: int) -> int:
+        return 2 + cls.PER_RANK * world + 1
+
+    @classmethod
+    def rank_slice(cls, rank: int) -> slice:
+        start = 2 + cls.PER_RANK * rank
+        return slice(start, start + cls.PER_RANK)
+
+
 class Trainer:
     def __init__(self, config: RunConfig, plan: Plan, layout: Layout, role: Role, groups: ProcessGroups,
                  emulate: EmulateSpec | None, device: torch.device) -> None:
@@ -161,22 +182,22 @@ class Trainer:
         # and, in the last slot, whether any rank was asked for a checkpoint.
         stats = self.meter.take_step_stats()
         world = self.layout.world_size
-        totals = torch.zeros(3 + 4 * world, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(StepTotals.size(world), dtype=torch.float64, device=self.device)
         if self.config.request_file and os.path.exists(self.config.request_file):
-            totals[-1] = 1.0
+            totals[StepTotals.REQUEST] = 1.0
         if role.pipeline == 0:
             grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
-                totals[0] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+                totals[StepTotals.GRAD_NORM_SQ] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if role.is_last and role.tp_rank == 0:
-            totals[1] = sum(float(x.detach()) for x in losses)
-        mine = 2 + 4 * role.rank
+            totals[StepTotals.LOSS] = sum(float(x.detach()) for x in losses)
+        mine = StepTotals.rank_slice(role.rank)
         peak_gb = self.tracker.peak_bytes / 1e9 if self.tracker is not None else stats["peak_memory_gb"]
-        totals[mine:mine + 4] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
+        totals[mine] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
                                               peak_gb], dtype=torch.float64)
         dist.all_reduce(totals)
         scale = self.scaler.scale
-        grad_norm = float(totals[0].sqrt()) / scale
+        grad_norm = float(totals[StepTotals.GRAD_NORM_SQ].sqrt()) / scale
         applied = self.scaler.update(grad_norm * scale)
         lr = self.lr_schedule.lr_at(step)
         if applied:
@@ -194,14 +215,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
-            schedule_s, sync_s, compute_s, peak_gb = totals[2 + 4 * r:6 + 4 * r].tolist()
+            schedule_s, sync_s, compute_s, peak_gb = totals[StepTotals.rank_slice(r)].tolist()
             ranks.append({"rank": r, "device": other.device, "pipeline": other.pipeline, "stage": other.stage,
                           "tp_rank": other.tp_rank, "compute_s": compute_s,
                           "idle_s": max(0.0, schedule_s + sync_s - compute_s), "sync_s": sync_s,
                           "peak_memory_gb": peak_gb})
-        record = {"step": step, "loss": float(totals[1]) / scale, "grad_norm": grad_norm, "lr": lr,
+        record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
                   "step_time_s": time.perf_counter() - started, "ranks": ranks,
-                  "checkpoint_requested": bool(totals[-1] > 0)}
+                  "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0)}
         if self.scaler.enabled:
             record["loss_scale"] = scale
             if not applied:
