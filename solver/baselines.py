@@ -80,12 +80,7 @@ def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
         tried += 1
         if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
             best = (est.iteration_time_s, plan)
-    if best is None:
-        raise NoPlanError("no Megatron grid fits: " + explain_no_plan(cluster, cost))
-    info = {"planner": "megatron", "status": "optimal", "gap": 0.0,
-            "wall_s": round(time.perf_counter() - t0, 4), "candidates": tried}
-    plan, est = finish(best[1], cost, info)
-    return PlanResult(plan, est)
+    return _best_of("megatron", "no Megatron grid fits", best, tried, t0, cluster, cost)
 
 
 def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
@@ -126,9 +121,15 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
             tried += 1
             if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
                 best = (est.iteration_time_s, plan)
+    return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
+
+
+def _best_of(planner: str, none_fits: str, best: tuple[float, Plan] | None, tried: int, t0: float,
+             cluster: ClusterSpec, cost: CostModel) -> PlanResult:
+    """The fastest candidate that fits, finished with its solver info; NoPlanError saying why when none does."""
     if best is None:
-        raise NoPlanError("no Whale plan fits: " + explain_no_plan(cluster, cost))
-    info = {"planner": "whale", "status": "optimal", "gap": 0.0,
+        raise NoPlanError(f"{none_fits}: " + explain_no_plan(cluster, cost))
+    info = {"planner": planner, "status": "optimal", "gap": 0.0,
             "wall_s": round(time.perf_counter() - t0, 4), "candidates": tried}
     plan, est = finish(best[1], cost, info)
     return PlanResult(plan, est)

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry
-from hetrain.runtime.model import INIT_STD, Block, lm_loss
+from hetrain.runtime.model import Block, init_parameter, lm_loss
 from hetrain.spec.specs import ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -121,12 +121,7 @@ def _init(module: nn.Module, seed: int = 0) -> None:
     """Same distribution as ``GPT.init_weights`` (the values only matter for realistic numerics)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in module.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith("norm.bias"):
-            param.zero_()
-        else:
-            param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+        init_parameter(name, param, gen)
 
 
 # --------------------------------------------------------------------------- timing

@@ -24,6 +24,17 @@ from hetrain.spec.specs import ModelSpec
 INIT_STD = 0.02
 
 
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+    """Norm weights 1, norm biases 0, everything else N(0, INIT_STD) drawn from ``gen``."""
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+    elif name.endswith("norm.bias"):
+        param.zero_()
+    else:
+        param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
@@ -109,13 +120,7 @@ class GPT(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic per parameter name, so any stage of any plan matches the full model."""
         for name, param in self.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("norm.bias"):
-                param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
+            init_parameter(name, param, torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
