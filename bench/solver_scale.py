@@ -3,8 +3,10 @@
 Clusters are generated from a 4-type mix (A100-80G, H100-SXM, V100-32G, RTX3090) in nodes of
 8 (smaller ones in nodes of 4), the model is gpt-13b (gpt-30b for the largest), global batch
 512. Each case is planned REPEATS times and the median wall time reported (the development
-machine is shared, single runs vary by up to 2x). Prints a table, writes
-bench/results/solver_scale.json.
+machine is shared, single runs vary by up to 2x). The covering LP bound (``solver.bounds``)
+runs on the numpy simplex and on HiGHS (highspy's direct API) alternately, side by side in
+the same run: the table gives both wall times and their ratio, and checks both found the same
+plan. Prints a table, writes bench/results/solver_scale.json.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from _common import ROOT, print_table, write_results
 
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+import solver.bounds
 from solver.planner import make_plan
 
 REPEATS = 3
@@ -39,11 +42,19 @@ def main() -> None:
     for cluster, model_name in cases:
         model = load_model(ROOT / f"examples/models/{model_name}.yaml")
         settings = TrainingSettings(global_batch_size=512)
-        walls = []
-        for _ in range(REPEATS):  # the machine is shared: report the median of a few runs
-            t0 = time.perf_counter()
-            r = make_plan("hetrain", cluster, model, settings)
-            walls.append(time.perf_counter() - t0)
+        walls: dict[str, list[float]] = {"numpy": [], "highs": []}
+        found = {}
+        for _ in range(REPEATS):  # the machine is shared: report the median of a few runs, backends alternating
+            for backend in walls:
+                solver.bounds.LP_BACKEND = backend
+                t0 = time.perf_counter()
+                found[backend] = make_plan("hetrain", cluster, model, settings)
+                walls[backend].append(time.perf_counter() - t0)
+        solver.bounds.LP_BACKEND = "numpy"
+        r = found["numpy"]
+        same = abs(found["highs"].estimate.tokens_per_s - r.estimate.tokens_per_s) <= 1e-6 * r.estimate.tokens_per_s
+        wall_highs = statistics.median(walls["highs"])
+        walls = walls["numpy"]
         wall = statistics.median(walls)
         s = r.plan.solver
         rows.append({"cluster": cluster.name, "gpus": cluster.num_devices,
@@ -52,13 +63,16 @@ def main() -> None:
                      "gap": s.gap, "status": s.status, "milp_solves": s.model_extra.get("milp_solves"),
                      "lp_proofs": s.model_extra.get("lp_proofs"),
                      "templates": s.model_extra.get("templates"), "pipelines": len(r.plan.pipelines),
-                     "tokens_per_s": r.estimate.tokens_per_s})
+                     "tokens_per_s": r.estimate.tokens_per_s, "wall_highs_lp_s": wall_highs,
+                     "highs_over_numpy": wall_highs / wall, "same_plan": same})
         print(f"{cluster.name}: {wall:.2f} s (median of {REPEATS}: {', '.join(f'{w:.2f}' for w in walls)})", flush=True)
     print_table(f"Solver scale (hetrain planner, global batch 512, 2-core machine, median of {REPEATS} runs)", rows,
                 [("cluster", "cluster"), ("GPUs", "gpus"), ("types", "types"), ("model", "model"),
                  ("wall s", "{wall_s:.2f}"), ("min-max s", "{wall_min_s:.2f}-{wall_max_s:.2f}"), ("gap", "{gap:.1e}"),
                  ("status", "status"), ("MILP solves", "milp_solves"), ("LP proofs", "lp_proofs"),
-                 ("templates", "templates"), ("pipelines", "pipelines"), ("tokens/s", "{tokens_per_s:,.0f}")])
+                 ("templates", "templates"), ("pipelines", "pipelines"), ("tokens/s", "{tokens_per_s:,.0f}"),
+                 ("wall s, HiGHS LP", "{wall_highs_lp_s:.2f}"), ("HiGHS / numpy", "{highs_over_numpy:.2f}x"),
+                 ("same plan", "same_plan")])
     print(f"\nwrote {write_results('solver_scale', rows)}")
 
 

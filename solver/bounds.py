@@ -25,6 +25,10 @@ import numpy as np
 # pivots before the simplex stops and takes its current (repaired) duals
 MAX_PIVOTS = 200
 EPS = 1e-9
+# Which LP solver bounds the covering MILP: "numpy" (the tableau simplex below) or "highs"
+# (HiGHS through highspy's direct API, no Pyomo). Same values (tested); bench/solver_scale.py
+# plans with both side by side and reports the wall times: the choice is the faster one there.
+LP_BACKEND = "numpy"
 
 
 def lp_capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipelines: int) -> float:
@@ -70,6 +74,48 @@ def lp_capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pip
     return float(available.astype(float) @ yc + max_pipelines * w)
 
 
+_HIGHS = None  # one solver object per process: creating one costs more than solving these LPs
+
+
+def lp_capacity_highs(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipelines: int) -> float:
+    """``lp_capacity`` solved by HiGHS (highspy's direct API); the bound is taken from its duals, repaired likewise."""
+    global _HIGHS
+    import highspy
+
+    keep = cap > 0
+    if not keep.any() or max_pipelines <= 0:
+        return 0.0
+    c = cap[keep].astype(float)
+    U = use[keep].astype(float)
+    J, K = U.shape
+    if _HIGHS is None:
+        _HIGHS = highspy.Highs()
+        _HIGHS.setOptionValue("output_flag", False)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = J, K + 1
+    lp.sense_ = highspy.ObjSense.kMaximize
+    lp.col_cost_ = c
+    lp.col_lower_ = np.zeros(J)
+    lp.col_upper_ = np.full(J, highspy.kHighsInf)
+    lp.row_lower_ = np.full(K + 1, -highspy.kHighsInf)
+    lp.row_upper_ = np.concatenate([available.astype(float), [float(max_pipelines)]])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise  # rows: each class's usage, then the count row of ones
+    lp.a_matrix_.start_ = np.arange(0, (K + 2) * J, J)
+    lp.a_matrix_.index_ = np.tile(np.arange(J), K + 1)
+    lp.a_matrix_.value_ = np.vstack([U.T, np.ones((1, J))]).ravel()
+    _HIGHS.passModel(lp)
+    _HIGHS.run()
+    y = np.abs(np.asarray(_HIGHS.getSolution().row_dual, dtype=float))  # any y >= 0 is repaired below
+    yc, w = y[:K], y[K]
+    w = max(w, float(np.max(c - U @ yc)), 0.0)
+    return float(available.astype(float) @ yc + max_pipelines * w)
+
+
+def _capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipelines: int) -> float:
+    solve = lp_capacity_highs if LP_BACKEND == "highs" else lp_capacity
+    return solve(cap, use, available, max_pipelines)
+
+
 class CoverLp:
     """The LP relaxation of ``solver.milp.TemplateMilp``'s covering problem, for quick infeasibility proofs."""
 
@@ -96,11 +142,11 @@ class CoverLp:
         in the groups; the MILP's pipeline count is an integer, so the LP value is floored).
         """
         cap = np.maximum(np.floor((T - self.post - self.fill) / self.tau + 1e-9), 0.0)
-        if lp_capacity(cap, self.use, self.available, self.max_pipelines) < self.M - 1e-6:
+        if _capacity(cap, self.use, self.available, self.max_pipelines) < self.M - 1e-6:
             return False
         if self.min_pipelines > 1:
             usable = (cap >= 1).astype(float)
-            most = lp_capacity(usable, self.use, self.available, self.max_pipelines)
+            most = _capacity(usable, self.use, self.available, self.max_pipelines)
             if math.floor(most + 1e-6) < self.min_pipelines:
                 return False
         return True

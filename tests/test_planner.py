@@ -209,3 +209,21 @@ def test_vectorised_helpers_match_their_references():
                 want = simple_upper_bound_s(ts, space.available, M, D, 7.5, num_copies=(D, D))
                 assert arr.simple_upper_bound_s(M, arr.post_s(D), (D, D)) == want
     assert dropped > 0
+
+
+def test_the_cover_lp_has_the_same_value_with_highs_and_the_numpy_simplex():
+    """Random covering LPs of the planner's sizes (1-10 group classes, 5-200 templates)."""
+    import numpy as np
+
+    from solver.bounds import lp_capacity, lp_capacity_highs
+
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        J, K = int(rng.integers(5, 200)), int(rng.integers(1, 10))
+        cap = rng.integers(0, 50, J).astype(float)
+        use = rng.integers(0, 4, (J, K)).astype(float)
+        use[:, 0] += 1
+        available = rng.integers(1, 40, K).astype(float)
+        most = int(rng.integers(1, 64))
+        a, b = lp_capacity(cap, use, available, most), lp_capacity_highs(cap, use, available, most)
+        assert abs(a - b) <= 1e-7 * max(1.0, a), (a, b)
