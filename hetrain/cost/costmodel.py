@@ -414,12 +414,15 @@ class CostModel:
                 f" ({len(over)} device{'s' if len(over) > 1 else ''} over capacity)"
             )
 
-    def upper_bound_tokens_per_s(self) -> float:
+    def upper_bound_tokens_per_s(self, useful_work: bool = False) -> float:
         """Sum over GPUs of the tokens/s each would reach training alone at this model's efficiency.
 
-        Ignores memory, communication and bubbles: the ceiling no plan can pass.
+        Ignores memory, communication and bubbles: the ceiling no plan can pass. By default the
+        FLOPs are those of the settings (with recompute's extra forward when it is on);
+        ``useful_work=True`` counts forward + backward only, the bound against which recompute
+        is a cost and not work (what a plan that keeps every activation could approach).
         """
-        per_seq = train_flops_per_sequence(self.model, self.settings.activation_recompute)
+        per_seq = train_flops_per_sequence(self.model, self.settings.activation_recompute and not useful_work)
         total = 0.0
         for node in self.cluster.nodes:
             g = self.cluster.gpu_type(node.gpu)
