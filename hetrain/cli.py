@@ -449,11 +449,13 @@ def train(
 
         received: list[int] = []
 
-        def terminate(signum, _frame):  # SIGTERM / SIGHUP: stop every worker, as Ctrl-C does
+        def terminate(signum, _frame):  # Ctrl-C, SIGTERM, SIGHUP: stop every worker
             received.append(signum)
             raise KeyboardInterrupt
 
-        previous_handlers = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must still stop the run
+        previous_handlers = {sig: signal.signal(sig, terminate)
+                             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             records = launch(config, layout, run_dir, on_record=show)
         except KeyboardInterrupt:

@@ -193,6 +193,8 @@ def test_ctrl_c_leaves_no_stray_processes(tmp_path: Path, emulated_plan: Path):
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
+        for pid in worker_pids(run_dir):  # never leave a failed test's workers training on
+            os.kill(pid, signal.SIGKILL)
         raise AssertionError(f"hetrain train did not stop on Ctrl-C: {proc.communicate(timeout=30)[0][-2000:]}")
     assert proc.returncode != 0
     time.sleep(0.5)
