@@ -86,7 +86,8 @@ def _wire_worker(rank: int, world: int, port: int, plan_path: str, grad_reduce: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed._functional_collectives as funcol
 
-    from hetrain import runtime
+    from hetrain.config import RunConfig
+    from hetrain.runtime.trainer import run as run_rank
 
     seen: dict[str, set[str]] = {"p2p": set(), "tp": set(), "grad_sync": set()}
     real_funcol = funcol.all_reduce
@@ -110,7 +111,7 @@ def _wire_worker(rank: int, world: int, port: int, plan_path: str, grad_reduce: 
         return real_all_reduce(tensor, *a, group=group, **kw)
 
     dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
-    runtime.run(runtime.RunConfig(plan=plan_path, steps=1, precision="bf16"))
+    run_rank(RunConfig(plan=plan_path, steps=1, precision="bf16"))
     Path(out, f"rank{rank}.json").write_text(json.dumps({k: sorted(v) for k, v in seen.items()}))
 
 
