@@ -342,6 +342,8 @@ def train(
     keep: Annotated[int, typer.Option(min=1, max=1000, help="committed checkpoints to keep, locally and remotely")] = 2,
     remote: Annotated[str | None, typer.Option(help="back checkpoints up to this URL, e.g. s3://bucket/run")] = None,
     remote_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL (MinIO, R2, ...)")] = None,
+    upload_retries: Annotated[int, typer.Option(min=0, max=100, help="retries of each upload to --remote (backoff "
+                                                                    "0.5 s doubling to 8 s)")] = 5,
     peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
                                                          "(hetrain serve); repeatable")] = None,
     run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
@@ -385,7 +387,7 @@ def train(
     config = build_run_config(
         run_dir, plan_file, steps=steps, run_id=run_id, cluster=cluster, data=data, metrics=metrics,
         checkpoints=False, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
-        remote_endpoint=remote_endpoint, peers=_peer_urls(peer), optimizer=optimizer, lr=lr, lr_min=lr_min,
+        remote_endpoint=remote_endpoint, upload_retries=upload_retries, peers=_peer_urls(peer), optimizer=optimizer, lr=lr, lr_min=lr_min,
         warmup_steps=warmup_steps, decay_steps=decay_steps, precision=precision, compile=compile_blocks,
         trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
         dump_dir=str(dump_dir.resolve()) if dump_dir else None)

@@ -120,7 +120,7 @@ def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str 
                      cluster: Path | None = None, data: Path | None = None, metrics: Path | None = None,
                      checkpoints: bool = True, checkpoint_dir: str | None = None,
                      checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
-                     remote: str | None = None, remote_endpoint: str | None = None,
+                     remote: str | None = None, remote_endpoint: str | None = None, upload_retries: int = 5,
                      peers: dict[str, str] | None = None, **training) -> RunConfig:
     """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
 
@@ -141,7 +141,7 @@ def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str 
                 checkpoint_dir = str(Path(checkpoint_dir).resolve())
             ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
                                     remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
-                                    peers=peers or {})
+                                    upload_retries=upload_retries, peers=peers or {})
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps, data=str(Path(data).resolve()) if data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,

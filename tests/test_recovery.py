@@ -407,7 +407,7 @@ def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path,
     one.write(tmp_path / "plan.json")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--steps", "2",
-                "--remote", f"s3://{BUCKET}/dead", "--remote-endpoint", dead)
+                "--remote", f"s3://{BUCKET}/dead", "--remote-endpoint", dead, "--upload-retries", "0")
     assert r.returncode == 3, r.stderr
     assert "done: 2 steps" in r.stdout
     lines = [line for line in r.stderr.splitlines() if line.startswith("backup:")]
