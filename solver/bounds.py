@@ -31,17 +31,23 @@ EPS = 1e-9
 LP_BACKEND = "numpy"
 
 
+def _useful_columns(cap: np.ndarray, use: np.ndarray, max_pipelines: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The templates that finish at least one micro-batch in time (the others add nothing), or None if none do."""
+    keep = cap > 0
+    if not keep.any() or max_pipelines <= 0:
+        return None
+    return cap[keep].astype(float), use[keep].astype(float)
+
+
 def lp_capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipelines: int) -> float:
     """Upper bound on cap . x over x >= 0 with use^T x <= available and sum x <= max_pipelines.
 
     ``cap``: (J,) micro-batches one copy of each template finishes in time; ``use``: (J, K)
     groups of each class per copy; ``available``: (K,) groups per class.
     """
-    keep = cap > 0
-    if not keep.any() or max_pipelines <= 0:
+    if (useful := _useful_columns(cap, use, max_pipelines)) is None:
         return 0.0
-    c = cap[keep].astype(float)
-    U = use[keep].astype(float)
+    c, U = useful
     J, K = U.shape
     m = K + 1
     b = np.concatenate([available.astype(float), [float(max_pipelines)]])
@@ -82,11 +88,9 @@ def lp_capacity_highs(cap: np.ndarray, use: np.ndarray, available: np.ndarray, m
     global _HIGHS
     import highspy
 
-    keep = cap > 0
-    if not keep.any() or max_pipelines <= 0:
+    if (useful := _useful_columns(cap, use, max_pipelines)) is None:
         return 0.0
-    c = cap[keep].astype(float)
-    U = use[keep].astype(float)
+    c, U = useful
     J, K = U.shape
     if _HIGHS is None:
         _HIGHS = highspy.Highs()
