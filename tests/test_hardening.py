@@ -184,7 +184,7 @@ def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
     log = tmp_path / "launch.log"
     log.write_text(
         "[rank1]: Traceback (most recent call last):\n"
-        '[rank1]:   File "hetrain/checkpointer.py", line 103, in save\n'
+        '[rank1]:   File "hetrain/checkpoint/save.py", line 103, in save\n'
         "[rank1]: OSError: [Errno 28] No space left on device: '/ckpt/b/step-000049/__1_0.distcp'\n"
         "[rank0]: Traceback (most recent call last):\n"
         "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
