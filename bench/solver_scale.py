@@ -73,7 +73,38 @@ def main() -> None:
                  ("templates", "templates"), ("pipelines", "pipelines"), ("tokens/s", "{tokens_per_s:,.0f}"),
                  ("wall s, HiGHS LP", "{wall_highs_lp_s:.2f}"), ("HiGHS / numpy", "{highs_over_numpy:.2f}x"),
                  ("same plan", "same_plan")])
-    print(f"\nwrote {write_results('solver_scale', rows)}")
+    lp = lp_alone()
+    print_table(f"The covering LP alone ({lp['lps']} random LPs of 1-10 rows and 5-200 columns, median ms per solve)",
+                [lp], [("numpy simplex ms", "{numpy_ms:.3f}"), ("HiGHS ms", "{highs_ms:.3f}"),
+                       ("HiGHS / numpy", "{ratio:.2f}x"), ("largest relative difference", "{max_rel_diff:.1e}")])
+    print(f"\nwrote {write_results('solver_scale', rows + [lp])}")
+
+
+def lp_alone(count: int = 300) -> dict:
+    """Both LP solvers on the same random covering LPs of the planner's sizes, interleaved."""
+    import numpy as np
+
+    from solver.bounds import lp_capacity, lp_capacity_highs
+
+    rng = np.random.default_rng(0)
+    times: dict[str, list[float]] = {"numpy": [], "highs": []}
+    worst = 0.0
+    for _ in range(count):
+        J, K = int(rng.integers(5, 200)), int(rng.integers(1, 10))
+        cap = rng.integers(0, 50, J).astype(float)
+        use = rng.integers(0, 4, (J, K)).astype(float)
+        use[:, 0] += 1
+        available = rng.integers(1, 40, K).astype(float)
+        most = int(rng.integers(1, 64))
+        values = {}
+        for name, solve in (("numpy", lp_capacity), ("highs", lp_capacity_highs)):
+            t0 = time.perf_counter()
+            values[name] = solve(cap, use, available, most)
+            times[name].append(time.perf_counter() - t0)
+        worst = max(worst, abs(values["numpy"] - values["highs"]) / max(1.0, abs(values["numpy"])))
+    numpy_ms, highs_ms = (statistics.median(times[n]) * 1e3 for n in ("numpy", "highs"))
+    return {"lps": count, "numpy_ms": numpy_ms, "highs_ms": highs_ms, "ratio": highs_ms / numpy_ms,
+            "max_rel_diff": worst}
 
 
 if __name__ == "__main__":

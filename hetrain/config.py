@@ -24,7 +24,6 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a directory name, never
 RUN_ID = re.compile(RUN_ID_PATTERN)
 
 
-
 class CheckpointConfig(BaseModel):
     """Where and how often a run checkpoints (part of the run config every rank reads)."""
 
@@ -53,7 +52,6 @@ class CheckpointConfig(BaseModel):
     def peer_url(self, node: str) -> str:
         """Where other nodes read this node's checkpoints: its peer server, else its root."""
         return self.peers.get(node, self.node_root(node)).rstrip("/")
-
 
 
 class RunConfig(BaseModel):
@@ -110,7 +108,6 @@ class RunConfig(BaseModel):
         return "bf16" if device_type == "cuda" else "fp32"
 
 
-
 BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
 DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
 DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
@@ -149,5 +146,3 @@ def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str 
                          backup_status_file=str(run_dir / BACKUP_STATUS) if remote else None, **training)
     except ValidationError as e:
         raise HetrainError(describe_validation_error("options", e)) from None
-
-

@@ -8,6 +8,7 @@ produces it (a plan, a profile, a training run), so a typo costs a second, not t
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -38,8 +39,6 @@ def read_text(path: str | Path) -> str:
 
 def read_versioned_json(path: str | Path, schema: str) -> dict:
     """A JSON file contract (``{"schema": "hetrain.<kind>/v1", ...}``): the object, or one line on what is wrong."""
-    import json
-
     p = Path(path)
     try:
         data = json.loads(read_text(p))
@@ -94,15 +93,24 @@ def check_output_file(path: str | Path, what: str) -> None:
 
 
 def write_text_atomic(path: str | Path, text: str, what: str = "output") -> None:
-    """Write through a temporary file and a rename: a reader never sees half a file, a failure leaves none."""
+    """Write through a temporary file and a rename: a reader never sees half a file, a failure leaves none.
+
+    A path that cannot be written is one HetrainError (callers that do expensive work first
+    check it up front with ``check_output_file``; this does not probe again).
+    """
     p = Path(path)
-    check_output_file(p, what)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    except OSError as e:
+        raise HetrainError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, p)
+    except IsADirectoryError:
+        Path(tmp).unlink(missing_ok=True)
+        raise HetrainError(f"{what} {path}: is a directory, expected a file path") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -171,6 +171,17 @@ def read_manifest(root_url: str, step: int, storage_options: dict | None = None)
     return parse_manifest(fs.cat_file(path), join(root_url, step_name(step), MANIFEST))
 
 
+def step_owners(root_url: str, storage_options: dict | None = None) -> dict[int, str | None]:
+    """Committed step -> the run id its manifest names (None for a manifest that cannot be read)."""
+    owners: dict[int, str | None] = {}
+    for step in committed_steps(root_url, storage_options):
+        try:
+            owners[step] = read_manifest(root_url, step, storage_options).run_id
+        except Exception:  # damaged: says nothing about whose it is
+            owners[step] = None
+    return owners
+
+
 def prune(root_url: str, keep: int, storage_options: dict | None = None, protect: set[int] | frozenset = frozenset(),
           run_id: str | None = None) -> list[int]:
     """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them.
@@ -180,16 +191,13 @@ def prune(root_url: str, keep: int, storage_options: dict | None = None, protect
     removed: a run never deletes what another run committed.
     """
     fs, root = url_to_fs(root_url, **(storage_options or {}))
-    steps = committed_steps(root_url, storage_options)
     others: set[int] = set()
-    if run_id is not None:
-        for step in steps:
-            try:
-                if read_manifest(root_url, step, storage_options).run_id != run_id:
-                    others.add(step)
-            except Exception:
-                pass  # damaged: counts as this run's, so it ages out
-        steps = [s for s in steps if s not in others]
+    if run_id is None:
+        steps = committed_steps(root_url, storage_options)
+    else:  # a damaged manifest counts as this run's, so it ages out
+        owners = step_owners(root_url, storage_options)
+        others = {step for step, owner in owners.items() if owner not in (None, run_id)}
+        steps = sorted(set(owners) - others)
     if len(steps) <= keep:
         return []
     oldest_kept = steps[-keep]

@@ -76,7 +76,6 @@ from hetrain.spec.catalog import GPUType
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
 
-
 def block_params(model: ModelSpec) -> int:
     h, f = model.hidden_size, model.ffn_size
     return 4 * h * h + 2 * h * f + 9 * h + f

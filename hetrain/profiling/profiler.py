@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry
 from hetrain.runtime.model import Block, init_parameter, lm_loss
@@ -341,8 +342,6 @@ def profiling_bytes(spec: ModelSpec, b: int) -> float:
     keeps one more copy), and one unsharded block's weights, gradients and saved activations.
     """
     s, h, V = spec.seq_length, spec.hidden_size, spec.vocab_size
-    from hetrain.cost.costmodel import block_params
-
     head = 4.0 * (2 * V * h + 2 * b * s * h + 3 * b * s * V)
     block = 4.0 * (2 * block_params(spec) + b * s * (6 * h + 2 * spec.ffn_size))
     return max(head, block)

@@ -103,7 +103,7 @@ class _MetadataSource:
             return None
         try:
             return self.parse(body)
-        except (UnreadableNotice, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # UnreadableNotice included
             return Notice(self.cloud, "unreadable", datetime.now(UTC) + timedelta(seconds=SHORTEST_NOTICE_S),
                           {"answer": body[:500].decode(errors="replace"), "error": f"{type(e).__name__}: {e}"})
 

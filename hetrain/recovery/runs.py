@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetrain.checkpoint.manifest import committed_steps, restore_dir
+from hetrain.checkpoint.manifest import committed_steps, restore_dir, step_owners
 from hetrain.checkpoint.reassemble import NoCheckpoint, reassemble_newest
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
@@ -87,26 +87,11 @@ def check_run_paths(run_dir: Path, config: RunConfig, nodes: list[str]) -> None:
     for node in nodes:
         root = Path(ckpt.node_root(node))
         check_output_dir(root, "--checkpoint-dir")
-        other = other_runs_steps(str(root), config.run_id)
+        other = [(step, owner) for step, owner in step_owners(str(root)).items() if owner not in (None, config.run_id)]
         if other:
-            step, run_id = other[-1]
+            step, run_id = max(other)
             raise HetrainError(f"--checkpoint-dir {root}: holds committed checkpoints of run '{run_id}' (newest: step "
                                f"{step}), not of this run '{config.run_id}'; give this run its own --checkpoint-dir")
-
-
-def other_runs_steps(root_url: str, run_id: str, storage_options: dict | None = None) -> list[tuple[int, str]]:
-    """(step, run id) of committed steps under ``root_url`` whose manifest names another run."""
-    from hetrain.checkpoint.manifest import read_manifest
-
-    found = []
-    for step in committed_steps(root_url, storage_options):
-        try:
-            owner = read_manifest(root_url, step, storage_options).run_id
-        except Exception:
-            continue  # damaged: the resume falls back past it; it says nothing about whose it is
-        if owner != run_id:
-            found.append((step, owner))
-    return found
 
 
 def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,7 +30,6 @@ from torch.utils._pytree import tree_leaves
 
 from hetrain.errors import HetrainError
 from hetrain.spec.specs import GB
-
 
 
 class DeviceOutOfMemory(HetrainError):
@@ -40,27 +40,18 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-class _BackwardStart(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity in forward; calls ``callback`` when backward passes this point (the stage's output: backward
+    starts; its input: backward is done)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, meter: StageMeter) -> torch.Tensor:
-        ctx.meter = meter
+    def forward(ctx, x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
+        ctx.callback = callback
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.meter._backward_started = _now()
-        return grad, None
-
-
-class _BackwardEnd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, meter: StageMeter) -> torch.Tensor:
-        ctx.meter = meter
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.meter._backward_done()
+        ctx.callback()
         return grad, None
 
 
@@ -103,7 +94,7 @@ class StageMeter:
         module.register_forward_hook(self._post_forward)
         embedding = getattr(module, "tok_embedding", None)
         if embedding is not None:  # the first stage's input is token ids: mark the end on the embedding output
-            embedding.register_forward_hook(lambda _m, _a, out: _BackwardEnd.apply(out, self))
+            embedding.register_forward_hook(lambda _m, _a, out: _OnBackward.apply(out, self._backward_done))
 
     # -- memory
     def set_model_states(self, optimizer_state_factor: float) -> None:
@@ -162,7 +153,7 @@ class StageMeter:
             self._saved_ctx.__enter__()
         x = args[0]
         if torch.is_grad_enabled() and x.is_floating_point() and x.requires_grad:
-            return (_BackwardEnd.apply(x, self), *args[1:])
+            return (_OnBackward.apply(x, self._backward_done), *args[1:])
         return None
 
     def _post_forward(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -172,8 +163,11 @@ class StageMeter:
         self.forward_s += self._stretch(self._forward_started)
         self._check("for activations in flight")
         if torch.is_grad_enabled() and out.requires_grad:
-            out = _BackwardStart.apply(out, self)
+            out = _OnBackward.apply(out, self._backward_begin)
         return out
+
+    def _backward_begin(self) -> None:
+        self._backward_started = _now()
 
     def _backward_done(self) -> None:
         if self._backward_started is None:

@@ -27,6 +27,7 @@ import torch
 
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
+from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
 
 WORKER = ["-m", "hetrain.runtime.worker"]
@@ -86,11 +87,8 @@ def free_port() -> int:
 
 
 def write_config(config: RunConfig, run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(config.model_dump_json(indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, config.model_dump_json(indent=2) + "\n", "run config")
     return path
 
 
@@ -195,9 +193,7 @@ def _drop_records_from(metrics: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue
-    tmp = metrics.with_name(f".{metrics.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, metrics)
+    write_text_atomic(metrics, "".join(kept), "--metrics")
 
 
 class RunStopped(HetrainError):

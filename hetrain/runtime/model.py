@@ -24,7 +24,6 @@ from hetrain.spec.specs import ModelSpec
 INIT_STD = 0.02
 
 
-
 @torch.no_grad()
 def init_parameter(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
     """Norm weights 1, norm biases 0, everything else N(0, INIT_STD) drawn from ``gen``."""

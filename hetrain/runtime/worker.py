@@ -11,12 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.runtime.trainer import run
-from hetrain.spec.specs import describe_validation_error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +27,6 @@ def main(argv: list[str] | None = None) -> None:
     (pids / f"{os.getpid()}.pid").write_text(str(os.getpid()))
     try:
         run(RunConfig.load(args[0]))
-    except ValidationError as e:
-        print(f"hetrain: error: {describe_validation_error(args[0], e)}", file=sys.stderr, flush=True)
-        os._exit(2)
     except HetrainError as e:
         print(f"hetrain: error: rank {rank}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
