@@ -53,7 +53,7 @@ def main() -> None:
 
     def measure_profile():
         return profile_model(model, gpus=gpus_from_cluster(cluster), micro_batch_sizes=settings.micro_batch_sizes,
-                             tp_degrees=settings.tp_degrees, activation_recompute=settings.activation_recompute,
+                             tp_degrees=settings.tp_degrees, activation_recompute=settings.activation_recompute != "none",
                              repeats=9)
 
     profile = measure_profile()

@@ -180,7 +180,7 @@ def train(
     if use_profile:
         prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
                        [t for t in settings.tp_degrees if spec.tp_divides(t)],
-                       settings.activation_recompute, settings.precision)
+                       settings.activation_recompute != "none", settings.precision)
     plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
     the_plan = Plan.model_validate(plan_json)
     cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)

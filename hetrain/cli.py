@@ -44,12 +44,14 @@ def user_errors(fn):
 
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
-              no_recompute: bool):
+              recompute: str, no_recompute: bool):
     from hetrain.spec.specs import TrainingSettings, describe_validation_error
     from pydantic import ValidationError
 
+    if no_recompute and recompute not in ("auto", "none"):
+        raise HetrainError(f"--no-recompute contradicts --recompute {recompute}: give one of them")
     kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
-                    "activation_recompute": not no_recompute}
+                    "activation_recompute": "none" if no_recompute else recompute}
     if micro_batch_size is not None:
         kwargs["micro_batch_sizes"] = [micro_batch_size]
     if tp:
@@ -67,20 +69,20 @@ def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int
 
 
 _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_sizes[0]": "--micro-batch-size",
-                    "tp_degrees": "--tp"}
+                    "tp_degrees": "--tp", "activation_recompute": "--recompute"}
 
 
 def plan_table(plan, est, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "micro-batches", "stage ms", "memory GB"):
-        table.add_column(col, justify="right" if col not in ("gpu", "devices") else "left")
+    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "recompute", "micro-batches", "stage ms", "memory GB"):
+        table.add_column(col, justify="right" if col not in ("gpu", "devices", "recompute") else "left")
     from hetrain.cost.report import plan_rows
 
     rows = plan_rows(plan, est)
     for i, r in enumerate(rows):
         first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
-                      f"{r['blocks']} ({r['num_blocks']})", str(r["micro-batches"]) if first else "",
+                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"], str(r["micro-batches"]) if first else "",
                       f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
     return table
 
@@ -110,7 +112,9 @@ def plan(
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
-    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations")] = False,
+    recompute: Annotated[str, typer.Option(help="activation recompute: auto (the planner picks per stage: none "
+                                                 "where memory allows, else selective, else full), none, selective or full")] = "auto",
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations (= --recompute none)")] = False,
     planner: Annotated[str, typer.Option(help="hetrain (the MILP planner, also 'milp'), megatron, whale or exhaustive")] = "hetrain",
     profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
@@ -126,7 +130,7 @@ def plan(
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
     cl, md = load_cluster(cluster), load_model(model)
-    settings = _settings(global_batch_size, micro_batch_size, tp, precision, no_recompute)
+    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
     prof = load_profile(profile) if profile else None
     if out_file:
         check_output_file(out_file, "--out")

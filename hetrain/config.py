@@ -72,7 +72,7 @@ class RunConfig(BaseModel):
     decay_steps: PositiveInt | None = None  # None: the steps after warmup
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
-    activation_recompute: bool | None = None  # None: what the plan's training settings say
+    activation_recompute: bool | None = None  # None: each stage as the plan says; True: full everywhere, False: none
     precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
     compile: bool = False  # torch.compile each block (GPU only)
     trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak

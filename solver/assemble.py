@@ -70,7 +70,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     for i in order:
         tpl = templates[i]
         stages, start, prev_node = [], 0, None
-        for cls_idx, blocks in zip(tpl.classes, tpl.blocks):
+        recompute = tpl.recompute or (None,) * len(tpl.classes)
+        for cls_idx, blocks, mode in zip(tpl.classes, tpl.blocks, recompute):
             pool = free[cls_idx]
             if not pool:
                 raise ValueError("templates use more groups than the cluster has")
@@ -80,7 +81,7 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
                 del pool[node]
             gpu = space.classes[cls_idx].gpu
             stages.append(StagePlan(devices=[f"{node}/{k}" for k in range(g * t, (g + 1) * t)], gpu=gpu,
-                                    layers=(start, start + blocks)))
+                                    layers=(start, start + blocks), recompute=mode))
             start += blocks
             prev_node = node
         built[i] = PipelinePlan(num_microbatches=counts[i], stages=stages)

@@ -7,6 +7,9 @@
 - ``whale``: hardware-aware data parallelism (Whale, ATC'22): every replica has the same
   pipeline structure (same stage count and block split), replicas are built from TP groups
   sorted by speed, and the batch is split in proportion to each replica's speed.
+
+Both set one activation recompute for every stage, as Megatron's and Whale's flags do; with
+recompute left to the planner (``auto``) each mode is tried and the fastest fitting kept.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ def _plan(cost: CostModel, cluster: ClusterSpec, t: int, b: int, pipelines: list
     )
 
 
+def _fastest_uniform(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tuple[tuple[float, Plan] | None, int]:
+    """The better of ``best`` and ``plan`` with each allowed recompute mode on every stage; and how many were tried."""
+    modes = cost.settings.recompute_modes
+    for mode in modes:
+        uniform = plan.model_copy(update={"pipelines": [
+            p.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in p.stages]})
+            for p in plan.pipelines]})
+        est = cost.estimate(uniform)
+        if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
+            best = (est.iteration_time_s, uniform)
+    return best, len(modes)
+
+
 def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
     t0 = time.perf_counter()
     devices = cluster.devices
@@ -75,11 +91,8 @@ def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 for k in range(p)
             ]
             pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
-        plan = _plan(cost, cluster, t, b, pipes)
-        est = cost.estimate(plan)
-        tried += 1
-        if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
-            best = (est.iteration_time_s, plan)
+        best, n = _fastest_uniform(cost, _plan(cost, cluster, t, b, pipes), best)
+        tried += n
     return _best_of("megatron", "no Megatron grid fits", best, tried, t0, cluster, cost)
 
 
@@ -116,11 +129,8 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
             fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
             counts = allocate_microbatches(tau, fill, M)
             pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]
-            plan = _plan(cost, cluster, t, b, pipes)
-            est = cost.estimate(plan)
-            tried += 1
-            if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
-                best = (est.iteration_time_s, plan)
+            best, n = _fastest_uniform(cost, _plan(cost, cluster, t, b, pipes), best)
+            tried += n
     return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
 
 

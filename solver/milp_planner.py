@@ -50,25 +50,35 @@ def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int
 
     A scope restricts the plan to some nodes so the MILP knows the slowest link its
     all-reduces cross: every subset of nodes on small clusters, else each class's biggest
-    node alone and all nodes together.
+    node alone and all nodes together. On small clusters each scope of several nodes is also
+    solved as if every bucket stayed inside a node (its slowest intra-node link): pipelines of
+    different shapes whose same-class stages hold the same blocks sync without crossing nodes,
+    which the slowest-link price hides, and the cost model scores what that finds exactly.
     """
     holders = [(c.index, n, g) for c in space.classes for n, g in zip(c.nodes, c.groups_per_node) if g]
     nodes = sorted({n for _, n, _ in holders})
-    scopes = [("all nodes", space.available, cluster.min_bandwidth_gbps(frozenset(nodes)))]
-    if len(nodes) <= MAX_SUBSET_NODES:
+    small = len(nodes) <= MAX_SUBSET_NODES
+    if small:
         subsets = [set(sub) for k in range(1, len(nodes)) for sub in itertools.combinations(nodes, k)]
     else:
         subsets = []
         for c in space.classes:
             biggest = max(range(len(c.nodes)), key=lambda i: c.groups_per_node[i])
             subsets.append({c.nodes[biggest]})
-    for sub in subsets:
+    scopes = []
+    for sub in [set(nodes)] + subsets:
         avail = [0] * len(space.classes)
         for cls, n, g in holders:
             if n in sub:
                 avail[cls] += g
-        label = "node " + ",".join(sorted(sub)) if len(sub) == 1 else "nodes " + ",".join(sorted(sub))
+        if sub == set(nodes):
+            label = "all nodes"
+        else:
+            label = "node " + ",".join(sorted(sub)) if len(sub) == 1 else "nodes " + ",".join(sorted(sub))
         scopes.append((label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
+        if small and len(sub) > 1:
+            inside = min(cluster.node_by_name[n].intra_node_bandwidth_gbps for n in sub)
+            scopes.append((label + ", buckets inside nodes", avail, inside))
     return scopes
 
 

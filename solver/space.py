@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from hetrain.cost.costmodel import CostModel, UnitCosts
-from hetrain.spec.specs import ClusterSpec
+from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
 DEPTH_SLACK = 3
@@ -38,11 +38,20 @@ class GroupClass:
     intra_bw_gbps: float
     nodes: tuple[str, ...]
     groups_per_node: tuple[int, ...]
-    units: UnitCosts
+    modes: tuple[UnitCosts, ...]  # one per allowed activation recompute mode, least recompute first
 
     @property
     def count(self) -> int:
         return sum(self.groups_per_node)
+
+    @property
+    def units(self) -> UnitCosts:
+        """Costs with the least recompute allowed: the fastest blocks, the most memory."""
+        return self.modes[0]
+
+    def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
+        """Most blocks a stage of this class holds in any allowed mode."""
+        return max(u.max_blocks(first, last, in_flight) for u in self.modes)
 
 
 def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int) -> list[GroupClass]:
@@ -57,9 +66,9 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
         merged.setdefault(key, []).append((node.name, groups))
     classes = []
     for i, ((gpu, bw, *_), members) in enumerate(merged.items()):
-        units = cost.unit_costs(gpu, bw, tp, micro_batch_size)
+        modes = tuple(cost.unit_costs(gpu, bw, tp, micro_batch_size, m) for m in cost.settings.recompute_modes)
         classes.append(
-            GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), units)
+            GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), modes)
         )
     return classes
 
@@ -78,20 +87,37 @@ def class_link_gbps(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> float
 def split_layers(
     num_layers: int, block_s: list[float], extra_s: list[float], max_blocks: list[int]
 ) -> list[int] | None:
-    """Blocks per stage minimising max_k(n_k block_s[k] + extra_s[k]) with 1 <= n_k <= max_blocks[k].
+    """Blocks per stage minimising max_k(n_k block_s[k] + extra_s[k]) with 1 <= n_k <= max_blocks[k]."""
+    found = split_layers_modes(num_layers, [[(b, c)] for b, c in zip(block_s, max_blocks)], extra_s)
+    return None if found is None else found[0]
 
-    Binary search over the candidate bottleneck values, then give surplus back from the
-    slowest stages so total work is smallest. None when the stages cannot hold the model.
+
+def split_layers_modes(
+    num_layers: int, options: list[list[tuple[float, int]]], extra_s: list[float]
+) -> tuple[list[int], list[int]] | None:
+    """Blocks and a mode per stage minimising the slowest stage, each stage within its mode's memory.
+
+    ``options[k]`` lists stage k's modes as (seconds per block, most blocks that fit). For a
+    candidate bottleneck ``tau`` each stage takes as many blocks as its best mode allows within
+    ``tau``; a binary search over the candidate values finds the smallest feasible one. Surplus
+    blocks go back from the slowest stages (least total work), and each stage then runs the
+    fastest mode that holds what it kept. Returns (blocks, mode index per stage), or None when
+    the stages cannot hold the model.
     """
-    S = len(block_s)
-    if any(c < 1 for c in max_blocks) or sum(max_blocks) < num_layers or S > num_layers:
+    S = len(options)
+    most = [max(c for _, c in opts) for opts in options]
+    if any(c < 1 for c in most) or sum(most) < num_layers or S > num_layers:
         return None
 
-    def fill(tau: float) -> list[int] | None:
-        n = [min(max_blocks[k], int((tau - extra_s[k]) / block_s[k] + 1e-9)) for k in range(S)]
-        return n if all(v >= 1 for v in n) and sum(n) >= num_layers else None
+    def take(k: int, tau: float) -> tuple[int, int]:
+        """(blocks, mode) of stage k at bottleneck tau: the most blocks any mode allows."""
+        return max((min(c, int((tau - extra_s[k]) / b + 1e-9)), -i) for i, (b, c) in enumerate(options[k]))
 
-    candidates = sorted({n * block_s[k] + extra_s[k] for k in range(S) for n in range(1, max_blocks[k] + 1)})
+    def fill(tau: float) -> list[tuple[int, int]] | None:
+        n = [take(k, tau) for k in range(S)]
+        return n if all(v >= 1 for v, _ in n) and sum(v for v, _ in n) >= num_layers else None
+
+    candidates = sorted({n * b + extra_s[k] for k in range(S) for b, c in options[k] for n in range(1, c + 1)})
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -99,15 +125,18 @@ def split_layers(
             lo = mid + 1
         else:
             hi = mid
-    n = fill(candidates[lo])
-    if n is None:
+    chosen = fill(candidates[lo])
+    if chosen is None:
         return None
+    n = [v for v, _ in chosen]
     surplus = sum(n) - num_layers
-    for k in sorted(range(S), key=lambda k: -block_s[k]):
+    for k in sorted(range(S), key=lambda k: -options[k][-chosen[k][1]][0]):
         give = min(surplus, n[k] - 1)
         n[k] -= give
         surplus -= give
-    return n
+    modes = [min((i for i, (_, c) in enumerate(options[k]) if c >= n[k]), key=lambda i: options[k][i][0])
+             for k in range(S)]
+    return n, modes
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,7 @@ class Template:
     opt_s: tuple[float, ...]  # per stage optimizer step
     num_classes: int
     sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce
+    recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
 
     @cached_property
     def tau_s(self) -> float:
@@ -171,11 +201,16 @@ def build_template(
     first = [k == 0 for k in range(S)]
     last = [k == S - 1 for k in range(S)]
 
-    def split(order: tuple[int, ...]) -> list[int] | None:
-        units = [classes[c].units for c in order]
-        max_blocks = [units[k].max_blocks(first[k], last[k], S - k) for k in range(S)]
-        extra = [units[k].stage_time_s(0, first[k], last[k]) for k in range(S)]
-        return split_layers(L, [u.block_s for u in units], extra, max_blocks)
+    def split(order: tuple[int, ...]) -> tuple[list[int], list[UnitCosts]] | None:
+        """Blocks per stage and the recompute mode each stage runs (its unit costs)."""
+        modes = [classes[c].modes for c in order]
+        options = [[(u.block_s, u.max_blocks(first[k], last[k], S - k)) for u in modes[k]] for k in range(S)]
+        extra = [modes[k][0].stage_time_s(0, first[k], last[k]) for k in range(S)]
+        found = split_layers_modes(L, options, extra)
+        if found is None:
+            return None
+        blocks, chosen = found
+        return blocks, [modes[k][i] for k, i in enumerate(chosen)]
 
     # Most memory first suits the in-flight activations of the first stages, but the last stage
     # holds the LM head, its logits and their gradients (whole on every TP rank): with a large
@@ -183,18 +218,17 @@ def build_template(
     # Each order is split; the one with the faster slowest stage (then the smaller total) is kept.
     best = None
     for order in dict.fromkeys((canonical, canonical[1:] + canonical[:1], canonical[::-1])):
-        blocks = split(order)
-        if blocks is None:
+        found = split(order)
+        if found is None:
             continue
-        units = [classes[c].units for c in order]
+        blocks, units = found
         times = [units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S)]
         key = (max(times), sum(times))
         if best is None or key < best[0]:
-            best = (key, order, blocks)
+            best = (key, order, blocks, units)
     if best is None:
         return None
-    _, order, blocks = best
-    units = [classes[c].units for c in order]
+    _, order, blocks, units = best
     b = micro_batch_size
     stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
     p2p = tuple(
@@ -203,7 +237,8 @@ def build_template(
     )
     grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
     opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
-    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s)
+    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
+                    tuple(u.recompute for u in units))
 
 
 @dataclass
@@ -284,8 +319,8 @@ class _MemoryCheck:
     def _per_position(self, c: int, depth: int) -> tuple[list[int], list[int]]:
         key = (c, depth)
         if key not in self._limits:
-            u = self.classes[c].units
-            vals = [u.max_blocks(k == 0, k == depth - 1, depth - k) for k in range(depth)]
+            cls = self.classes[c]
+            vals = [cls.max_blocks(k == 0, k == depth - 1, depth - k) for k in range(depth)]
             self._limits[key] = (vals, list(itertools.accumulate(vals, initial=0)))
         return self._limits[key]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from hetrain.cost.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel, selective_activation_bytes
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, validate_plan
 from hetrain.profiling.profile import load_profile
@@ -32,12 +32,6 @@ def gpus() -> dict[str, float]:
 @pytest.fixture(scope="module")
 def profile(gpus):
     return profile_model(SPEC, gpus=gpus, micro_batch_sizes=MBS, tp_degrees=TPS, activation_recompute=True,
-                         device=CPU, warmup=1, repeats=3)
-
-
-@pytest.fixture(scope="module")
-def profile_no_recompute(gpus):
-    return profile_model(SPEC, gpus=gpus, micro_batch_sizes=MBS, tp_degrees=TPS, activation_recompute=False,
                          device=CPU, warmup=1, repeats=3)
 
 
@@ -81,18 +75,23 @@ def test_slow_type_is_derived_by_its_slowdown(profile, gpus):
             assert slow.block_activation_bytes == fast.block_activation_bytes
 
 
-def test_activation_bytes(profile, profile_no_recompute):
+def test_activation_bytes_per_recompute_mode(profile):
     s, h = SPEC.seq_length, SPEC.hidden_size
     for t in TPS:
-        rc = [profile.lookup(FAST, t, b).block_activation_bytes for b in MBS]
-        full = [profile_no_recompute.lookup(FAST, t, b).block_activation_bytes for b in MBS]
-        # With recompute a block keeps only its input: b s h fp32 values.
-        assert rc == [b * s * h * 4 for b in MBS]
-        assert full[0] < full[1]
-        assert all(r < f for r, f in zip(rc, full))
+        for b in MBS:
+            e = profile.lookup(FAST, t, b)
+            kept = {mode: r.block_activation_bytes for mode, r in e.recompute.items()}
+            assert set(kept) == {"none", "selective", "full"}
+            # Full recompute keeps only the block input: b s h fp32 values (the profile's own mode, at top level).
+            assert kept["full"] == e.block_activation_bytes == b * s * h * 4
+            assert kept["full"] < kept["selective"] < kept["none"]
+            # fp32 at tp 1 has no casts and no all-reduced copies: selective keeps exactly what the formula counts.
+            settings = TrainingSettings(global_batch_size=16, precision="fp32")
+            if t == 1:
+                assert kept["selective"] == selective_activation_bytes(SPEC, settings, t, b)
     # A TP shard keeps less than the whole block (the attention and MLP insides are split).
-    assert profile_no_recompute.lookup(FAST, 2, 1).block_activation_bytes < \
-        profile_no_recompute.lookup(FAST, 1, 1).block_activation_bytes
+    assert profile.lookup(FAST, 2, 1).recompute["none"].block_activation_bytes < \
+        profile.lookup(FAST, 1, 1).recompute["none"].block_activation_bytes
 
 
 def test_profile_entry_slowdown_and_shard_shapes():
@@ -166,13 +165,20 @@ def test_cost_model_uses_measured_times(profile, gpus, t, b):
     assert unit.block_act_bytes == profile.lookup(FAST, t, b).block_activation_bytes
 
 
-def test_cost_model_activation_bytes_without_recompute(profile_no_recompute):
-    settings = TrainingSettings(global_batch_size=16, precision="fp32", activation_recompute=False)
-    cost = CostModel(CLUSTER, SPEC, settings, profile_no_recompute)
-    for t in TPS:
-        for b in MBS:
-            unit = cost.unit_costs(FAST, 2.0, t, b)
-            assert unit.block_act_bytes == profile_no_recompute.lookup(FAST, t, b).block_activation_bytes
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_cost_model_uses_each_modes_measurement(profile, mode):
+    settings = TrainingSettings(global_batch_size=16, precision="fp32", activation_recompute=mode)
+    cost = CostModel(CLUSTER, SPEC, settings, profile)
+    for b in MBS:
+        measured = profile.lookup(FAST, 1, b)
+        unit = cost.unit_costs(FAST, 2.0, 1, b)
+        assert unit.recompute == mode
+        assert unit.block_act_bytes == measured.recompute[mode].block_activation_bytes
+        assert unit.block_s == pytest.approx(measured.block_forward_s + measured.recompute[mode].block_backward_s)
+        # and a stage that records its own mode is priced by it, whatever the settings say
+        stage_units = CostModel(CLUSTER, SPEC, settings.model_copy(update={"activation_recompute": "auto"}),
+                                profile).unit_costs(FAST, 2.0, 1, b, mode)
+        assert stage_units == unit
 
 
 def test_cost_model_rejects_profile_of_another_model(profile):

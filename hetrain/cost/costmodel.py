@@ -73,7 +73,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile
 from hetrain.spec.catalog import GPUType
-from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
+from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings
 
 
 def block_params(model: ModelSpec) -> int:
@@ -103,7 +103,7 @@ def head_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
 
 
 def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> float:
-    """FLOPs of forward + backward (+ recompute) for one sequence through the whole model."""
+    """FLOPs of forward + backward (+ full recompute's extra forward) for one sequence through the whole model."""
     mult = 4 if activation_recompute else 3
     return mult * model.num_layers * block_forward_flops(model, 1) + 3 * head_forward_flops(model, 1)
 
@@ -128,6 +128,32 @@ def block_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int
     split = s * b * act * (4 * h + 2 * f) / t
     weight_copies = 2 * block_params(model) / t if settings.precision != "fp32" else 0.0
     return whole + split + weight_copies
+
+
+def selective_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int, micro_batch_size: int) -> float:
+    """Bytes one block keeps per micro-batch under selective recompute (``hetrain.runtime.model.SELECTIVE_SAVE``).
+
+    The block input (fp32 residual) and the outputs of what is costly to recompute: q, k, v and
+    the attention output (split ``tp`` ways), the two projections back to ``h`` (whole; with
+    ``tp > 1`` both the partial product and its all-reduced copy), the MLP's first product
+    (split), and attention's log-sum-exp (fp32, one per head and position).
+    """
+    h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
+    act = settings.activation_bytes
+    products = s * b * act * ((4 * h + f) / t + 2 * h * (2 if t > 1 else 1))
+    return s * b * h * RESIDUAL_BYTES + products + s * b * (model.num_heads // t) * 4
+
+
+def selective_recompute_bytes(model: ModelSpec, settings: TrainingSettings, tp: int, micro_batch_size: int) -> float:
+    """Memory traffic of what selective recompute redoes in backward: it is elementwise, so bandwidth-bound.
+
+    Each dropped tensor is read and written once more (the norms, GELU, the residual adds and,
+    under autocast, the 16-bit weight copies): twice the bytes full recompute would keep beyond
+    selective. The profiler measures it on the device; this is the estimate without one.
+    """
+    dropped = block_activation_bytes(model, settings, tp, micro_batch_size) \
+        - selective_activation_bytes(model, settings, tp, micro_batch_size)
+    return 2 * max(dropped, 0.0)
 
 
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
@@ -159,6 +185,7 @@ class UnitCosts:
     opt_s_per_param: float  # optimizer step seconds per parameter held
     head_out_bytes: float = 0.0  # the logits in the compute dtype
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
+    recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
@@ -250,42 +277,70 @@ class CostModel:
 
     # ------------------------------------------------------------------ building blocks
 
-    def unit_costs(self, gpu: str, intra_bw_gbps: float, tp: int, micro_batch_size: int) -> UnitCosts:
-        key = (gpu, intra_bw_gbps, tp, micro_batch_size)
+    def unit_costs(self, gpu: str, intra_bw_gbps: float, tp: int, micro_batch_size: int,
+                   recompute: RecomputeMode | None = None) -> UnitCosts:
+        """Costs of one TP group's blocks under ``recompute`` (None: the settings' one mode for every stage)."""
+        recompute = self.settings.stage_recompute(recompute)
+        key = (gpu, intra_bw_gbps, tp, micro_batch_size, recompute)
         if key not in self._unit_cache:
-            self._unit_cache[key] = self._unit_costs(self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp, micro_batch_size)
+            self._unit_cache[key] = self._unit_costs(self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp,
+                                                     micro_batch_size, recompute)
         return self._unit_cache[key]
 
-    def _unit_costs(self, g: GPUType, gpu: str, bw: float, t: int, b: int) -> UnitCosts:
+    def _block_compute(self, g: GPUType, gpu: str, t: int, b: int, recompute: RecomputeMode) -> tuple[float, float, float]:
+        """(forward + backward seconds, bytes kept per micro-batch, bytes kept without recompute) of one block.
+
+        Measured per mode when the profile has it; an older profile's one mode gives the others
+        (full = none + one more forward); without a profile, from FLOPs and memory bandwidth.
+        """
+        m, st = self.model, self.settings
+        no_recompute_bytes = block_activation_bytes(m, st, t, b)
+        kept = {"none": no_recompute_bytes, "full": m.seq_length * b * m.hidden_size * RESIDUAL_BYTES,
+                "selective": selective_activation_bytes(m, st, t, b)}
+        entry = self.profile.lookup(gpu, t, b) if self.profile else None
+        if entry is not None and recompute in entry.recompute:
+            measured = entry.recompute[recompute]
+            kept_bytes = float(measured.block_activation_bytes)
+            if recompute == "selective" and t > 1:  # the all-reduced copies the profiler's lone shard has not
+                kept_bytes += 2 * m.seq_length * b * m.hidden_size * st.activation_bytes
+            if "none" in entry.recompute:
+                no_recompute_bytes = entry.recompute["none"].block_activation_bytes
+            return entry.block_forward_s + measured.block_backward_s, kept_bytes, no_recompute_bytes
+        if entry is not None:
+            fwd = entry.block_forward_s
+            plain = fwd + entry.block_backward_s - (fwd if self.profile.activation_recompute else 0.0)
+            if not self.profile.activation_recompute and entry.block_activation_bytes is not None:
+                no_recompute_bytes = kept["none"] = float(entry.block_activation_bytes)
+        else:
+            fwd = block_forward_flops(m, b) / (t * g.achievable_flops(st.precision))
+            plain = 3 * fwd
+        extra = {"none": 0.0, "full": fwd,
+                 "selective": selective_recompute_bytes(m, st, t, b) / (g.memory_bandwidth_gbps * GB)}
+        return plain + extra[recompute], kept[recompute], no_recompute_bytes
+
+    def _unit_costs(self, g: GPUType, gpu: str, bw: float, t: int, b: int, recompute: RecomputeMode) -> UnitCosts:
         m, st = self.model, self.settings
         h, s, V, f = m.hidden_size, m.seq_length, m.vocab_size, m.ffn_size
         act = st.activation_bytes
         flops = g.achievable_flops(st.precision)
-        recompute = st.activation_recompute
         msg = b * s * h * act  # one activation tensor of a micro-batch
         tp_ar = ring_allreduce_s(msg, t, bw, self.latency_s)
-        full_block_act = block_activation_bytes(m, st, t, b)
+        blk_compute, blk_act, no_recompute_act = self._block_compute(g, gpu, t, b, recompute)
 
         entry = self.profile.lookup(gpu, t, b) if self.profile else None
         if entry is not None:
-            blk_compute = entry.block_forward_s + entry.block_backward_s
             embed_compute = entry.embed_forward_s + entry.embed_backward_s
             head_compute = entry.head_forward_s + entry.head_backward_s
-            if entry.block_activation_bytes is not None:
-                full_block_act = float(entry.block_activation_bytes)
         else:
-            fwd = block_forward_flops(m, b) / (t * flops)
-            blk_compute = fwd * (4 if recompute else 3)
             head_compute = 3 * head_forward_flops(m, b) / flops  # every TP rank runs the whole head
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
 
-        # With recompute a block keeps only its input: the residual stream, fp32 in every precision.
-        blk_act = s * b * h * RESIDUAL_BYTES if recompute else full_block_act
         widest_grad = 2 * s * b * f * act / t  # GELU backward: the MLP hidden gradients in and out, both alive
         # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
         head_work = s * b * V * (4 + 4)
         return UnitCosts(
-            block_s=blk_compute + (6 if recompute else 4) * tp_ar,
+            # full recompute repeats the forward's two TP all-reduces; selective keeps their outputs
+            block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar,
             embed_s=embed_compute + tp_ar,
             head_s=head_compute,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
@@ -296,11 +351,13 @@ class CostModel:
             embed_act_bytes=msg,
             head_work_bytes=head_work,
             head_out_bytes=s * b * V * act,
-            block_work_bytes=(full_block_act if recompute else 0.0) + widest_grad,
+            # backward's transient: what recompute rebuilds for the one block in backward, then its gradients
+            block_work_bytes=max(no_recompute_act - blk_act, 0.0) + widest_grad,
             reserve_bytes=st.framework_reserve_gb * GB,
             capacity_bytes=g.memory_gb * GB,
             opt_s_per_param=2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB),
             opt_temp_ratio=FOREACH_TEMP_RATIO if gpu in self._cpu_types else 0.0,
+            recompute=recompute,
         )
 
     @property
@@ -345,7 +402,8 @@ class CostModel:
             stage_s, p2p = [], []
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
-                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b)
+                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b,
+                                    self.settings.stage_recompute(stage.recompute))
                 n_blocks = stage.layers[1] - stage.layers[0]
                 first, last = k == 0, k == S - 1
                 stage_s.append(u.stage_time_s(n_blocks, first, last))
@@ -417,11 +475,12 @@ class CostModel:
         """Sum over GPUs of the tokens/s each would reach training alone at this model's efficiency.
 
         Ignores memory, communication and bubbles: the ceiling no plan can pass. By default the
-        FLOPs are those of the settings (with recompute's extra forward when it is on);
-        ``useful_work=True`` counts forward + backward only, the bound against which recompute
-        is a cost and not work (what a plan that keeps every activation could approach).
+        FLOPs are those the settings force (full recompute's extra forward when every stage must
+        recompute fully); ``useful_work=True`` counts forward + backward only, the bound against
+        which recompute is a cost and not work (what a plan that keeps every activation could approach).
         """
-        per_seq = train_flops_per_sequence(self.model, self.settings.activation_recompute and not useful_work)
+        forced_full = self.settings.activation_recompute == "full"
+        per_seq = train_flops_per_sequence(self.model, forced_full and not useful_work)
         total = 0.0
         for node in self.cluster.nodes:
             g = self.cluster.gpu_type(node.gpu)

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
-from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, TrainingSettings, describe_validation_error)
+from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings,
+                                 describe_validation_error)
 
 PLAN_SCHEMA = "hetrain.plan/v1"
 
@@ -26,6 +27,8 @@ class StagePlan(BaseModel):
     devices: list[str] = Field(min_length=1, description="the stage's TP group, in TP-rank order")
     gpu: str
     layers: tuple[int, int] = Field(description="half-open range of transformer blocks [start, end)")
+    recompute: RecomputeMode | None = Field(
+        default=None, description="activation recompute of this stage's blocks; absent: the training settings' mode")
 
 
 class PipelinePlan(BaseModel):

@@ -11,12 +11,16 @@ Format (JSON)::
           "block_forward_s": 0.0021, "block_backward_s": 0.0043,   # one transformer block, one micro-batch
           "embed_forward_s": 0.0001, "embed_backward_s": 0.0002,   # token + position embedding
           "head_forward_s": 0.0015, "head_backward_s": 0.0030,     # final norm + LM head + loss
-          "block_activation_bytes": 123456789}                      # kept per in-flight micro-batch
+          "block_activation_bytes": 123456789,                      # kept per in-flight micro-batch
+          "recompute": {"none": {"block_backward_s": 0.0040, "block_activation_bytes": 987654321},
+                        "selective": {...}, "full": {...}}}         # per recompute mode
        ]}}
 
 Times are compute only, for the TP shard of one rank (``tp`` ranks each run 1/tp of the
 block); ``block_backward_s`` includes the recomputed forward when the profile was taken
-with ``activation_recompute``. Tensor-parallel and pipeline communication are added by the
+with ``activation_recompute``. ``recompute`` gives the backward and the kept bytes under each
+mode the planner may choose per stage; profiles written before it lack it, and the cost model
+derives the modes from the one that was measured. Tensor-parallel and pipeline communication are added by the
 cost model from the cluster's links. Entries are looked up by (GPU type, tp, micro-batch
 size); a missing entry falls back to the FLOP-based estimate.
 """
@@ -36,6 +40,15 @@ from hetrain.spec.specs import ModelSpec, describe_validation_error
 PROFILE_SCHEMA = "hetrain.profile/v1"
 
 
+class RecomputeEntry(BaseModel):
+    """A block's backward and kept bytes under one recompute mode (the forward is the same in every mode)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_backward_s: NonNegativeFloat
+    block_activation_bytes: NonNegativeInt
+
+
 class ProfileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,6 +61,8 @@ class ProfileEntry(BaseModel):
     head_forward_s: NonNegativeFloat = 0.0
     head_backward_s: NonNegativeFloat = 0.0
     block_activation_bytes: NonNegativeInt | None = None
+    # Per recompute mode (profiles from before per-stage recompute have only the profile's own mode above).
+    recompute: dict[Literal["none", "selective", "full"], RecomputeEntry] = {}
 
 
 class Profile(BaseModel):

@@ -2,15 +2,17 @@
 
 What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro-batch at a time:
 
-* one transformer block, forward and backward (``block_backward_s`` includes the recomputed
-  forward when profiling with ``activation_recompute``: the block runs under
-  ``torch.utils.checkpoint`` non-reentrant, exactly as ``GPT.forward`` does);
+* one transformer block, forward and backward, under each activation recompute mode the
+  planner may choose per stage (``recompute``: none, selective, full), run through
+  ``hetrain.runtime.model.run_block`` exactly as ``GPT.forward`` runs it; the top-level
+  ``block_backward_s`` is the profile's own mode (full with ``activation_recompute``, else none),
+  for readers of older profiles;
 * the embedding (token + position lookup and their sum) and the head (final LayerNorm, LM
   head and ``lm_loss``), forward and backward;
-* ``block_activation_bytes``: bytes one block keeps saved for backward for one micro-batch,
-  counted with ``saved_tensors_hooks`` and de-duplicated by storage (parameters excluded), as
-  ``hetrain.runtime.instrument.StageMeter`` counts them at run time. With recompute that is just the
-  block input (the checkpoint keeps it to recompute from); without, every tensor autograd saves.
+* ``block_activation_bytes`` per mode: bytes one block keeps alive for backward for one
+  micro-batch, its input included (``_kept_bytes``: the storages its forward creates that
+  outlive it, which also sees selective recompute's cache). With full recompute that is just
+  the block input (the checkpoint keeps it to recompute from).
 
 On a GPU: the mean wall-clock time (``time.perf_counter``) of ``repeats`` runs issued back to
 back after ``warmup`` runs, synchronised only around the batch, as a training step overlaps
@@ -42,18 +44,18 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
-from hetrain.profiling.profile import Profile, ProfileEntry
-from hetrain.runtime.model import Block, init_parameter, lm_loss
-from hetrain.spec.specs import ClusterSpec, ModelSpec
+from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry
+from hetrain.runtime.model import Block, init_parameter, lm_loss, run_block
+from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -208,26 +210,39 @@ def _time_fwd_bwd_pipelined(
     return fwd, max(both - fwd, 0.0)
 
 
-def _saved_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> int:
-    """Bytes autograd saves for backward while ``run`` executes, de-duplicated by storage.
+def _kept_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], x: torch.Tensor,
+                device: torch.device, precision: Precision) -> int:
+    """Bytes ``run``'s forward leaves alive for backward, its input included: what one block keeps per micro-batch.
 
-    Parameters (and views of them, e.g. a transposed weight) are not activations and are left
-    out, as in ``StageMeter``. The graph is dropped without running backward.
+    Every storage an op creates during the forward is followed (weakly); those still alive
+    once the forward returned, but for its output, are what autograd (or selective recompute's
+    cache, which saved-tensor hooks do not see) keeps. The input is counted too: every mode
+    keeps it (the first norm saves it, or the checkpoint recomputes from it). Parameters and
+    views of them are left out, as in ``StageMeter``; ``x``, the tensor ``run`` feeds the block
+    (a view of it is the input), is counted once, as fp32. The graph is dropped without backward.
     """
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in param_ptrs:
-                storages[ptr] = t.untyped_storage().nbytes()
-        return t
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
+    created: dict[int, tuple[weakref.ref, int]] = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    class _Follow(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in param_ptrs and st.data_ptr() not in created and st.nbytes():
+                        created[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+            return out
+
+    with _autocast(device, precision), _Follow():
         out = run()
+    out_ptr = out.untyped_storage().data_ptr()
+    kept = sum(n for ptr, (ref, n) in created.items() if ptr != out_ptr and ref() is not None)
     del out
-    return sum(storages.values())
+    return kept + x.numel() * 4  # the block input: the fp32 residual stream
 
 
 # --------------------------------------------------------------------------- public API
@@ -264,30 +279,25 @@ def _measure(
     b, s, h = micro_batch_size, spec.seq_length, spec.hidden_size
     gen = torch.Generator().manual_seed(1234 + 7 * b)
 
-    def block_run(block: Block, x: torch.Tensor) -> torch.Tensor:
-        if activation_recompute:
-            return checkpoint(block, x, use_reentrant=False)
-        return block(x)
-
-    # One transformer block (the TP shard of one rank).
+    # One transformer block (the TP shard of one rank), under each recompute mode.
     block = shard_block(spec, tp).to(device)
     x0 = (torch.randn(b, s, h, generator=gen)).to(device)
     gy = (torch.randn(b, s, h, generator=gen) * 1e-3).to(device)
+    per_mode: dict[str, tuple[float, float, int]] = {}
+    for mode in RECOMPUTE_MODES:
+        def block_fwd(mode=mode) -> torch.Tensor:
+            # A fresh leaf each run, like a received stage input: its gradient is computed too.
+            return run_block(block, x0.detach().requires_grad_(), mode)
 
-    def block_fwd() -> torch.Tensor:
-        # A fresh leaf each run, like a received stage input: its gradient is computed too.
-        return block_run(block, x0.detach().requires_grad_())
-
-    block_fwd_s, block_bwd_s = _time_fwd_bwd(
-        block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats
-    )
-
-    def block_saved() -> torch.Tensor:
-        with _autocast(device, precision):
-            return block_run(block, x0.detach().requires_grad_())
-
-    act_bytes = _saved_bytes(block_saved, block.parameters())
+        fwd_s, bwd_s = _time_fwd_bwd(block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats)
+        per_mode[mode] = (fwd_s, bwd_s, _kept_bytes(block_fwd, block.parameters(), x0, device, precision))
     del block
+    own = "full" if activation_recompute else "none"
+    block_fwd_s = per_mode["none"][0]  # the forward every mode runs (selective's policy adds its own dispatch)
+    recompute = {mode: RecomputeEntry(block_backward_s=max(f + b_ - block_fwd_s, 0.0), block_activation_bytes=kept)
+                 for mode, (f, b_, kept) in per_mode.items()}
+    block_bwd_s = recompute[own].block_backward_s
+    act_bytes = recompute[own].block_activation_bytes
 
     if ends is None:
         ends = _measure_ends(spec, b, device=device, precision=precision, warmup=warmup, repeats=repeats)
@@ -302,6 +312,7 @@ def _measure(
         head_forward_s=head_fwd_s,
         head_backward_s=head_bwd_s,
         block_activation_bytes=act_bytes,
+        recompute=recompute,
     )
 
 
@@ -378,6 +389,8 @@ def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
         for k in ("block_forward_s", "block_backward_s", "embed_forward_s", "embed_backward_s",
                   "head_forward_s", "head_backward_s")
     }
+    times["recompute"] = {mode: r.model_copy(update={"block_backward_s": r.block_backward_s * slowdown})
+                          for mode, r in entry.recompute.items()}
     return entry.model_copy(update=times)
 
 

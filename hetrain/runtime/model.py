@@ -12,16 +12,58 @@ starts from exactly the weights a single-process model would have.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hetrain.spec.specs import ModelSpec
+from hetrain.spec.specs import RECOMPUTE_MODES, ModelSpec, RecomputeMode
 
 INIT_STD = 0.02
+
+
+def _ops(*names: str) -> frozenset:
+    """The ops of this torch build among ``names`` (``ns.op.overload``): newer builds add attention kernels."""
+    found = set()
+    for name in names:
+        ns, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, ns), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+# Selective recompute keeps what is costly to compute (matrix products, attention, tensor-parallel
+# all-reduces) and recomputes the rest in backward: norms, GELU, residual adds and autocast's 16-bit
+# weight copies, which hold much of a block's memory and cost a few percent of its time. It is the
+# SDPA-era counterpart of Megatron's "selective" (which drops the s x s attention scores): SDPA keeps
+# no s x s matrix, so recomputing the attention core alone would save nothing here.
+SELECTIVE_SAVE = _ops(
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_gather_into_tensor.default",
+)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_block(block: nn.Module, x: torch.Tensor, recompute: RecomputeMode) -> torch.Tensor:
+    """One block's forward under a recompute mode (see ``SELECTIVE_SAVE``); plain outside autograd."""
+    if recompute == "none" or not torch.is_grad_enabled():
+        return block(x)
+    if recompute == "full":
+        return checkpoint(block, x, use_reentrant=False)
+    return checkpoint(block, x, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy))
 
 
 @torch.no_grad()
@@ -84,7 +126,7 @@ class GPT(nn.Module):
         *,
         has_embedding: bool | None = None,
         has_head: bool | None = None,
-        activation_recompute: bool = False,
+        recompute: RecomputeMode | bool = "none",
     ) -> None:
         super().__init__()
         lo, hi = layers if layers is not None else (0, spec.num_layers)
@@ -92,7 +134,11 @@ class GPT(nn.Module):
             raise ValueError(f"layers [{lo}, {hi}) outside the {spec.num_layers} blocks of {spec.name}")
         self.spec = spec
         self.layer_range = (lo, hi)
-        self.activation_recompute = activation_recompute
+        if isinstance(recompute, bool):
+            recompute = "full" if recompute else "none"
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute: expected one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+        self.recompute: RecomputeMode = recompute
         first = lo == 0 if has_embedding is None else has_embedding
         last = hi == spec.num_layers if has_head is None else has_head
         self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
@@ -107,10 +153,7 @@ class GPT(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.tok_embedding(x) + self.pos_embedding(positions)
         for block in self.layers.values():
-            if self.activation_recompute and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = run_block(block, x, self.recompute)
         if self.head is not None:
             x = self.head(self.norm(x))
         return x

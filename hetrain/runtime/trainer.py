@@ -68,10 +68,14 @@ class Trainer:
                  emulate: EmulateSpec | None, device: torch.device) -> None:
         self.config, self.plan, self.layout, self.role, self.device = config, plan, layout, role, device
         settings = plan.settings()
-        recompute = settings.activation_recompute if config.activation_recompute is None else config.activation_recompute
+        if config.activation_recompute is None:  # the stage's own mode from the plan
+            recompute = settings.stage_recompute(plan.pipelines[role.pipeline].stages[role.stage].recompute)
+        else:
+            recompute = "full" if config.activation_recompute else "none"
+        self.recompute = recompute
         self.precision = config.resolved_precision(plan, device.type)
         self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
-        model = GPT(plan.model, role.layers, activation_recompute=recompute)
+        model = GPT(plan.model, role.layers, recompute=recompute)
         model.init_weights(config.seed)
         model.to(device)
         # torchtitan's order: tensor parallelism, then precision, then compile each block.

@@ -216,6 +216,12 @@ class ModelSpec(_Spec):
 # --------------------------------------------------------------------------- training settings
 
 
+RecomputeMode = Literal["none", "selective", "full"]
+RecomputeSetting = Literal["auto", "none", "selective", "full"]
+# Least recompute (fastest, most memory) first: the order in which the planner tries them.
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+
+
 class TrainingSettings(_Spec):
     """What the planner may vary and what it must respect, besides the hardware."""
 
@@ -230,12 +236,38 @@ class TrainingSettings(_Spec):
         description="weights + gradients + optimizer state per parameter; mixed-precision Adam: "
         "2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + 4 + 4 (Adam moments) = 16",
     )
-    activation_recompute: bool = Field(default=True, description="recompute each block's activations in backward")
+    activation_recompute: RecomputeSetting = Field(
+        default="auto",
+        description="which activations blocks recompute in backward: 'auto' lets the planner pick per stage "
+        "(none where memory allows, else selective, else full); one mode applies it to every stage. "
+        "true/false, from files written before per-stage recompute, read as 'auto'/'none'")
     grad_reduce: Literal["fp32", "bf16"] = Field(
         default="fp32", description="dtype of the data-parallel gradient all-reduce (gradients are held in fp32)")
     framework_reserve_gb: NonNegativeFloat = Field(
         default=2.0, description="per-GPU memory held by CUDA context, allocator and communication buffers"
     )
+
+    @field_validator("activation_recompute", mode="before")
+    @classmethod
+    def _recompute_from_bool(cls, v):
+        if isinstance(v, bool):
+            return "auto" if v else "none"
+        return v
+
+    @property
+    def recompute_modes(self) -> tuple[RecomputeMode, ...]:
+        """The modes a planner may choose from, least recompute first."""
+        return RECOMPUTE_MODES if self.activation_recompute == "auto" else (self.activation_recompute,)
+
+    def stage_recompute(self, recorded: RecomputeMode | None) -> RecomputeMode:
+        """The mode a stage runs: the plan's record, else one for every stage.
+
+        A plan written before per-stage recompute records none: with recompute allowed those plans
+        recomputed every block fully, so 'auto' reads as 'full' there.
+        """
+        if recorded is not None:
+            return recorded
+        return "full" if self.activation_recompute == "auto" else self.activation_recompute
 
     @field_validator("tp_degrees")
     @classmethod
