@@ -17,7 +17,7 @@ stage's memory (``split_layers``), ties broken towards less total work.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -39,6 +39,7 @@ class GroupClass:
     nodes: tuple[str, ...]
     groups_per_node: tuple[int, ...]
     modes: tuple[UnitCosts, ...]  # one per allowed activation recompute mode, least recompute first
+    _options: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -49,9 +50,17 @@ class GroupClass:
         """Costs with the least recompute allowed: the fastest blocks, the most memory."""
         return self.modes[0]
 
+    def options(self, first: bool, last: bool, in_flight: int) -> list[tuple[float, int]]:
+        """(seconds per block, most blocks that fit) of a stage of this class, per allowed mode (cached)."""
+        key = (first, last, in_flight)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = [(u.block_s, u.max_blocks(first, last, in_flight)) for u in self.modes]
+        return found
+
     def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
         """Most blocks a stage of this class holds in any allowed mode."""
-        return max(u.max_blocks(first, last, in_flight) for u in self.modes)
+        return max(c for _, c in self.options(first, last, in_flight))
 
 
 def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int) -> list[GroupClass]:
@@ -108,29 +117,40 @@ def split_layers_modes(
     most = [max(c for _, c in opts) for opts in options]
     if any(c < 1 for c in most) or sum(most) < num_layers or S > num_layers:
         return None
+    O = max(len(opts) for opts in options)
+    # (stage, mode) tables, padded with modes that hold nothing; numpy evaluates all stages at once
+    per_block = np.full((S, O), np.inf)
+    cap = np.zeros((S, O))
+    for k, opts in enumerate(options):
+        for i, (b, c) in enumerate(opts):
+            per_block[k, i], cap[k, i] = b, max(c, 0)
+    extra = np.asarray(extra_s, dtype=float)[:, None]
 
-    def take(k: int, tau: float) -> tuple[int, int]:
-        """(blocks, mode) of stage k at bottleneck tau: the most blocks any mode allows."""
-        return max((min(c, int((tau - extra_s[k]) / b + 1e-9)), -i) for i, (b, c) in enumerate(options[k]))
+    def take(tau: float) -> np.ndarray:
+        """Blocks per (stage, mode) at bottleneck tau."""
+        return np.minimum(cap, np.floor((tau - extra) / per_block + 1e-9))
 
-    def fill(tau: float) -> list[tuple[int, int]] | None:
-        n = [take(k, tau) for k in range(S)]
-        return n if all(v >= 1 for v, _ in n) and sum(v for v, _ in n) >= num_layers else None
+    def feasible(tau: float) -> bool:
+        n = take(tau).max(axis=1)
+        return bool(n.min() >= 1 and n.sum() >= num_layers)
 
-    candidates = sorted({n * b + extra_s[k] for k in range(S) for b, c in options[k] for n in range(1, c + 1)})
+    counts = np.arange(1, int(cap.max()) + 1)
+    values = counts * per_block[:, :, None] + extra[:, :, None]  # (stage, mode, blocks)
+    candidates = np.unique(values[counts <= cap[:, :, None]])
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if fill(candidates[mid]) is None:
-            lo = mid + 1
-        else:
+        if feasible(candidates[mid]):
             hi = mid
-    chosen = fill(candidates[lo])
-    if chosen is None:
+        else:
+            lo = mid + 1
+    if not feasible(candidates[lo]):
         return None
-    n = [v for v, _ in chosen]
+    table = take(candidates[lo])
+    chosen = table.argmax(axis=1)  # the most blocks; ties to the least recompute (listed first)
+    n = [int(table[k, chosen[k]]) for k in range(S)]
     surplus = sum(n) - num_layers
-    for k in sorted(range(S), key=lambda k: -options[k][-chosen[k][1]][0]):
+    for k in sorted(range(S), key=lambda k: -per_block[k, chosen[k]]):
         give = min(surplus, n[k] - 1)
         n[k] -= give
         surplus -= give
@@ -204,7 +224,7 @@ def build_template(
     def split(order: tuple[int, ...]) -> tuple[list[int], list[UnitCosts]] | None:
         """Blocks per stage and the recompute mode each stage runs (its unit costs)."""
         modes = [classes[c].modes for c in order]
-        options = [[(u.block_s, u.max_blocks(first[k], last[k], S - k)) for u in modes[k]] for k in range(S)]
+        options = [classes[c].options(first[k], last[k], S - k) for k, c in enumerate(order)]
         extra = [modes[k][0].stage_time_s(0, first[k], last[k]) for k in range(S)]
         found = split_layers_modes(L, options, extra)
         if found is None:
