@@ -62,7 +62,7 @@ def plain_loop(spec_json: str, steps: int, global_batch: int, micro_batch: int, 
     if not cuda:
         torch.set_num_threads(1)
     spec = ModelSpec.model_validate_json(spec_json)
-    model = GPT(spec, activation_recompute=recompute)
+    model = GPT(spec, recompute=recompute)
     model.init_weights(0)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if cuda else {"foreach": True}))

@@ -73,7 +73,7 @@ def ddp_worker(config_path: str) -> None:
         global_batch, micro_batch = cfg["global_batch_size"], cfg["micro_batch_size"]
         per_rank = global_batch // world
         num_micro = per_rank // micro_batch
-        model = GPT(spec, activation_recompute=cfg["activation_recompute"])
+        model = GPT(spec, recompute=cfg["activation_recompute"])
         model.init_weights(cfg["seed"])
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])

@@ -24,7 +24,7 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
-from hetrain.profiling.profile import Profile
+from hetrain.profiling.profile import PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES
 from hetrain.recovery.runs import backup_problem, check_run_paths, run_dir_of, start_or_resume
 from hetrain.runtime.launch import RunStopped, launch
@@ -43,8 +43,8 @@ def _path(p: str) -> Path:
 
 @task(cache_policy=INPUTS, persist_result=True, retries=1)
 def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[int], tp_degrees: list[int],
-            activation_recompute: bool, precision: str = "fp32") -> dict:
-    """Per-layer times on this machine for each GPU type (cached by model and types)."""
+            activation_recompute: bool, precision: str, measures: int) -> dict:
+    """Per-layer times on this machine for each GPU type (cached by model, types and what the profiler measures)."""
     import torch
 
     from hetrain.profiling.profiler import profile_model
@@ -180,7 +180,7 @@ def train(
     if use_profile:
         prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
                        [t for t in settings.tp_degrees if spec.tp_divides(t)],
-                       settings.activation_recompute != "none", settings.precision)
+                       settings.activation_recompute != "none", settings.precision, PROFILER_MEASURES)
     plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
     the_plan = Plan.model_validate(plan_json)
     cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)

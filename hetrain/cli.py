@@ -261,7 +261,7 @@ def profile(
     cluster: Annotated[Path | None, typer.Option(help="file entries under each GPU type of this cluster, "
                                                        "scaled by its `emulate.slowdown` on CPU")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32 (CPU: fp32)")] = "fp32",
-    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="profile without activation recompute")] = False,
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="top-level entries without recompute, for readers of older profiles (every mode is measured under `recompute` either way)")] = False,
     threads: Annotated[int, typer.Option(min=1, max=MAX_THREADS, help="CPU threads, as each training rank uses")] = 1,
 ):
     """Measure per-layer forward/backward time and activation memory on this device."""

@@ -124,13 +124,19 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 )
                 for r in range(d)
             ]
-            probe = cost.estimate(_plan(cost, cluster, t, b, pipes))
-            tau = [pe.bottleneck_s for pe in probe.pipelines]
-            fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
-            counts = allocate_microbatches(tau, fill, M)
-            pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]
-            best, n = _fastest_uniform(cost, _plan(cost, cluster, t, b, pipes), best)
-            tried += n
+            for mode in cost.settings.recompute_modes:  # the batch split follows each mode's speeds
+                moded = [pp.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in pp.stages]})
+                         for pp in pipes]
+                probe = cost.estimate(_plan(cost, cluster, t, b, moded))
+                tau = [pe.bottleneck_s for pe in probe.pipelines]
+                fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
+                counts = allocate_microbatches(tau, fill, M)
+                moded = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(moded, counts)]
+                plan = _plan(cost, cluster, t, b, moded)
+                est = cost.estimate(plan)
+                tried += 1
+                if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
+                    best = (est.iteration_time_s, plan)
     return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
 
 

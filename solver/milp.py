@@ -296,7 +296,7 @@ class _TemplateArrays:
 
 def fluid_lower_bound_s(space: Space, available: list[int], M: int) -> float:
     """No plan beats every usable group computing blocks nonstop: M x L block-passes / total rate."""
-    rate = sum(a / c.units.block_s for a, c in zip(available, space.classes) if a)
+    rate = sum(a / c.fastest_block_s for a, c in zip(available, space.classes) if a)
     return M * space.num_layers / rate if rate else float("inf")
 
 

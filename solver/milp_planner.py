@@ -28,6 +28,7 @@ from solver.space import Space, build_space, group_classes
 PRUNE_MARGIN = 0.02
 # clusters with at most this many nodes get a scope per subset of nodes
 MAX_SUBSET_NODES = 4
+INSIDE_NODES = ", buckets inside nodes"  # the label of a scope priced as if no bucket crossed nodes
 # plans of 1..ALIGNED_COPIES identical pipelines (and the most that fit) are scored exactly too
 ALIGNED_COPIES = 8
 # the local-improvement pass starts from this many of the best distinct scored plans (and the
@@ -78,7 +79,7 @@ def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int
         scopes.append((label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
         if small and len(sub) > 1:
             inside = min(cluster.node_by_name[n].intra_node_bandwidth_gbps for n in sub)
-            scopes.append((label + ", buckets inside nodes", avail, inside))
+            scopes.append((label + INSIDE_NODES, avail, inside))
     return scopes
 
 
@@ -116,7 +117,7 @@ def plan_milp(
     for t, b in tp_and_micro_batch(cluster, cost):
         classes = group_classes(cluster, cost, t, b)
         M = cost.settings.global_batch_size // b
-        rate = sum(c.count / c.units.block_s for c in classes)
+        rate = sum(c.count / c.fastest_block_s for c in classes)
         pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
     all_spaces = []
     for fluid_s, t, b in sorted(pending):
@@ -138,7 +139,8 @@ def plan_milp(
             if res is None:
                 continue
             statuses.add(res.status)
-            best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
+            if not label.endswith(INSIDE_NODES):  # an optimistic price must not prune the honest ones
+                best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
             # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
             # the full cost model decides among its best answer for each pipeline count
             for chosen in res.candidates:

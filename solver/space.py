@@ -50,6 +50,11 @@ class GroupClass:
         """Costs with the least recompute allowed: the fastest blocks, the most memory."""
         return self.modes[0]
 
+    @property
+    def fastest_block_s(self) -> float:
+        """The least seconds per block of any allowed mode (a measured profile may rank modes either way)."""
+        return min(u.block_s for u in self.modes)
+
     def options(self, first: bool, last: bool, in_flight: int) -> list[tuple[float, int]]:
         """(seconds per block, most blocks that fit) of a stage of this class, per allowed mode (cached)."""
         key = (first, last, in_flight)

@@ -10,7 +10,7 @@ from hetrain.plan.schema import validate_plan
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.assemble import allocate_microbatches
 from solver.planner import make_plan
-from solver.space import split_layers
+from solver.space import split_layers, split_layers_modes
 
 
 def assert_valid(result, cluster, model, settings):
@@ -30,6 +30,34 @@ def assert_valid(result, cluster, model, settings):
     again = CostModel(cluster, model, settings).estimate(plan)
     assert again.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-5)
     assert plan.solver.status and plan.solver.wall_s >= 0
+
+
+def test_split_layers_modes_picks_the_least_recompute_that_holds_the_blocks():
+    # stage modes: (seconds per block, most blocks that fit); fast-but-roomy-less first
+    none, selective, full = (1.0, 3), (1.1, 5), (1.4, 10)
+    # 6 blocks on two stages: 3 each fit without recompute
+    assert split_layers_modes(6, [[none, selective, full]] * 2, [0.0, 0.0]) == ([3, 3], [0, 0])
+    # 8 blocks: 4 each need selective (4.4 s) rather than 5 + 3 (5.5 s)
+    assert split_layers_modes(8, [[none, selective, full]] * 2, [0.0, 0.0]) == ([4, 4], [1, 1])
+    # a stage that can only recompute fully takes fewer blocks; the other keeps what it can
+    assert split_layers_modes(8, [[none, selective, full], [full]], [0.0, 0.0]) == ([5, 3], [1, 0])
+    # nothing holds 30 blocks
+    assert split_layers_modes(30, [[none, selective, full]] * 2, [0.0, 0.0]) is None
+
+
+def test_settings_and_plans_from_before_per_stage_recompute():
+    from hetrain.plan.schema import StagePlan
+    from hetrain.spec.specs import TrainingSettings
+
+    old_on = TrainingSettings(global_batch_size=8, activation_recompute=True)
+    old_off = TrainingSettings(global_batch_size=8, activation_recompute=False)
+    assert old_on.activation_recompute == "auto" and old_on.recompute_modes == ("none", "selective", "full")
+    assert old_off.activation_recompute == "none" and old_off.recompute_modes == ("none",)
+    stage = StagePlan.model_validate({"devices": ["a/0"], "gpu": "cpu", "layers": [0, 2]})
+    assert stage.recompute is None
+    assert old_on.stage_recompute(stage.recompute) == "full"  # what those plans ran
+    assert old_off.stage_recompute(stage.recompute) == "none"
+    assert old_on.stage_recompute("selective") == "selective"
 
 
 def test_split_layers_balances_bottleneck():

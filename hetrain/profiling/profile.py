@@ -38,6 +38,9 @@ from hetrain.files import read_versioned_json
 from hetrain.spec.specs import ModelSpec, describe_validation_error
 
 PROFILE_SCHEMA = "hetrain.profile/v1"
+# What the profiler measures, for caches of profiles (the flows' profile task): raised whenever it
+# measures something new, so a cached profile without it is taken again. 2: per recompute mode.
+PROFILER_MEASURES = 2
 
 
 class RecomputeEntry(BaseModel):

@@ -233,8 +233,11 @@ def _kept_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor],
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     st = t.untyped_storage()
-                    if st.data_ptr() not in param_ptrs and st.data_ptr() not in created and st.nbytes():
-                        created[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+                    ptr = st.data_ptr()
+                    prev = created.get(ptr)
+                    # an allocator (CUDA's caching one) hands a freed block's address to the next tensor
+                    if ptr not in param_ptrs and st.nbytes() and (prev is None or prev[0]() is None):
+                        created[ptr] = (weakref.ref(st), st.nbytes())
             return out
 
     with _autocast(device, precision), _Follow():
