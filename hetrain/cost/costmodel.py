@@ -351,8 +351,11 @@ class CostModel:
             embed_act_bytes=msg,
             head_work_bytes=head_work,
             head_out_bytes=s * b * V * act,
-            # backward's transient: what recompute rebuilds for the one block in backward, then its gradients
-            block_work_bytes=max(no_recompute_act - blk_act, 0.0) + widest_grad,
+            # backward's transient: what recompute rebuilds for the one block in backward (all it would
+            # have saved but the kept input, which is counted above, plus the input's fp32 copy the
+            # rebuilt norm saves), then its gradients
+            block_work_bytes=(0.0 if recompute == "none" else
+                              max(no_recompute_act - blk_act, 0.0) + s * b * h * RESIDUAL_BYTES) + widest_grad,
             reserve_bytes=st.framework_reserve_gb * GB,
             capacity_bytes=g.memory_gb * GB,
             opt_s_per_param=2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB),
