@@ -84,18 +84,13 @@ def lp_alone(count: int = 300) -> dict:
     """Both LP solvers on the same random covering LPs of the planner's sizes, interleaved."""
     import numpy as np
 
-    from solver.bounds import lp_capacity, lp_capacity_highs
+    from solver.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
 
     rng = np.random.default_rng(0)
     times: dict[str, list[float]] = {"numpy": [], "highs": []}
     worst = 0.0
     for _ in range(count):
-        J, K = int(rng.integers(5, 200)), int(rng.integers(1, 10))
-        cap = rng.integers(0, 50, J).astype(float)
-        use = rng.integers(0, 4, (J, K)).astype(float)
-        use[:, 0] += 1
-        available = rng.integers(1, 40, K).astype(float)
-        most = int(rng.integers(1, 64))
+        cap, use, available, most = random_cover_lp(rng)
         values = {}
         for name, solve in (("numpy", lp_capacity), ("highs", lp_capacity_highs)):
             t0 = time.perf_counter()

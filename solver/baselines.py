@@ -19,7 +19,7 @@ import time
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
-from hetrain.spec.specs import ClusterSpec
+from hetrain.spec.specs import ClusterSpec, RecomputeMode
 from solver.assemble import allocate_microbatches, finish
 from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
 from solver.space import group_classes
@@ -47,17 +47,18 @@ def _plan(cost: CostModel, cluster: ClusterSpec, t: int, b: int, pipelines: list
     )
 
 
-def _fastest_uniform(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tuple[tuple[float, Plan] | None, int]:
-    """The better of ``best`` and ``plan`` with each allowed recompute mode on every stage; and how many were tried."""
-    modes = cost.settings.recompute_modes
-    for mode in modes:
-        uniform = plan.model_copy(update={"pipelines": [
-            p.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in p.stages]})
-            for p in plan.pipelines]})
-        est = cost.estimate(uniform)
-        if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
-            best = (est.iteration_time_s, uniform)
-    return best, len(modes)
+def _with_recompute(pipes: list[PipelinePlan], mode: RecomputeMode) -> list[PipelinePlan]:
+    """The pipelines with one recompute mode on every stage (the baselines' single flag)."""
+    return [p.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in p.stages]})
+            for p in pipes]
+
+
+def _better(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tuple[float, Plan] | None:
+    """``plan`` if it fits and beats ``best``, else ``best``."""
+    est = cost.estimate(plan)
+    if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
+        return est.iteration_time_s, plan
+    return best
 
 
 def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
@@ -91,8 +92,9 @@ def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 for k in range(p)
             ]
             pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
-        best, n = _fastest_uniform(cost, _plan(cost, cluster, t, b, pipes), best)
-        tried += n
+        for mode in cost.settings.recompute_modes:
+            best = _better(cost, _plan(cost, cluster, t, b, _with_recompute(pipes, mode)), best)
+            tried += 1
     return _best_of("megatron", "no Megatron grid fits", best, tried, t0, cluster, cost)
 
 
@@ -125,18 +127,14 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 for r in range(d)
             ]
             for mode in cost.settings.recompute_modes:  # the batch split follows each mode's speeds
-                moded = [pp.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in pp.stages]})
-                         for pp in pipes]
+                moded = _with_recompute(pipes, mode)
                 probe = cost.estimate(_plan(cost, cluster, t, b, moded))
                 tau = [pe.bottleneck_s for pe in probe.pipelines]
                 fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
                 counts = allocate_microbatches(tau, fill, M)
                 moded = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(moded, counts)]
-                plan = _plan(cost, cluster, t, b, moded)
-                est = cost.estimate(plan)
+                best = _better(cost, _plan(cost, cluster, t, b, moded), best)
                 tried += 1
-                if not est.over_capacity() and (best is None or est.iteration_time_s < best[0]):
-                    best = (est.iteration_time_s, plan)
     return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
 
 

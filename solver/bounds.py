@@ -154,3 +154,16 @@ class CoverLp:
             if math.floor(most + 1e-6) < self.min_pipelines:
                 return False
         return True
+
+
+def random_cover_lp(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A covering LP of the planner's sizes (5-200 templates, 1-10 group classes): ``lp_capacity``'s arguments.
+
+    What the test and ``bench/solver_scale.py`` hold the two LP solvers against each other on.
+    """
+    J, K = int(rng.integers(5, 200)), int(rng.integers(1, 10))
+    cap = rng.integers(0, 50, J).astype(float)
+    use = rng.integers(0, 4, (J, K)).astype(float)
+    use[:, 0] += 1  # every template uses at least one group
+    available = rng.integers(1, 40, K).astype(float)
+    return cap, use, available, int(rng.integers(1, 64))

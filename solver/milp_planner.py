@@ -12,6 +12,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
@@ -28,7 +29,6 @@ from solver.space import Space, build_space, group_classes
 PRUNE_MARGIN = 0.02
 # clusters with at most this many nodes get a scope per subset of nodes
 MAX_SUBSET_NODES = 4
-INSIDE_NODES = ", buckets inside nodes"  # the label of a scope priced as if no bucket crossed nodes
 # plans of 1..ALIGNED_COPIES identical pipelines (and the most that fit) are scored exactly too
 ALIGNED_COPIES = 8
 # the local-improvement pass starts from this many of the best distinct scored plans (and the
@@ -46,8 +46,17 @@ IMPROVE_ALL_STARTS_UP_TO = 8
 IMPROVE_WITHIN = 0.03
 
 
-def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int], float]]:
-    """(label, groups available per class, gradient all-reduce bandwidth) for each scope.
+class Scope(NamedTuple):
+    """Nodes a plan may use, as the MILP sees them: groups per class and the gradient all-reduce link."""
+
+    label: str
+    available: list[int]
+    sync_bw_gbps: float
+    optimistic: bool = False  # priced as if no bucket crossed nodes: may not bound the others
+
+
+def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[Scope]:
+    """Every scope the MILP is solved for.
 
     A scope restricts the plan to some nodes so the MILP knows the slowest link its
     all-reduces cross: every subset of nodes on small clusters, else each class's biggest
@@ -67,20 +76,20 @@ def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[tuple[str, list[int
             biggest = max(range(len(c.nodes)), key=lambda i: c.groups_per_node[i])
             subsets.append({c.nodes[biggest]})
     scopes = []
-    for sub in [set(nodes)] + subsets:
+    for label, sub in [("all nodes", set(nodes))] + [(_scope_label(sub), sub) for sub in subsets]:
         avail = [0] * len(space.classes)
         for cls, n, g in holders:
             if n in sub:
                 avail[cls] += g
-        if sub == set(nodes):
-            label = "all nodes"
-        else:
-            label = "node " + ",".join(sorted(sub)) if len(sub) == 1 else "nodes " + ",".join(sorted(sub))
-        scopes.append((label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
+        scopes.append(Scope(label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
         if small and len(sub) > 1:
             inside = min(cluster.node_by_name[n].intra_node_bandwidth_gbps for n in sub)
-            scopes.append((label + INSIDE_NODES, avail, inside))
+            scopes.append(Scope(label + ", buckets inside nodes", avail, inside, optimistic=True))
     return scopes
+
+
+def _scope_label(nodes: set[str]) -> str:
+    return ("node " if len(nodes) == 1 else "nodes ") + ",".join(sorted(nodes))
 
 
 def plan_milp(
@@ -129,7 +138,7 @@ def plan_milp(
         all_spaces.append(space)
         templates += len(space.templates)
         M = cost.settings.global_batch_size // space.micro_batch_size
-        for label, avail, bw in _sync_scopes(cluster, space):
+        for label, avail, bw, optimistic in _sync_scopes(cluster, space):
             if best is not None and fluid_lower_bound_s(space, avail, M) >= best[0]:
                 continue  # this scope's groups cannot beat the best plan even computing nonstop
             if progress:
@@ -139,7 +148,7 @@ def plan_milp(
             if res is None:
                 continue
             statuses.add(res.status)
-            if not label.endswith(INSIDE_NODES):  # an optimistic price must not prune the honest ones
+            if not optimistic:  # an optimistic price must not prune the honest ones
                 best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
             # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
             # the full cost model decides among its best answer for each pipeline count

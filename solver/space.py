@@ -123,12 +123,14 @@ def split_layers_modes(
     if any(c < 1 for c in most) or sum(most) < num_layers or S > num_layers:
         return None
     O = max(len(opts) for opts in options)
-    # (stage, mode) tables, padded with modes that hold nothing; numpy evaluates all stages at once
+    # (stage, mode) tables, padded with modes that hold nothing; numpy evaluates all stages at once.
+    # No stage holds more than L - (S - 1) blocks (every other holds one), so neither do the tables:
+    # roomy GPUs would otherwise add hundreds of candidate bottlenecks no split can use.
     per_block = np.full((S, O), np.inf)
     cap = np.zeros((S, O))
     for k, opts in enumerate(options):
         for i, (b, c) in enumerate(opts):
-            per_block[k, i], cap[k, i] = b, max(c, 0)
+            per_block[k, i], cap[k, i] = b, min(max(c, 0), num_layers - S + 1)
     extra = np.asarray(extra_s, dtype=float)[:, None]
 
     def take(tau: float) -> np.ndarray:

@@ -243,15 +243,10 @@ def test_the_cover_lp_has_the_same_value_with_highs_and_the_numpy_simplex():
     """Random covering LPs of the planner's sizes (1-10 group classes, 5-200 templates)."""
     import numpy as np
 
-    from solver.bounds import lp_capacity, lp_capacity_highs
+    from solver.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
 
     rng = np.random.default_rng(7)
     for _ in range(100):
-        J, K = int(rng.integers(5, 200)), int(rng.integers(1, 10))
-        cap = rng.integers(0, 50, J).astype(float)
-        use = rng.integers(0, 4, (J, K)).astype(float)
-        use[:, 0] += 1
-        available = rng.integers(1, 40, K).astype(float)
-        most = int(rng.integers(1, 64))
+        cap, use, available, most = random_cover_lp(rng)
         a, b = lp_capacity(cap, use, available, most), lp_capacity_highs(cap, use, available, most)
         assert abs(a - b) <= 1e-7 * max(1.0, a), (a, b)

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.profiling.profile import Profile
+from hetrain.profiling.profile import Profile, ProfileEntry
 from hetrain.spec.catalog import GPUType
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings
 
@@ -287,7 +287,8 @@ class CostModel:
                                                      micro_batch_size, recompute)
         return self._unit_cache[key]
 
-    def _block_compute(self, g: GPUType, gpu: str, t: int, b: int, recompute: RecomputeMode) -> tuple[float, float, float]:
+    def _block_compute(self, g: GPUType, entry: ProfileEntry | None, t: int, b: int,
+                       recompute: RecomputeMode) -> tuple[float, float, float]:
         """(forward + backward seconds, bytes kept per micro-batch, bytes kept without recompute) of one block.
 
         Measured per mode when the profile has it; an older profile's one mode gives the others
@@ -295,9 +296,6 @@ class CostModel:
         """
         m, st = self.model, self.settings
         no_recompute_bytes = block_activation_bytes(m, st, t, b)
-        kept = {"none": no_recompute_bytes, "full": m.seq_length * b * m.hidden_size * RESIDUAL_BYTES,
-                "selective": selective_activation_bytes(m, st, t, b)}
-        entry = self.profile.lookup(gpu, t, b) if self.profile else None
         if entry is not None and recompute in entry.recompute:
             measured = entry.recompute[recompute]
             kept_bytes = float(measured.block_activation_bytes)
@@ -310,13 +308,16 @@ class CostModel:
             fwd = entry.block_forward_s
             plain = fwd + entry.block_backward_s - (fwd if self.profile.activation_recompute else 0.0)
             if not self.profile.activation_recompute and entry.block_activation_bytes is not None:
-                no_recompute_bytes = kept["none"] = float(entry.block_activation_bytes)
+                no_recompute_bytes = float(entry.block_activation_bytes)
         else:
             fwd = block_forward_flops(m, b) / (t * g.achievable_flops(st.precision))
             plain = 3 * fwd
-        extra = {"none": 0.0, "full": fwd,
-                 "selective": selective_recompute_bytes(m, st, t, b) / (g.memory_bandwidth_gbps * GB)}
-        return plain + extra[recompute], kept[recompute], no_recompute_bytes
+        if recompute == "none":
+            return plain, no_recompute_bytes, no_recompute_bytes
+        if recompute == "full":  # only the block input stays: the residual stream, fp32 in every precision
+            return plain + fwd, m.seq_length * b * m.hidden_size * RESIDUAL_BYTES, no_recompute_bytes
+        redo_s = selective_recompute_bytes(m, st, t, b) / (g.memory_bandwidth_gbps * GB)
+        return plain + redo_s, selective_activation_bytes(m, st, t, b), no_recompute_bytes
 
     def _unit_costs(self, g: GPUType, gpu: str, bw: float, t: int, b: int, recompute: RecomputeMode) -> UnitCosts:
         m, st = self.model, self.settings
@@ -325,9 +326,8 @@ class CostModel:
         flops = g.achievable_flops(st.precision)
         msg = b * s * h * act  # one activation tensor of a micro-batch
         tp_ar = ring_allreduce_s(msg, t, bw, self.latency_s)
-        blk_compute, blk_act, no_recompute_act = self._block_compute(g, gpu, t, b, recompute)
-
         entry = self.profile.lookup(gpu, t, b) if self.profile else None
+        blk_compute, blk_act, no_recompute_act = self._block_compute(g, entry, t, b, recompute)
         if entry is not None:
             embed_compute = entry.embed_forward_s + entry.embed_backward_s
             head_compute = entry.head_forward_s + entry.head_backward_s
@@ -405,8 +405,7 @@ class CostModel:
             stage_s, p2p = [], []
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
-                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b,
-                                    self.settings.stage_recompute(stage.recompute))
+                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b, stage.recompute)
                 n_blocks = stage.layers[1] - stage.layers[0]
                 first, last = k == 0, k == S - 1
                 stage_s.append(u.stage_time_s(n_blocks, first, last))

@@ -68,11 +68,9 @@ class Trainer:
                  emulate: EmulateSpec | None, device: torch.device) -> None:
         self.config, self.plan, self.layout, self.role, self.device = config, plan, layout, role, device
         settings = plan.settings()
-        if config.activation_recompute is None:  # the stage's own mode from the plan
+        recompute = config.activation_recompute  # an override for every stage (GPT reads True as full)
+        if recompute is None:  # the stage's own mode from the plan
             recompute = settings.stage_recompute(plan.pipelines[role.pipeline].stages[role.stage].recompute)
-        else:
-            recompute = "full" if config.activation_recompute else "none"
-        self.recompute = recompute
         self.precision = config.resolved_precision(plan, device.type)
         self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
         model = GPT(plan.model, role.layers, recompute=recompute)
