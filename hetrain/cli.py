@@ -303,6 +303,10 @@ def profile(
                           f"{e.block_backward_s * 1e3:.2f}", f"{(e.head_forward_s + e.head_backward_s) * 1e3:.2f}",
                           f"{(e.block_activation_bytes or 0) / 1e6:.2f}")
     out.print(table)
+    for name, o in prof.runtime.items():
+        out.print(f"{name}: runtime overheads: {o.step_s * 1e3:.2f} ms per step, {o.microbatch_s * 1e3:.2f} ms per "
+                  f"micro-batch and stage, {o.tp_block_s * 1e3:.2f} ms per block under TP, optimizer "
+                  f"{(o.optimizer_s_per_param or 0) * 1e9:.2f} ns per parameter", highlight=False)
     out.print(f"profile written to {out_file}", highlight=False)
 
 

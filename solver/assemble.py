@@ -12,8 +12,11 @@ from hetrain.spec.specs import ClusterSpec
 from solver.space import Space, Template
 
 
-def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total: int) -> list[int] | None:
-    """Micro-batches per pipeline minimising max_p(m_p tau_p + fill_p), each m_p >= 1.
+def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total: int,
+                          minimum: Sequence[int] | None = None) -> list[int] | None:
+    """Micro-batches per pipeline minimising max_p(m_p tau_p + fill_p), each m_p >= minimum[p] (default 1).
+
+    The runtime's 1F1B schedule needs a micro-batch per stage: callers pass each pipeline's depth.
 
     Greedy is exact here: every pipeline's finish time grows with each micro-batch it takes,
     so giving the next micro-batch to whichever pipeline would finish earliest never hurts.
@@ -23,10 +26,11 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
     pipeline instead of all M), with the same result.
     """
     n = len(tau_s)
-    if n == 0 or total < n:
+    least = list(minimum) if minimum is not None else [1] * n
+    if n == 0 or total < sum(least):
         return None
-    counts = [1] * n
-    rest = total - n
+    counts = least
+    rest = total - sum(least)
     if rest > 4 * n:
         # continuous estimate of the threshold, one slot width lower to stay below it
         v0 = (rest + sum(f / t + 1 for t, f in zip(tau_s, fill_s))) / sum(1 / t for t in tau_s) - max(tau_s)
@@ -37,10 +41,10 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
                 k -= 1
             while (k + 1) * t + f < v0:
                 k += 1
-            taken.append(max(1, k))
-        if sum(taken) - n <= rest:
+            taken.append(max(least[len(taken)], k))
+        if sum(taken) - sum(least) <= rest:
             counts = taken
-            rest -= sum(taken) - n
+            rest -= sum(taken) - sum(least)
     heap = [((counts[i] + 1) * tau_s[i] + fill_s[i], i) for i in range(n)]
     heapq.heapify(heap)
     for _ in range(rest):
@@ -59,7 +63,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     """
     settings, model = cost.settings, cost.model
     M = settings.global_batch_size // space.micro_batch_size
-    counts = allocate_microbatches([t.tau_s for t in templates], [t.fill_s for t in templates], M)
+    counts = allocate_microbatches([t.tau_s for t in templates], [t.fill_s for t in templates], M,
+                                   [len(t.classes) for t in templates])
     if counts is None:
         return None
     t = space.tp

@@ -92,6 +92,8 @@ def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 for k in range(p)
             ]
             pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
+        if M // d < p:
+            continue  # the 1F1B schedule needs a micro-batch per stage
         for mode in cost.settings.recompute_modes:
             best = _better(cost, _plan(cost, cluster, t, b, _with_recompute(pipes, mode)), best)
             tried += 1
@@ -131,7 +133,9 @@ def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
                 probe = cost.estimate(_plan(cost, cluster, t, b, moded))
                 tau = [pe.bottleneck_s for pe in probe.pipelines]
                 fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
-                counts = allocate_microbatches(tau, fill, M)
+                counts = allocate_microbatches(tau, fill, M, [p] * d)
+                if counts is None:
+                    continue
                 moded = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(moded, counts)]
                 best = _better(cost, _plan(cost, cluster, t, b, moded), best)
                 tried += 1

@@ -81,7 +81,10 @@ def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[Scope]:
         for cls, n, g in holders:
             if n in sub:
                 avail[cls] += g
-        scopes.append(Scope(label, avail, cluster.min_bandwidth_gbps(frozenset(sub))))
+        bw = cluster.min_bandwidth_gbps(frozenset(sub))
+        if len(sub) > 1 and any(cluster.node_by_name[n].shares_nic for n in sub):
+            bw /= space.tp  # a stage's TP ranks all-reduce across nodes at once, through one NIC
+        scopes.append(Scope(label, avail, bw))
         if small and len(sub) > 1:
             inside = min(cluster.node_by_name[n].intra_node_bandwidth_gbps for n in sub)
             scopes.append(Scope(label + ", buckets inside nodes", avail, inside, optimistic=True))

@@ -22,7 +22,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hetrain.cost.costmodel import CostModel, UnitCosts
+from hetrain.cost.costmodel import CostModel, UnitCosts, pipeline_terms
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
@@ -89,13 +89,28 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
 
 def class_link_gbps(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> float:
     """Bandwidth between consecutive stages on groups of classes a and b."""
+    return _class_link(cluster, a, b)[0]
+
+
+def _class_link(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> tuple[float, bool]:
+    """(bandwidth between consecutive stages on classes a and b, whether the link is between nodes)."""
     if a.index == b.index:
         if max(a.groups_per_node) >= 2:
-            return a.intra_bw_gbps  # assembly keeps same-class neighbours on one node
-        return cluster.min_bandwidth_gbps(frozenset(a.nodes)) if len(a.nodes) > 1 else a.intra_bw_gbps
+            return a.intra_bw_gbps, False  # assembly keeps same-class neighbours on one node
+        if len(a.nodes) > 1:
+            return cluster.min_bandwidth_gbps(frozenset(a.nodes)), True
+        return a.intra_bw_gbps, False
     if len(a.nodes) == 1 and len(b.nodes) == 1:
-        return cluster.bandwidth_gbps(a.nodes[0], b.nodes[0])
-    return cluster.inter_node_bandwidth_gbps  # merged classes have no link overrides
+        return cluster.bandwidth_gbps(a.nodes[0], b.nodes[0]), a.nodes[0] != b.nodes[0]
+    return cluster.inter_node_bandwidth_gbps, True  # merged classes have no link overrides
+
+
+def stage_senders(cluster: ClusterSpec, a: GroupClass, b: GroupClass, tp: int) -> int:
+    """Concurrent sends on the link between stages of classes a and b (``CostModel.concurrent_senders``)."""
+    if not _class_link(cluster, a, b)[1]:
+        return 1
+    nodes = cluster.node_by_name
+    return tp if any(nodes[n].shares_nic for n in a.nodes + b.nodes) else 1
 
 
 def split_layers(
@@ -184,12 +199,16 @@ class Template:
     recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
 
     @cached_property
-    def tau_s(self) -> float:
-        return max(max(self.stage_s), max((2 * e for e in self.p2p_s), default=0.0))
+    def _terms(self) -> tuple[float, float]:
+        return pipeline_terms(self.stage_s, self.p2p_s)
 
-    @cached_property
+    @property
+    def tau_s(self) -> float:
+        return self._terms[0]
+
+    @property
     def fill_s(self) -> float:
-        return sum(self.stage_s) + 2 * sum(self.p2p_s) - self.tau_s
+        return self._terms[1]
 
     @cached_property
     def usage(self) -> tuple[int, ...]:
@@ -228,11 +247,22 @@ def build_template(
     first = [k == 0 for k in range(S)]
     last = [k == S - 1 for k in range(S)]
 
+    def sends(order: tuple[int, ...]) -> tuple[float, ...]:
+        return tuple(cost.send_s(class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]), micro_batch_size,
+                                 stage_senders(cluster, classes[order[k]], classes[order[k + 1]], tp))
+                     for k in range(S - 1))
+
     def split(order: tuple[int, ...]) -> tuple[list[int], list[UnitCosts]] | None:
-        """Blocks per stage and the recompute mode each stage runs (its unit costs)."""
+        """Blocks per stage and the recompute mode each stage runs (its unit costs).
+
+        A stage's sends block it (``pipeline_terms``), so they count as its fixed time: a middle
+        stage, which sends both ways, takes fewer blocks than an end stage of the same class.
+        """
         modes = [classes[c].modes for c in order]
         options = [classes[c].options(first[k], last[k], S - k) for k, c in enumerate(order)]
-        extra = [modes[k][0].stage_time_s(0, first[k], last[k]) for k in range(S)]
+        e = sends(order)
+        extra = [modes[k][0].stage_time_s(0, first[k], last[k]) + (e[k - 1] if k > 0 else 0.0)
+                 + (e[k] if k < S - 1 else 0.0) for k in range(S)]
         found = split_layers_modes(L, options, extra)
         if found is None:
             return None
@@ -250,18 +280,14 @@ def build_template(
             continue
         blocks, units = found
         times = [units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S)]
-        key = (max(times), sum(times))
+        key = pipeline_terms(times, sends(order))
         if best is None or key < best[0]:
             best = (key, order, blocks, units)
     if best is None:
         return None
     _, order, blocks, units = best
-    b = micro_batch_size
     stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
-    p2p = tuple(
-        cost.p2p_bytes(b) / (class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]) * 1e9) + cost.latency_s
-        for k in range(S - 1)
-    )
+    p2p = sends(order)
     grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
     opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
     return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,

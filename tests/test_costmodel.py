@@ -2,7 +2,9 @@
 
 import pytest
 
-from hetrain.cost.costmodel import CostModel, block_forward_flops, block_params, ring_allreduce_s, train_flops_per_sequence
+from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, pipeline_terms, ring_allreduce_s,
+                                    train_flops_per_sequence)
+from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
@@ -49,8 +51,65 @@ def test_pipeline_1f1b_and_p2p():
     pe = est.pipelines[0]
     e = 512 * 1024 * 2 / (10 * GB)
     assert pe.p2p_s == [pytest.approx(e)]
-    assert pe.bottleneck_s == max(pe.stage_s)
+    # sends block (torch's 1F1B waits for each, fused with the next receive): each stage pays its own
+    assert pe.bottleneck_s == pytest.approx(max(pe.stage_s) + e)
     assert pe.time_s == pytest.approx(7 * pe.bottleneck_s + sum(pe.stage_s) + 2 * e)
+
+
+def test_middle_stage_pays_sends_both_ways():
+    tau, fill = pipeline_terms([1.0, 1.0, 1.0], [0.25, 0.5])
+    assert tau == pytest.approx(1.75)
+    assert fill == pytest.approx(3 + 2 * 0.75 - 1.75)
+    assert pipeline_terms([2.0], []) == (2.0, 0.0)
+
+
+def _two_node_cluster(nics: str) -> ClusterSpec:
+    data = CLUSTER.model_dump()
+    for node in data["nodes"]:
+        node["nics"] = nics
+    return ClusterSpec.model_validate(data)
+
+
+def test_one_nic_per_node_is_shared_by_the_tp_ranks_sending_at_once():
+    """A TP-2 stage sends its activation from both ranks to the next node: one NIC carries both."""
+    stages = [StagePlan(devices=["a/0", "a/1"], gpu="A100-80G", layers=(0, 2)),
+              StagePlan(devices=["b/0", "b/1"], gpu="V100-32G", layers=(2, 4))]
+    p = plan([PipelinePlan(num_microbatches=8, stages=stages)], tp=2)
+    e = 512 * 1024 * 2 / (10 * GB)
+    shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(p)
+    own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(p)
+    assert own.pipelines[0].p2p_s == [pytest.approx(e)]
+    assert shared.pipelines[0].p2p_s == [pytest.approx(2 * e)]
+    assert CostModel(CLUSTER, MODEL, SETTINGS).estimate(p).pipelines[0].p2p_s == [pytest.approx(2 * e)]  # default: one
+
+
+def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
+    one = [StagePlan(devices=["a/0", "a/1"], gpu="A100-80G", layers=(0, 4))]
+    two = [StagePlan(devices=["b/0", "b/1"], gpu="V100-32G", layers=(0, 4))]
+    p = plan([PipelinePlan(num_microbatches=2, stages=one), PipelinePlan(num_microbatches=2, stages=two)], tp=2)
+    shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(p)
+    own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(p)
+    blocks = ring_allreduce_s(4 * block_params(MODEL) * 4 / 2, 2, 10)
+    ends = ring_allreduce_s(((1000 + 512) * 1024 + 1000 * 1024 + 2048) * 4, 2, 10)
+    assert own.sync_s["a/0"] == pytest.approx(blocks + ends)
+    assert shared.sync_s["a/0"] == pytest.approx(blocks * 2 + ends * 2)  # two GPUs of a node through one NIC
+
+
+def test_measured_runtime_overheads_enter_the_prediction():
+    p = plan([PipelinePlan(num_microbatches=8, stages=[StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 4))])])
+    bare = CostModel(CLUSTER, MODEL, SETTINGS).estimate(p)
+    measured = Profile(model=MODEL, devices={}, runtime={
+        "A100-80G": RuntimeOverheads(step_s=0.5, microbatch_s=0.01, optimizer_s_per_param=1e-9, tp_block_s=0.002)})
+    est = CostModel(CLUSTER, MODEL, SETTINGS, measured).estimate(p)
+    assert est.post_s == pytest.approx(CostModel(CLUSTER, MODEL, SETTINGS).stage_params(4, True, True, 1) * 1e-9)
+    opt_delta = est.post_s - bare.post_s  # the measured optimizer step replaces the memory-bandwidth estimate
+    assert est.step_overhead_s == pytest.approx(0.5)
+    assert est.iteration_time_s == pytest.approx(bare.iteration_time_s + 8 * 0.01 + 0.5 + opt_delta)
+    cost = CostModel(CLUSTER, MODEL, SETTINGS, measured)
+    assert cost.unit_costs("A100-80G", 100, 2, 1).block_s == pytest.approx(
+        CostModel(CLUSTER, MODEL, SETTINGS).unit_costs("A100-80G", 100, 2, 1).block_s + 0.002)
+    assert cost.unit_costs("A100-80G", 100, 1, 1).block_s == pytest.approx(
+        CostModel(CLUSTER, MODEL, SETTINGS).unit_costs("A100-80G", 100, 1, 1).block_s)  # no TP, no DTensor
 
 
 def test_gradient_sync_among_holders_over_slowest_link():

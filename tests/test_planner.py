@@ -7,7 +7,7 @@ from randomclusters import SMALL_MODEL, random_cluster, small_settings
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
-from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster, load_model
 from solver.assemble import allocate_microbatches
 from solver.planner import make_plan
 from solver.space import split_layers, split_layers_modes
@@ -71,6 +71,23 @@ def test_allocate_microbatches_is_optimal_min_max():
     counts = allocate_microbatches([1.0, 2.0], [0.0, 0.0], 9)
     assert counts == [6, 3]
     assert allocate_microbatches([1.0], [0.0], 0) is None
+
+
+def test_every_pipeline_gets_a_micro_batch_per_stage():
+    """torch's 1F1B refuses fewer micro-batches than stages: the allocation and the plan check both know."""
+    assert allocate_microbatches([1.0, 10.0], [0.0, 0.0], 6, [1, 3]) == [3, 3]  # unconstrained: [5, 1]
+    assert allocate_microbatches([1.0, 1.0], [0.0, 0.0], 60, [1, 40]) == [20, 40]  # the threshold path too
+    assert allocate_microbatches([1.0, 1.0], [0.0, 0.0], 3, [2, 2]) is None
+    from hetrain.errors import HetrainError
+    from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, validate_plan_structure
+
+    model = ModelSpec(name="m", num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
+    two = [StagePlan(devices=["n/0"], gpu="T4", layers=(0, 2)), StagePlan(devices=["n/1"], gpu="T4", layers=(2, 4))]
+    plan = Plan(model=model, cluster="c", global_batch_size=2, micro_batch_size=1, tp=1,
+                pipelines=[PipelinePlan(num_microbatches=1, stages=two),
+                           PipelinePlan(num_microbatches=1, stages=[StagePlan(devices=["n/2"], gpu="T4", layers=(0, 4))])])
+    with pytest.raises(HetrainError, match=r"pipelines\[0\]: 1 micro-batches for 2 stages"):
+        validate_plan_structure(plan)
 
 
 RANDOM_SEEDS = range(40)

@@ -22,21 +22,30 @@ Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
 Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
     backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
     2 (t-1)/t * bytes / bw_intra(node) + lat. One all-reduce for the vocab-parallel embedding.
+    The runtime's TP blocks run on DTensors: their dispatch adds ``tp_block_s`` per block and
+    micro-batch (measured, ``Profile.runtime``; a third more under full recompute).
     ``lat`` is the cluster's ``collective_latency_us``, charged once per collective or send.
 
 Pipeline, per stage k of pipeline p and micro-batch:
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
-          stage, +LM head on the last),
-    e_k = b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the gradient
-          comes back the same size).
-    1F1B: T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
-          tau_p = max(max_k c_k, max_k 2 e_k)   (steady state runs at the slowest stage or link).
+          stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured),
+    e_k = n_k b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the
+          gradient comes back the same size). Every TP rank of a stage sends the whole
+          activation to its peer in the next stage at once: across nodes whose GPUs share one
+          NIC (``nics: one``) the t sends split the link, n_k = t; else n_k = 1.
+    1F1B as torch.distributed.pipelining runs it: a stage waits for its sends (each is fused
+    with the receive the next compute needs, and waited on with it), so sends do not overlap
+    compute, as in Megatron:
+          T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
+          tau_p = max_k (c_k + e_{k-1} + e_k)   (the slowest stage with its sends both ways).
 
 Data parallelism across pipelines of different shapes. D = number of pipelines. Block l's
     gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
     the slowest link among their nodes; blocks held by the same set of stages form one
     bucket, one collective (as the runtime does):
-        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / bw_min(bucket) + lat,
+        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / (bw_min(bucket) / share) + lat,
+    share = on the busiest node of a bucket that crosses nodes, how many of its GPUs sync across
+    nodes at once when they share one NIC (every GPU all-reduces right after backward), else 1.
     B_grad = 4 (gradients are fp32; ``grad_reduce: bf16`` sends 2)
     (embedding among first stages, head among last stages). A GPU runs the all-reduces of
     its buckets one after another: sync_d = sum over its buckets.
@@ -44,8 +53,12 @@ Data parallelism across pipelines of different shapes. D = number of pipelines. 
 Optimizer step: every byte of weight, gradient and optimizer state is read and written once:
     opt_d = 2 * bytes_per_param * P_d / memory_bandwidth_g.
 
+Optimizer step measured by the profiler (``Profile.runtime``) replaces this where present.
+
 Iteration time
-    T_iter = max_p T_pipe(p) + max_d (sync_d + opt_d);   tokens/s = global_batch * s / T_iter.
+    T_iter = max_p T_pipe(p) + max_d (sync_d + opt_d) + o_step + lat;   tokens/s = global_batch * s / T_iter,
+    o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: the one
+    all-reduce that gathers the step's loss, gradient norm and timings.
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
@@ -71,7 +84,7 @@ from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.profiling.profile import Profile, ProfileEntry
+from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.spec.catalog import GPUType
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings
 
@@ -156,6 +169,17 @@ def selective_recompute_bytes(model: ModelSpec, settings: TrainingSettings, tp: 
     return 2 * max(dropped, 0.0)
 
 
+def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
+    """(tau, fill) of one 1F1B pipeline, ``T_pipe(m) = m * tau + fill``: sends block (module docstring).
+
+    Stage k's steady state per micro-batch: its compute c_k, its activation sent on and its
+    gradient sent back (e_k to the next stage, e_{k-1} to the previous), each waited for.
+    """
+    S = len(stage_s)
+    tau = max(stage_s[k] + (p2p_s[k - 1] if k > 0 else 0.0) + (p2p_s[k] if k < S - 1 else 0.0) for k in range(S))
+    return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
+
+
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
     if group_size <= 1:
         return 0.0
@@ -186,9 +210,11 @@ class UnitCosts:
     head_out_bytes: float = 0.0  # the logits in the compute dtype
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
+    microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
-        return num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
+        return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
+                + self.microbatch_s)
 
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
@@ -239,6 +265,8 @@ class Estimate:
     peak_memory_gb: dict[str, float]
     capacity_gb: dict[str, float]
     sync_s: dict[str, float] = field(default_factory=dict)
+
+    step_overhead_s: float = 0.0  # the runtime's fixed work per step, included in iteration_time_s
 
     @property
     def min_headroom_gb(self) -> float:
@@ -336,11 +364,13 @@ class CostModel:
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
 
         widest_grad = 2 * s * b * f * act / t  # GELU backward: the MLP hidden gradients in and out, both alive
+        overheads = self.overheads(gpu)
         # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
         head_work = s * b * V * (4 + 4)
         return UnitCosts(
             # full recompute repeats the forward's two TP all-reduces; selective keeps their outputs
-            block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar,
+            block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar
+            + (overheads.tp_block_s * (4 / 3 if recompute == "full" else 1) if overheads is not None and t > 1 else 0.0),
             embed_s=embed_compute + tp_ar,
             head_s=head_compute,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
@@ -358,10 +388,22 @@ class CostModel:
                               max(no_recompute_act - blk_act, 0.0) + s * b * h * RESIDUAL_BYTES) + widest_grad,
             reserve_bytes=st.framework_reserve_gb * GB,
             capacity_bytes=g.memory_gb * GB,
-            opt_s_per_param=2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB),
+            opt_s_per_param=(overheads.optimizer_s_per_param
+                             if overheads is not None and overheads.optimizer_s_per_param is not None
+                             else 2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB)),
+            microbatch_s=overheads.microbatch_s if overheads is not None else 0.0,
             opt_temp_ratio=FOREACH_TEMP_RATIO if gpu in self._cpu_types else 0.0,
             recompute=recompute,
         )
+
+    def overheads(self, gpu: str) -> RuntimeOverheads | None:
+        """The runtime's measured costs besides compute on this GPU type (None: not measured)."""
+        return self.profile.runtime.get(gpu) if self.profile is not None else None
+
+    def step_overhead_s(self, gpus: set[str]) -> float:
+        """Fixed seconds per iteration of a plan on these GPU types: the slowest host's, + the step's all-reduce."""
+        measured = [o.step_s for g in gpus if (o := self.overheads(g)) is not None]
+        return max(measured, default=0.0) + self.latency_s
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -373,8 +415,20 @@ class CostModel:
         m = self.model
         return micro_batch_size * m.seq_length * m.hidden_size * self.settings.activation_bytes
 
-    def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int) -> float:
-        return self.p2p_bytes(micro_batch_size) / (self.cluster.bandwidth_gbps(node_a, node_b) * GB) + self.latency_s
+    def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int, tp: int = 1) -> float:
+        """One stage-to-stage send: the ``tp`` ranks of a stage send at once; across a shared NIC they split it."""
+        return self.send_s(self.cluster.bandwidth_gbps(node_a, node_b), micro_batch_size,
+                           self.concurrent_senders(node_a, node_b, tp))
+
+    def concurrent_senders(self, node_a: str, node_b: str, tp: int) -> int:
+        """How many of a stage's sends share the link between two nodes' GPUs (see the module docstring)."""
+        if node_a == node_b:
+            return 1
+        nodes = self.cluster.node_by_name
+        return tp if nodes[node_a].shares_nic or nodes[node_b].shares_nic else 1
+
+    def send_s(self, bandwidth_gbps: float, micro_batch_size: int, senders: int = 1) -> float:
+        return senders * self.p2p_bytes(micro_batch_size) / (bandwidth_gbps * GB) + self.latency_s
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
@@ -387,8 +441,8 @@ class CostModel:
     @staticmethod
     def pipeline_time_s(stage_s: list[float], p2p_s: list[float], num_microbatches: int) -> tuple[float, float]:
         """1F1B time of one pipeline: returns (bottleneck tau, total)."""
-        tau = max(max(stage_s), max((2 * e for e in p2p_s), default=0.0))
-        return tau, (num_microbatches - 1) * tau + sum(stage_s) + 2 * sum(p2p_s)
+        tau, fill = pipeline_terms(stage_s, p2p_s)
+        return tau, num_microbatches * tau + fill
 
     # ------------------------------------------------------------------ whole plans
 
@@ -416,16 +470,17 @@ class CostModel:
                     cap[d] = u.capacity_bytes / GB
                     opt[d] = params * u.opt_s_per_param
                 if k + 1 < S:
-                    p2p.append(self.p2p_s(node, node_of[pipe.stages[k + 1].devices[0]], b))
+                    p2p.append(self.p2p_s(node, node_of[pipe.stages[k + 1].devices[0]], b, t))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
 
         sync = self._sync_s(plan, node_of)
         post = max(sync.get(d, 0.0) + opt[d] for d in opt)
         pipeline_s = max(p.time_s for p in pipes)
-        it = pipeline_s + post
+        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages})
+        it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
-        return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync)
+        return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
 
     def _sync_s(self, plan: Plan, node_of: dict[str, str]) -> dict[str, float]:
         """Seconds each GPU spends in data-parallel gradient all-reduces after backward."""
@@ -455,10 +510,22 @@ class CostModel:
             add([row[layer] for row in owners], block_params(m) * act / t)
         add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
+        # GPUs of each node that all-reduce across nodes: with one NIC they split it (all sync at once)
+        crossing: dict[str, set[str]] = {}
+        for stages, _ in buckets.values():
+            for r in range(t):
+                devs = [st.devices[r] for st in stages]
+                if len({node_of[d] for d in devs}) > 1:
+                    for d in devs:
+                        crossing.setdefault(node_of[d], set()).add(d)
+        nodes = self.cluster.node_by_name
         for stages, num_bytes in buckets.values():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
-                bw = self.cluster.min_bandwidth_gbps({node_of[d] for d in devs})
+                ring_nodes = {node_of[d] for d in devs}
+                bw = self.cluster.min_bandwidth_gbps(ring_nodes)
+                if len(ring_nodes) > 1:
+                    bw /= max(len(crossing[n]) if nodes[n].shares_nic else 1 for n in ring_nodes)
                 cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
                 for d in devs:
                     sync[d] = sync.get(d, 0.0) + cost

@@ -141,6 +141,11 @@ def validate_plan_structure(plan: Plan) -> None:
             raise HetrainError(
                 f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
             )
+        if pipe.num_microbatches < len(pipe.stages):  # torch.distributed.pipelining's 1F1B refuses it
+            raise HetrainError(
+                f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {len(pipe.stages)} stages; the 1F1B "
+                f"schedule needs at least one per stage"
+            )
 
 
 def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:

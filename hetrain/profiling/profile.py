@@ -22,7 +22,9 @@ with ``activation_recompute``. ``recompute`` gives the backward and the kept byt
 mode the planner may choose per stage; profiles written before it lack it, and the cost model
 derives the modes from the one that was measured. Tensor-parallel and pipeline communication are added by the
 cost model from the cluster's links. Entries are looked up by (GPU type, tp, micro-batch
-size); a missing entry falls back to the FLOP-based estimate.
+size); a missing entry falls back to the FLOP-based estimate. ``runtime`` gives, per GPU type,
+what the runtime costs besides compute (per step, per micro-batch, the optimizer step),
+measured by running the runtime itself on a stand-in model.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from hetrain.spec.specs import ModelSpec, describe_validation_error
 
 PROFILE_SCHEMA = "hetrain.profile/v1"
 # What the profiler measures, for caches of profiles (the flows' profile task): raised whenever it
-# measures something new, so a cached profile without it is taken again. 2: per recompute mode.
-PROFILER_MEASURES = 2
+# measures something new, so a cached profile without it is taken again. 2: per recompute mode;
+# 3: the runtime's overheads.
+PROFILER_MEASURES = 3
 
 
 class RecomputeEntry(BaseModel):
@@ -68,6 +71,23 @@ class ProfileEntry(BaseModel):
     recompute: dict[Literal["none", "selective", "full"], RecomputeEntry] = {}
 
 
+class RuntimeOverheads(BaseModel):
+    """What the runtime spends besides the model's compute, measured by running it (``measure_overheads``).
+
+    Times for one rank on this GPU type's host; the cost model adds ``microbatch_s`` to every
+    stage's time per micro-batch, ``step_s`` once per iteration, and prices the optimizer step
+    at ``optimizer_s_per_param`` instead of from the datasheet's memory bandwidth, and adds
+    ``tp_block_s`` to each block's time under tensor parallelism.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_s: NonNegativeFloat  # per iteration, whatever the plan: the batch, the step's bookkeeping, zero_grad
+    microbatch_s: NonNegativeFloat  # per micro-batch and stage: the schedule's work around forward and backward
+    optimizer_s_per_param: NonNegativeFloat | None = None  # the optimizer step the runtime runs, per parameter
+    tp_block_s: NonNegativeFloat = 0.0  # per block and micro-batch under TP > 1: DTensor's dispatch (emulation-scaled)
+
+
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -76,6 +96,8 @@ class Profile(BaseModel):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     activation_recompute: bool = True
     devices: dict[str, list[ProfileEntry]]
+    # Per GPU type: the runtime's own costs (profiles written before they were measured lack them).
+    runtime: dict[str, RuntimeOverheads] = {}
 
     def lookup(self, gpu: str, tp: int, micro_batch_size: int) -> ProfileEntry | None:
         for entry in self.devices.get(gpu, []):

@@ -397,6 +397,16 @@ def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
     return entry.model_copy(update=times)
 
 
+def scale_profile(profile: Profile, factors: dict[str, float]) -> Profile:
+    """The profile with each GPU type's compute times multiplied by ``factors[type]`` (absent: 1).
+
+    For what-if predictions: a type whose devices ran at another speed than profiled (a
+    benchmark's diagnosis of how much of a prediction's error is the devices' speed).
+    """
+    return profile.model_copy(update={"devices": {
+        gpu: [_scaled(e, factors.get(gpu, 1.0)) for e in entries] for gpu, entries in profile.devices.items()}})
+
+
 def profile_entry(
     spec: ModelSpec,
     tp: int,
@@ -442,6 +452,7 @@ def profile_model(
     progress: Callable[[int, int], None] | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    overheads: bool = True,
 ) -> Profile:
     """Profile ``spec`` on the local device for every (tp, micro-batch size), under each GPU type.
 
@@ -453,6 +464,8 @@ def profile_model(
     TP degrees that do not divide ``hidden_size`` and ``num_heads`` are skipped (the runtime
     cannot run them; the cost model falls back to FLOP estimates there); if none is left this
     raises ``HetrainError``. ``progress(done, total)`` is called after each measurement.
+    With ``overheads``, the runtime's own costs are measured too (``hetrain.profiling.overheads``,
+    a few seconds) and filed under every type: they are the host's, which emulation does not slow.
     """
     if not gpus:
         raise HetrainError("expected at least one GPU type to profile")
@@ -492,7 +505,16 @@ def profile_model(
                 progress(done, total)
     for entries in devices.values():
         entries.sort(key=lambda e: (e.tp, e.micro_batch_size))
-    return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices)
+    runtime = {}
+    if overheads:
+        from hetrain.profiling.overheads import measure_overheads
+
+        measured = measure_overheads(dev, prec)
+        # DTensor's dispatch runs inside the stage's forward and backward, which emulation stretches
+        runtime = {name: measured.model_copy(update={"tp_block_s": measured.tp_block_s * slowdown})
+                   for name, slowdown in gpus.items()}
+    return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices,
+                   runtime=runtime)
 
 
 def gpus_from_cluster(cluster: ClusterSpec) -> dict[str, float]:

@@ -60,20 +60,31 @@ def local_command(layout: Layout, config_path: str, port: int) -> NodeCommand:
     return NodeCommand("*", _cpu_env(), argv + WORKER + [config_path])
 
 
-def node_commands(layout: Layout, config_path: str, main_address: str, port: int, run_id: str) -> list[NodeCommand]:
-    """One command per node of the plan; run each on its node (the first node hosts the rendezvous)."""
+def node_commands(layout: Layout, config_path: str, main_address: str, port: int, run_id: str,
+                  torchrun: list[str] | None = None, local_addresses: dict[str, str] | None = None) -> list[NodeCommand]:
+    """One command per node of the plan; run each on its node (the first node hosts the rendezvous).
+
+    ``torchrun`` forces torchrun with c10d rendezvous (given as the argv that starts it, e.g.
+    ``[sys.executable, "-m", "torch.distributed.run"]``) even where accelerate would do;
+    ``local_addresses`` gives each node the address its agent advertises (``--local-addr``),
+    for hosts whose name does not resolve to the address the other nodes reach.
+    """
     counts = {node: len(ranks) for node, ranks in layout.nodes.items()}
     machines = len(counts)
     out = []
     for k, (node, count) in enumerate(counts.items()):
         env = {"HETRAIN_NODE": node, **_cpu_env()}
-        if len(set(counts.values())) == 1:
+        if torchrun is None and len(set(counts.values())) == 1:
             argv = ["accelerate", "launch", "--multi_gpu", "--num_machines", str(machines), "--machine_rank", str(k),
                     "--num_processes", str(layout.world_size), "--main_process_ip", main_address,
                     "--main_process_port", str(port)]
         else:
-            argv = ["torchrun", "--nnodes", str(machines), "--nproc-per-node", str(count), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{main_address}:{port}", "--rdzv-id", run_id]
+            argv = [*(torchrun or ["torchrun"]), "--nnodes", str(machines), "--nproc-per-node", str(count),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{main_address}:{port}", "--rdzv-id", run_id,
+                    "--monitor-interval", "0.2"]
+            if local_addresses and node in local_addresses:
+                # and say who hosts the rendezvous store: torch guesses it from the host name otherwise
+                argv += ["--local-addr", local_addresses[node], "--rdzv-conf", f"is_host={int(k == 0)}"]
         out.append(NodeCommand(node, env, argv + WORKER + [config_path]))
     return out
 
@@ -92,7 +103,7 @@ def write_config(config: RunConfig, run_dir: Path) -> Path:
     return path
 
 
-def follow_metrics(path: Path, proc: subprocess.Popen, poll_s: float = 0.2, pos: int = 0,
+def follow_metrics(path: Path, proc: subprocess.Popen | _FirstExit, poll_s: float = 0.2, pos: int = 0,
                    stop: threading.Event | None = None) -> Iterator[dict]:
     """Yield metric records as rank 0 appends them after byte ``pos``, until the launch exits or ``stop`` is set."""
     while True:
@@ -206,9 +217,14 @@ class RunStopped(HetrainError):
 
 
 def launch(config: RunConfig, layout: Layout, run_dir: Path,
-           on_record: Callable[[dict], None] | None = None, stop_event: threading.Event | None = None) -> list[dict]:
-    """Run training on this machine; returns the metric records. Raises HetrainError on failure.
+           on_record: Callable[[dict], None] | None = None, stop_event: threading.Event | None = None,
+           commands: Callable[[Path], list[NodeCommand]] | None = None) -> list[dict]:
+    """Run training; returns the metric records. Raises HetrainError on failure.
 
+    By default every rank runs on this machine under one ``accelerate launch``. ``commands``
+    (given the written config's path) returns instead one command per node, each already
+    wrapped to run where that node is (``hetrain.testing.netbed`` runs them in network
+    namespaces); they are supervised as one run: the first that fails stops the others.
     Setting ``stop_event`` stops every process of the run and raises ``RunStopped``.
     """
     run_dir = run_dir.resolve()
@@ -225,30 +241,56 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     if config.backup_status_file:
         Path(config.backup_status_file).unlink(missing_ok=True)  # this launch's account, not the last one's
     config_path = write_config(config, run_dir)
-    cmd = local_command(layout, str(config_path), free_port())
-    log = run_dir / "launch.log"
-    env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir)}
+    cmds = commands(config_path) if commands is not None else [local_command(layout, str(config_path), free_port())]
+    logs = [run_dir / ("launch.log" if len(cmds) == 1 else f"launch-{c.node}.log") for c in cmds]
     records: list[dict] = []
-    with log.open("w") as log_f:
-        proc = subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            for record in follow_metrics(metrics, proc, pos=start_pos, stop=stop_event):
-                records.append(record)
-                if on_record:
-                    on_record(record)
-            if stop_event is not None and stop_event.is_set() and proc.poll() is None:
-                stop(proc, run_dir)
-                raise RunStopped(records)
-        except BaseException:
-            stop(proc, run_dir)
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.wait()
-    if proc.returncode != 0:
-        stop(proc, run_dir)
-        reason = _worker_error(log)
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, log in zip(cmds, logs):
+            with log.open("w") as log_f:
+                env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir)}
+                procs.append(subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        watch = _FirstExit(procs)
+        for record in follow_metrics(metrics, watch, pos=start_pos, stop=stop_event):
+            records.append(record)
+            if on_record:
+                on_record(record)
+        if stop_event is not None and stop_event.is_set() and watch.poll() is None:
+            _stop_all(procs, run_dir)
+            raise RunStopped(records)
+    except BaseException:
+        _stop_all(procs, run_dir)
+        raise
+    failed = [(p, log) for p, log in zip(procs, logs) if p.poll() is not None and p.returncode != 0]
+    if failed:  # one node failed: the others would wait for it forever
+        _stop_all(procs, run_dir)
+    else:
+        for p in procs:
+            p.wait()
+    if failed:
+        proc, log = failed[0]
+        reason = next((r for r in (_worker_error(lg) for _, lg in failed) if r), None)
         if reason:
             raise HetrainError(reason)
         raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
     return records
+
+
+class _FirstExit:
+    """Several processes as one for ``follow_metrics``: done when all have exited or any has failed."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return None if None in codes else 0
+
+
+def _stop_all(procs: list[subprocess.Popen], run_dir: Path) -> None:
+    for proc in procs:
+        stop(proc, run_dir)

@@ -75,6 +75,15 @@ class NodeSpec(_Spec):
     spot: bool = False
     price_per_gpu_hour: NonNegativeFloat | None = None
     emulate: EmulateSpec | None = None
+    nics: Literal["one", "per_gpu"] = Field(
+        default="one",
+        description="one: the node's GPUs share one network link to other nodes (what they send to other "
+        "nodes at once splits inter_node_bandwidth_gbps); per_gpu: each GPU has a NIC of that bandwidth "
+        "(DGX-class nodes)")
+
+    @property
+    def shares_nic(self) -> bool:
+        return self.nics == "one" and self.count > 1
 
 
 class LinkSpec(_Spec):

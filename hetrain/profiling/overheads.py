@@ -1,0 +1,158 @@
+"""Measure what the runtime costs besides the model's compute, by running the runtime itself.
+
+The per-layer profile times a block, the embedding and the head; a training step does more:
+it draws the batch, runs the 1F1B schedule (its bookkeeping around every forward and
+backward, the loss, the stage meter's hooks), gathers the step's loss, norm and timings,
+clips, steps the optimizer and clears the gradients. On small models and on CPU ranks those
+costs are most of the step, and a cost model without them predicted emulated runs 10x too
+fast. ``measure_overheads`` trains a stand-in model (one small block: its compute is tiny
+and measured) with the real ``Trainer`` in a one-process group, at two micro-batch counts,
+and separates:
+
+* ``microbatch_s``: step time minus compute grows by this per micro-batch (the slope);
+* ``step_s``: what is left at zero micro-batches (the intercept), less the stand-in's own
+  optimizer step, which the cost model prices per parameter;
+* ``optimizer_s_per_param``: the optimizer step the runtime runs on this device (fused AdamW
+  on GPUs, foreach on CPU), timed on ``OPTIMIZER_PARAMS`` parameters;
+* ``tp_block_s``: what tensor parallelism adds to a block's forward + backward besides its
+  all-reduces: the runtime's TP blocks run on DTensors, whose dispatch costs far more than
+  the plain shard the per-layer profile times. Measured as the stand-in block parallelized
+  over a one-device mesh minus the plain block (the dispatch is the same at any degree).
+
+What one process cannot show (the sends between stages, the step's all-reduce across
+ranks, gradient sync) the cost model prices from the cluster's links and latency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import HetrainError
+from hetrain.profiling.profile import RuntimeOverheads
+from hetrain.spec.specs import ModelSpec
+
+# The stand-in: one block small enough that its compute is a few percent of the step's
+# bookkeeping, so the difference step - compute is measured, not the noise of a big subtraction.
+STAND_IN = ModelSpec(name="overhead-stand-in", num_layers=1, hidden_size=64, num_heads=4, seq_length=32,
+                     vocab_size=256)
+MICROBATCH_COUNTS = (1, 8)  # two points of the line step - compute = step_s + m * microbatch_s
+WARMUP_STEPS = 3
+MEASURED_STEPS = 12
+OPTIMIZER_PARAMS = 1 << 22  # 4M: enough that AdamW runs at memory speed, not at its per-call cost
+
+
+def _plan(num_microbatches: int):
+    from hetrain.plan.schema import Plan
+
+    return Plan.model_validate({
+        "schema": "hetrain.plan/v1", "model": STAND_IN.model_dump(), "cluster": "overheads",
+        "global_batch_size": num_microbatches, "micro_batch_size": 1, "tp": 1,
+        "pipelines": [{"num_microbatches": num_microbatches,
+                       "stages": [{"devices": ["local/0"], "gpu": "local", "layers": [0, STAND_IN.num_layers],
+                                   "recompute": "none"}]}],
+    })
+
+
+@contextlib.contextmanager
+def _one_process_group(device: torch.device):
+    if dist.is_initialized():
+        raise HetrainError("the runtime's overheads are measured in a process of their own "
+                           "(a process group is already running here)")
+    import sys
+
+    hook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank: not this process's
+    store = dist.HashStore()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _overhead_per_step(num_microbatches: int, device: torch.device, precision: str, work: Path) -> float:
+    """Median over steps of (step time - compute), the stand-in's optimizer step included."""
+    from hetrain.config import RunConfig
+    from hetrain.plan.layout import build_layout
+    from hetrain.runtime.groups import make_groups
+    from hetrain.runtime.trainer import Trainer
+
+    plan = _plan(num_microbatches)
+    path = work / f"plan-{num_microbatches}.json"
+    plan.write(path)
+    layout = build_layout(plan)
+    config = RunConfig(plan=str(path), steps=WARMUP_STEPS + MEASURED_STEPS, precision=precision)
+    groups = make_groups(layout, [0], 0)
+    trainer = Trainer(config, plan, layout, layout.roles[0], groups, None, device)
+    out = []
+    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+        record = trainer.train_step(step)
+        if step >= WARMUP_STEPS:
+            out.append(record["step_time_s"] - record["ranks"][0]["compute_s"])
+    return statistics.median(out)
+
+
+def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
+    """Seconds per parameter of the AdamW step the trainer runs on ``device``."""
+    params = [torch.nn.Parameter(torch.zeros(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=1e-4, **impl)
+    times = []
+    for i in range(2 + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) / OPTIMIZER_PARAMS
+
+
+def tp_block_overhead_s(device: torch.device, precision: str, repeats: int = 9) -> float:
+    """Forward + backward seconds a DTensor-parallelized block takes beyond the plain one (needs a process group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hetrain.profiling.profiler import _time_fwd_bwd
+    from hetrain.runtime.model import Block
+    from hetrain.runtime.parallelize import TP_PLAN
+
+    torch.manual_seed(0)
+    block = Block(STAND_IN).to(device)
+    x = torch.randn(1, STAND_IN.seq_length, STAND_IN.hidden_size, device=device, requires_grad=True)
+
+    def time_block() -> float:
+        fwd, bwd = _time_fwd_bwd(lambda: block(x), lambda out: out.float().sum().backward(), device, precision,
+                                 warmup=2, repeats=repeats)
+        return fwd + bwd
+
+    plain = time_block()
+    parallelize_module(block, DeviceMesh.from_group(dist.group.WORLD, device.type), TP_PLAN)
+    return max(0.0, time_block() - plain)
+
+
+def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeOverheads:
+    """The runtime's per-step and per-micro-batch costs and optimizer speed on ``device`` (module docstring)."""
+    opt_per_param = optimizer_s_per_param(device)
+    from hetrain.cost.costmodel import total_params
+
+    with tempfile.TemporaryDirectory() as tmp, _one_process_group(device):
+        lo, hi = MICROBATCH_COUNTS
+        at = {m: _overhead_per_step(m, device, precision, Path(tmp)) for m in (lo, hi)}
+        tp_block_s = tp_block_overhead_s(device, precision)
+    microbatch_s = max(0.0, (at[hi] - at[lo]) / (hi - lo))
+    stand_in_optimizer_s = total_params(STAND_IN) * opt_per_param
+    step_s = max(0.0, at[lo] - lo * microbatch_s - stand_in_optimizer_s)
+    return RuntimeOverheads(step_s=step_s, microbatch_s=microbatch_s, optimizer_s_per_param=opt_per_param,
+                            tp_block_s=tp_block_s)
