@@ -21,6 +21,7 @@ bench: setup
 	$(PY) bench/plan_quality.py
 	$(PY) bench/solver_scale.py
 	$(PY) bench/hetero_train.py
+	$(PY) bench/predict_vs_measure.py
 	$(PY) bench/overhead.py
 	$(PY) bench/recovery.py
 	$(PY) bench/checkpoint_cost.py

@@ -46,8 +46,11 @@ class _Neighbourhood:
             cluster.bandwidth_gbps(a.name, b.name) for a, b in itertools.combinations(cluster.nodes, 2)
         ]
         best_inter = max(inter)
-        # fastest link a stage of each class could run its gradient all-reduces over
-        self.best_bw = [max(c.intra_bw_gbps, best_inter) for c in space.classes]
+        # fastest link a stage of each class could run its gradient all-reduces over; across nodes
+        # that share one NIC, the stage's TP ranks all-reduce through it at once (CostModel._sync_s)
+        nodes = cluster.node_by_name
+        self.best_bw = [max(c.intra_bw_gbps, best_inter / (space.tp if all(nodes[n].shares_nic for n in c.nodes) else 1))
+                        for c in space.classes]
         self._post: dict[tuple[int, int], float] = {}
         self.scored: dict[tuple[int, ...], tuple[Plan, Estimate] | None] = {}
 
