@@ -30,15 +30,18 @@ def _ours() -> set[str]:
     return {ns for ns in netbed._namespaces() if ns.startswith(netbed.PREFIX)}
 
 
-def two_node_plan(steps_dir) -> Plan:
-    """One pipeline whose two stages sit on the two nodes: every micro-batch crosses the link both ways."""
-    return Plan.model_validate({
+def two_node_run(tmp_path) -> tuple[RunConfig, object]:
+    """A 3-step run of one pipeline whose two stages sit on the two nodes: every micro-batch crosses the link."""
+    plan = Plan.model_validate({
         "schema": "hetrain.plan/v1", "model": SPEC.model_dump(), "cluster": "cpu-emulated",
         "global_batch_size": 4, "micro_batch_size": 1, "tp": 1,
         "pipelines": [{"num_microbatches": 4, "stages": [
             {"devices": ["fast/0"], "gpu": "cpu-fast", "layers": [0, 4]},
             {"devices": ["slow/0"], "gpu": "cpu-slow", "layers": [4, 6]}]}],
     })
+    path = tmp_path / "plan.json"
+    plan.write(path)
+    return RunConfig(plan=str(path), cluster=str(CLUSTER_FILE), steps=3), build_layout(plan)
 
 
 def test_link_runs_at_its_rate_and_the_bed_is_removed():
@@ -56,11 +59,7 @@ def test_unshaped_link_is_much_faster_than_a_shaped_one():
 
 
 def test_plan_trains_across_namespaced_nodes(tmp_path):
-    plan = two_node_plan(tmp_path)
-    path = tmp_path / "plan.json"
-    plan.write(path)
-    layout = build_layout(plan)
-    config = RunConfig(plan=str(path), cluster=str(CLUSTER_FILE), steps=3)
+    config, layout = two_node_run(tmp_path)
     with netbed.NetBed(["fast", "slow"], rate_mbit=400) as bed:
         records = launch(config, layout, tmp_path / "run", commands=bed.launch_commands(layout, "bedtest"))
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -71,11 +70,7 @@ def test_plan_trains_across_namespaced_nodes(tmp_path):
 
 def test_a_failing_node_stops_the_others(tmp_path):
     """The slow node's launcher dies at once: the fast node's, waiting at the rendezvous, is stopped too."""
-    plan = two_node_plan(tmp_path)
-    path = tmp_path / "plan.json"
-    plan.write(path)
-    layout = build_layout(plan)
-    config = RunConfig(plan=str(path), cluster=str(CLUSTER_FILE), steps=3)
+    config, layout = two_node_run(tmp_path)
     with netbed.NetBed(["fast", "slow"]) as bed:
         real = bed.launch_commands(layout, "failtest")
 

@@ -21,12 +21,20 @@ and separates:
 
 What one process cannot show (the sends between stages, the step's all-reduce across
 ranks, gradient sync) the cost model prices from the cluster's links and latency.
+
+The profiler runs this in a process of its own (``python -m hetrain.profiling.overheads``,
+which prints the ``RuntimeOverheads`` as JSON): it needs a process group, which the caller may
+have or not want, and it imports the trainer, which the control plane (CLI, flows, which call
+the profiler) never does.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,8 +73,6 @@ def _one_process_group(device: torch.device):
     if dist.is_initialized():
         raise HetrainError("the runtime's overheads are measured in a process of their own "
                            "(a process group is already running here)")
-    import sys
-
     hook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank: not this process's
     store = dist.HashStore()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
@@ -156,3 +162,17 @@ def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeO
     step_s = max(0.0, at[lo] - lo * microbatch_s - stand_in_optimizer_s)
     return RuntimeOverheads(step_s=step_s, microbatch_s=microbatch_s, optimizer_s_per_param=opt_per_param,
                             tp_block_s=tp_block_s)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="print the runtime's overheads on a device as JSON")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", 0)  # the parent exposed only its device
+        torch.cuda.set_device(dev)
+    print(json.dumps(measure_overheads(dev, args.precision).model_dump()))

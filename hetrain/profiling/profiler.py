@@ -53,7 +53,7 @@ from torch import nn
 
 from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
-from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry
+from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry, RuntimeOverheads
 from hetrain.runtime.model import Block, init_parameter, lm_loss, run_block
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
 
@@ -397,6 +397,29 @@ def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
     return entry.model_copy(update=times)
 
 
+def _overheads(device: torch.device, precision: Precision) -> RuntimeOverheads:
+    """The runtime's overheads (``hetrain.profiling.overheads``), measured in a fresh process with this one's threads.
+
+    Its own process: it needs a process group, and it runs the trainer, which the control
+    plane that calls the profiler (CLI, flows) never imports.
+    """
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "hetrain.profiling.overheads", "--device", str(device), "--precision", precision,
+            "--threads", str(torch.get_num_threads())]
+    env = None
+    if device.type == "cuda" and device.index:  # the child sees only this device, as its cuda:0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible.split(",")[device.index] if visible else str(device.index)}
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HetrainError(f"measuring the runtime's overheads failed: {last}")
+    return RuntimeOverheads.model_validate_json(result.stdout.strip().splitlines()[-1])
+
+
 def scale_profile(profile: Profile, factors: dict[str, float]) -> Profile:
     """The profile with each GPU type's compute times multiplied by ``factors[type]`` (absent: 1).
 
@@ -507,9 +530,7 @@ def profile_model(
         entries.sort(key=lambda e: (e.tp, e.micro_batch_size))
     runtime = {}
     if overheads:
-        from hetrain.profiling.overheads import measure_overheads
-
-        measured = measure_overheads(dev, prec)
+        measured = _overheads(dev, prec)
         # DTensor's dispatch runs inside the stage's forward and backward, which emulation stretches
         runtime = {name: measured.model_copy(update={"tp_block_s": measured.tp_block_s * slowdown})
                    for name, slowdown in gpus.items()}
