@@ -217,6 +217,7 @@ def main() -> None:
             for r in group_rows:
                 r["measured_rank"] = by_measured.index(r) + 1
                 r["predicted_rank"] = by_predicted.index(r) + 1
+            rows += group_rows
             chosen = next((r for r in group_rows if r["plan"] == "hetrain"), None)
             if chosen is None:
                 continue
@@ -225,7 +226,6 @@ def main() -> None:
                          f"{'yes' if chosen['measured_s'] <= fastest['measured_s'] * 1.0 else 'no'} "
                          f"(fastest: {fastest['plan']}, {fastest['measured_s']:.4f} s; hetrain's plan "
                          f"{chosen['measured_s']:.4f} s, {chosen['measured_s'] / fastest['measured_s']:.2f}x)")
-            rows += group_rows
 
     print_table("Predicted vs measured seconds per step (median after "
                 f"{WARMUP_STEPS} warm-up steps of {args.steps}; each plan profiled right before its run)", rows,
