@@ -73,5 +73,6 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
         f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and optimizer state) "
         f"fits in the cluster's {have:,.0f} GB only in aggregate: no pipeline of at most "
         f"{model.num_layers} stages with tp in {tps} holds all {model.num_layers} blocks plus the activations "
-        f"of its in-flight micro-batches; try activation_recompute: auto or full, a smaller micro-batch or larger GPUs"
+        f"of its in-flight micro-batches (nor one deeper than global batch / micro-batch: 1F1B needs a micro-batch per "
+        f"stage); try activation_recompute: auto or full, a smaller micro-batch, a larger global batch or larger GPUs"
     )

@@ -67,7 +67,7 @@ class _Neighbourhood:
 
     def lower_bound(self, combo: tuple[int, ...]) -> float:
         D = len(combo)
-        if D == 0 or D > self.M:
+        if D == 0 or sum(len(self.T[j].classes) for j in combo) > self.M:  # 1F1B: a micro-batch per stage
             return float("inf")
         ts = [self.T[j] for j in combo]
         first = max(t.tau_s + t.fill_s for t in ts)

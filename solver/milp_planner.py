@@ -109,11 +109,12 @@ def plan_milp(
     best_milp_s: float | None = None
     starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
 
-    def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> None:
+    def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> bool:
+        """Score a choice of templates exactly; False when it cannot be built (e.g. a micro-batch per stage short)."""
         nonlocal best, best_gap
         scored = score(cluster, cost, space, chosen)
         if scored is None:
-            return
+            return False
         plan, est = scored
         key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
         starts[key] = (est.iteration_time_s, space, chosen)
@@ -121,6 +122,7 @@ def plan_milp(
             best_gap = gap
             extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
             best = (est.iteration_time_s, plan, extra)
+        return True
 
     # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
     # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
@@ -151,12 +153,13 @@ def plan_milp(
             if res is None:
                 continue
             statuses.add(res.status)
-            if not optimistic:  # an optimistic price must not prune the honest ones
-                best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
             # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
             # the full cost model decides among its best answer for each pipeline count
-            for chosen in res.candidates:
-                consider(space, chosen, label, res.objective_s, res.gap)
+            built = [consider(space, chosen, label, res.objective_s, res.gap) for chosen in res.candidates]
+            # An optimistic price must not prune the honest ones, nor an answer that cannot be built
+            # (the MILP does not know that 1F1B needs a micro-batch per stage; assembly does).
+            if not optimistic and any(built):
+                best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
     # Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
     # inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
     # those whose time without any gradient sync would beat the best plan are worth scoring.
@@ -164,7 +167,9 @@ def plan_milp(
         M = cost.settings.global_batch_size // space.micro_batch_size
         aligned = []
         for tpl in space.templates:
-            most = min(tpl.max_copies(space.available), M)
+            most = min(tpl.max_copies(space.available), M // len(tpl.classes))  # a micro-batch per stage
+            if most < 1:
+                continue
             for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)}:
                 no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
                 aligned.append((no_sync_s, copies, tpl))

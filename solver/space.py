@@ -74,12 +74,12 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
         groups = node.count // tp
         if groups == 0:
             continue
-        key: tuple = (node.gpu, node.intra_node_bandwidth_gbps)
+        key: tuple = (node.gpu, node.intra_node_bandwidth_gbps, node.shares_nic)
         if cluster.has_link_override(node.name):
             key += (node.name,)  # a node with its own links is a class of its own
         merged.setdefault(key, []).append((node.name, groups))
     classes = []
-    for i, ((gpu, bw, *_), members) in enumerate(merged.items()):
+    for i, ((gpu, bw, *_), members) in enumerate(merged.items()):  # a class's nodes share NICs alike
         modes = tuple(cost.unit_costs(gpu, bw, tp, micro_batch_size, m) for m in cost.settings.recompute_modes)
         classes.append(
             GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), modes)
@@ -329,7 +329,7 @@ def build_space(
     avail = [c.count for c in classes]
     L = cost.model.num_layers
     M = cost.settings.global_batch_size // micro_batch_size
-    depth_cap = min(L, sum(avail))
+    depth_cap = min(L, sum(avail), M)  # 1F1B needs a micro-batch per stage: no pipeline is deeper than M
     scarce_depth = -(-sum(avail) // M)  # with fewer micro-batches than groups, pipelines must be this deep
     templates: list[Template] = []
     fits = _MemoryCheck(classes, L)

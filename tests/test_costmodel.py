@@ -95,6 +95,15 @@ def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
     assert shared.sync_s["a/0"] == pytest.approx(blocks * 2 + ends * 2)  # two GPUs of a node through one NIC
 
 
+def test_one_ring_leaves_a_node_once_however_many_of_its_gpus_it_joins():
+    """Plain data parallelism: one ring through all four GPUs crosses each node's NIC once each way."""
+    pipes = [PipelinePlan(num_microbatches=2, stages=[StagePlan(devices=[d], gpu=g, layers=(0, 4))])
+             for d, g in (("a/0", "A100-80G"), ("a/1", "A100-80G"), ("b/0", "V100-32G"), ("b/1", "V100-32G"))]
+    shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(plan(pipes))
+    own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(plan(pipes))
+    assert shared.sync_s == pytest.approx(own.sync_s)
+
+
 def test_measured_runtime_overheads_enter_the_prediction():
     p = plan([PipelinePlan(num_microbatches=8, stages=[StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 4))])])
     bare = CostModel(CLUSTER, MODEL, SETTINGS).estimate(p)

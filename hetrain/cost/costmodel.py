@@ -510,22 +510,30 @@ class CostModel:
             add([row[layer] for row in owners], block_params(m) * act / t)
         add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
-        # GPUs of each node that all-reduce across nodes: with one NIC they split it (all sync at once)
-        crossing: dict[str, set[str]] = {}
-        for stages, _ in buckets.values():
+        # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
+        # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
+        # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).
+        crossing_gpus: dict[str, set[str]] = {}
+        crossing_rings: dict[str, set[tuple]] = {}
+        for key, (stages, _) in buckets.items():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
                 if len({node_of[d] for d in devs}) > 1:
                     for d in devs:
-                        crossing.setdefault(node_of[d], set()).add(d)
+                        crossing_gpus.setdefault(node_of[d], set()).add(d)
+                        crossing_rings.setdefault(node_of[d], set()).add((key, r))
         nodes = self.cluster.node_by_name
+
+        def share(n: str) -> int:
+            return min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
+
         for stages, num_bytes in buckets.values():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
                 ring_nodes = {node_of[d] for d in devs}
                 bw = self.cluster.min_bandwidth_gbps(ring_nodes)
                 if len(ring_nodes) > 1:
-                    bw /= max(len(crossing[n]) if nodes[n].shares_nic else 1 for n in ring_nodes)
+                    bw /= max(share(n) for n in ring_nodes)
                 cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
                 for d in devs:
                     sync[d] = sync.get(d, 0.0) + cost

@@ -397,6 +397,9 @@ def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
     return entry.model_copy(update=times)
 
 
+OVERHEADS_TIMEOUT_S = 600  # about 5 s on a CPU here; a wedged device must not hang profiling
+
+
 def _overheads(device: torch.device, precision: Precision) -> RuntimeOverheads:
     """The runtime's overheads (``hetrain.profiling.overheads``), measured in a fresh process with this one's threads.
 
@@ -413,11 +416,15 @@ def _overheads(device: torch.device, precision: Precision) -> RuntimeOverheads:
     if device.type == "cuda" and device.index:  # the child sees only this device, as its cuda:0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible.split(",")[device.index] if visible else str(device.index)}
-    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-    if result.returncode != 0:
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=OVERHEADS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise HetrainError(f"measuring the runtime's overheads took over {OVERHEADS_TIMEOUT_S} s") from None
+    out = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not out:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise HetrainError(f"measuring the runtime's overheads failed: {last}")
-    return RuntimeOverheads.model_validate_json(result.stdout.strip().splitlines()[-1])
+    return RuntimeOverheads.model_validate_json(out[-1])
 
 
 def scale_profile(profile: Profile, factors: dict[str, float]) -> Profile:

@@ -270,7 +270,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
             p.wait()
     if failed:
         proc, log = failed[0]
-        reason = next((r for r in (_worker_error(lg) for _, lg in failed) if r), None)
+        # the cause may be in any node's log (the first launcher to exit may be a peer noticing the loss)
+        reason = next((r for r in (_worker_error(lg) for lg in [lg for _, lg in failed] + logs) if r), None)
         if reason:
             raise HetrainError(reason)
         raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
@@ -292,5 +293,18 @@ class _FirstExit:
 
 
 def _stop_all(procs: list[subprocess.Popen], run_dir: Path) -> None:
+    """Interrupt every node's launcher at once (each gets its grace period together), then escalate one by one."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
     for proc in procs:
         stop(proc, run_dir)

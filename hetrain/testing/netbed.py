@@ -49,8 +49,13 @@ class NetBedError(RuntimeError):
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and result.returncode != 0:
-        raise NetBedError(f"ip {' '.join(args)}: {result.stderr.strip() or result.stdout.strip()}")
+        raise NetBedError(f"ip {' '.join(args)}: {_last_line(result)}")
     return result
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    lines = (result.stderr.strip() or result.stdout.strip() or "failed").splitlines()
+    return lines[-1]
 
 
 def available() -> tuple[bool, str]:
@@ -60,10 +65,10 @@ def available() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"'{tool}' (iproute2) is not installed"
-    probe = f"{PREFIX}probe-{os.getpid()}"
+    probe = f"{PREFIX}{os.getpid()}-probe"  # named like a bed's, so remove_stale finds it if this process dies
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
-        return False, f"cannot create a network namespace: {made.stderr.strip()}"
+        return False, f"cannot create a network namespace: {_last_line(made)}"
     _ip("netns", "delete", probe, check=False)
     return True, ""
 
@@ -171,7 +176,7 @@ class NetBed:
                                  "rate", f"{rate_mbit:g}mbit", "burst", str(burst),
                                  "latency", f"{TBF_LATENCY_MS}ms"], capture_output=True, text=True)
         if result.returncode != 0:
-            raise NetBedError(f"tc on {dev} in {ns}: {result.stderr.strip()}")
+            raise NetBedError(f"tc on {dev} in {ns}: {_last_line(result)}")
 
     def down(self) -> None:
         """Kill what runs inside the bed and delete every namespace it made (idempotent)."""
@@ -237,7 +242,8 @@ def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 
         "while (d:=c.recv(1<<20)): n+=len(d)\n"
         "print(n)")]), stdout=subprocess.PIPE, text=True)
     try:
-        server.stdout.readline()  # listening
+        if server.stdout.readline().strip() != "up":
+            raise NetBedError(f"the receiver in {receiver} did not start")
         started = time.perf_counter()
         subprocess.run(bed.exec_argv(sender, [sys.executable, "-c", (
             f"import socket;s=socket.create_connection(('{bed.address(receiver)}',{port}));"
@@ -247,6 +253,7 @@ def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 
     finally:
         if server.poll() is None:
             server.kill()
+            server.wait()
     if received != num_bytes:
         raise NetBedError(f"sent {num_bytes} bytes, {received} arrived")
     return received / elapsed / 1e6
