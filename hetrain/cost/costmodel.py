@@ -44,8 +44,10 @@ Data parallelism across pipelines of different shapes. D = number of pipelines. 
     the slowest link among their nodes; blocks held by the same set of stages form one
     bucket, one collective (as the runtime does):
         sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / (bw_min(bucket) / share) + lat,
-    share = on the busiest node of a bucket that crosses nodes, how many of its GPUs sync across
-    nodes at once when they share one NIC (every GPU all-reduces right after backward), else 1.
+    share = on the busiest node of a bucket that crosses nodes, how many rings leave it at once
+    when its GPUs share one NIC (every GPU all-reduces right after backward; a ring leaves a node
+    once however many of its GPUs it joins, and a GPU runs its rings in turn: the smaller of the
+    node's crossing GPUs and crossing rings), else 1.
     B_grad = 4 (gradients are fp32; ``grad_reduce: bf16`` sends 2)
     (embedding among first stages, head among last stages). A GPU runs the all-reduces of
     its buckets one after another: sync_d = sum over its buckets.
