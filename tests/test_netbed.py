@@ -53,9 +53,15 @@ def test_link_runs_at_its_rate_and_the_bed_is_removed():
     assert _ours() == before
 
 
-def test_unshaped_link_is_much_faster_than_a_shaped_one():
-    with netbed.NetBed(["a", "b"]) as bed:
-        assert netbed.measure_link_mb_s(bed, "a", "b", 32 << 20) > 2 * 25
+def test_fixture_builds_a_bed(make_netbed):
+    bed = make_netbed(["x", "y", "z"], rate_mbit=400)
+    assert len({n.address for n in bed.nodes.values()}) == 3
+    assert bed.bridge_ns in _ours()
+
+
+def test_unshaped_link_is_much_faster_than_a_shaped_one(make_netbed):
+    bed = make_netbed(["a", "b"])
+    assert netbed.measure_link_mb_s(bed, "a", "b", 32 << 20) > 2 * 25
 
 
 def test_plan_trains_across_namespaced_nodes(tmp_path):
