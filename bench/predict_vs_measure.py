@@ -126,14 +126,13 @@ def compute_ratios(plan: Plan, est, profile, records: list[dict]) -> dict[str, f
     return {g: sum(measured[g]) / sum(predicted[g]) for g in measured}
 
 
-def if_sends_overlapped(est) -> float:
+def if_sends_overlapped(plan: Plan, est) -> float:
     """The estimate's iteration time had sends overlapped compute (tau = max(max c_k, max 2 e_k)), as the
     cost model assumed before it was measured: the pipelines' part recomputed, the rest as estimated."""
     pipes = []
-    for pe in est.pipelines:
-        m = round((pe.time_s - (sum(pe.stage_s) + 2 * sum(pe.p2p_s) - pe.bottleneck_s)) / pe.bottleneck_s)
+    for pipe, pe in zip(plan.pipelines, est.pipelines):
         tau = max(max(pe.stage_s), max((2 * e for e in pe.p2p_s), default=0.0))
-        pipes.append((m - 1) * tau + sum(pe.stage_s) + 2 * sum(pe.p2p_s))
+        pipes.append((pipe.num_microbatches - 1) * tau + sum(pe.stage_s) + 2 * sum(pe.p2p_s))
     return est.iteration_time_s - est.pipeline_s + max(pipes)
 
 
@@ -194,7 +193,7 @@ def main() -> None:
                     ratios = compute_ratios(plan, est, profile, records)
                     scaled = CostModel(cluster, model, settings, scale_profile(profile, ratios)).estimate(plan)
                     at_measured_speed = scaled.iteration_time_s
-                    overlapped = if_sends_overlapped(scaled)
+                    overlapped = if_sends_overlapped(plan, scaled)
                     row = {"group": group, "model": model.name, "link": f"{rate:g} Mbit/s" if rate else "loopback",
                            "plan": name, "layout": describe(plan), "predicted_s": est.iteration_time_s,
                            "measured_s": measured, "error_pct": 100 * (est.iteration_time_s - measured) / measured,

@@ -87,12 +87,7 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
     return classes
 
 
-def class_link_gbps(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> float:
-    """Bandwidth between consecutive stages on groups of classes a and b."""
-    return _class_link(cluster, a, b)[0]
-
-
-def _class_link(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> tuple[float, bool]:
+def class_link(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> tuple[float, bool]:
     """(bandwidth between consecutive stages on classes a and b, whether the link is between nodes)."""
     if a.index == b.index:
         if max(a.groups_per_node) >= 2:
@@ -103,14 +98,6 @@ def _class_link(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> tuple[flo
     if len(a.nodes) == 1 and len(b.nodes) == 1:
         return cluster.bandwidth_gbps(a.nodes[0], b.nodes[0]), a.nodes[0] != b.nodes[0]
     return cluster.inter_node_bandwidth_gbps, True  # merged classes have no link overrides
-
-
-def stage_senders(cluster: ClusterSpec, a: GroupClass, b: GroupClass, tp: int) -> int:
-    """Concurrent sends on the link between stages of classes a and b (``CostModel.concurrent_senders``)."""
-    if not _class_link(cluster, a, b)[1]:
-        return 1
-    nodes = cluster.node_by_name
-    return tp if any(nodes[n].shares_nic for n in a.nodes + b.nodes) else 1
 
 
 def split_layers(
@@ -247,12 +234,15 @@ def build_template(
     first = [k == 0 for k in range(S)]
     last = [k == S - 1 for k in range(S)]
 
-    def sends(order: tuple[int, ...]) -> tuple[float, ...]:
-        return tuple(cost.send_s(class_link_gbps(cluster, classes[order[k]], classes[order[k + 1]]), micro_batch_size,
-                                 stage_senders(cluster, classes[order[k]], classes[order[k + 1]], tp))
-                     for k in range(S - 1))
+    def send(a: GroupClass, b: GroupClass) -> float:
+        bw, between_nodes = class_link(cluster, a, b)
+        senders = cost.concurrent_senders(a.nodes + b.nodes, tp) if between_nodes else 1
+        return cost.send_s(bw, micro_batch_size, senders)
 
-    def split(order: tuple[int, ...]) -> tuple[list[int], list[UnitCosts]] | None:
+    def sends(order: tuple[int, ...]) -> tuple[float, ...]:
+        return tuple(send(classes[order[k]], classes[order[k + 1]]) for k in range(S - 1))
+
+    def split(order: tuple[int, ...], e: tuple[float, ...]) -> tuple[list[int], list[UnitCosts]] | None:
         """Blocks per stage and the recompute mode each stage runs (its unit costs).
 
         A stage's sends block it (``pipeline_terms``), so they count as its fixed time: a middle
@@ -260,7 +250,6 @@ def build_template(
         """
         modes = [classes[c].modes for c in order]
         options = [classes[c].options(first[k], last[k], S - k) for k, c in enumerate(order)]
-        e = sends(order)
         extra = [modes[k][0].stage_time_s(0, first[k], last[k]) + (e[k - 1] if k > 0 else 0.0)
                  + (e[k] if k < S - 1 else 0.0) for k in range(S)]
         found = split_layers_modes(L, options, extra)
@@ -272,22 +261,21 @@ def build_template(
     # Most memory first suits the in-flight activations of the first stages, but the last stage
     # holds the LM head, its logits and their gradients (whole on every TP rank): with a large
     # vocabulary the roomiest group may serve better there, or the order may be best reversed.
-    # Each order is split; the one with the faster slowest stage (then the smaller total) is kept.
+    # Each order is split; the one with the faster steady state (then the smaller fill) is kept.
     best = None
     for order in dict.fromkeys((canonical, canonical[1:] + canonical[:1], canonical[::-1])):
-        found = split(order)
+        p2p = sends(order)
+        found = split(order, p2p)
         if found is None:
             continue
         blocks, units = found
-        times = [units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S)]
-        key = pipeline_terms(times, sends(order))
+        stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
+        key = pipeline_terms(stage_s, p2p)
         if best is None or key < best[0]:
-            best = (key, order, blocks, units)
+            best = (key, order, blocks, units, stage_s, p2p)
     if best is None:
         return None
-    _, order, blocks, units = best
-    stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
-    p2p = sends(order)
+    _, order, blocks, units, stage_s, p2p = best
     grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
     opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
     return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,

@@ -82,6 +82,7 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
@@ -419,15 +420,13 @@ class CostModel:
 
     def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int, tp: int = 1) -> float:
         """One stage-to-stage send: the ``tp`` ranks of a stage send at once; across a shared NIC they split it."""
-        return self.send_s(self.cluster.bandwidth_gbps(node_a, node_b), micro_batch_size,
-                           self.concurrent_senders(node_a, node_b, tp))
+        senders = 1 if node_a == node_b else self.concurrent_senders((node_a, node_b), tp)
+        return self.send_s(self.cluster.bandwidth_gbps(node_a, node_b), micro_batch_size, senders)
 
-    def concurrent_senders(self, node_a: str, node_b: str, tp: int) -> int:
-        """How many of a stage's sends share the link between two nodes' GPUs (see the module docstring)."""
-        if node_a == node_b:
-            return 1
-        nodes = self.cluster.node_by_name
-        return tp if nodes[node_a].shares_nic or nodes[node_b].shares_nic else 1
+    def concurrent_senders(self, nodes: Iterable[str], tp: int) -> int:
+        """How many of a stage's sends between nodes share a link: its ``tp`` ranks where a NIC is shared."""
+        by_name = self.cluster.node_by_name
+        return tp if any(by_name[n].shares_nic for n in nodes) else 1
 
     def send_s(self, bandwidth_gbps: float, micro_batch_size: int, senders: int = 1) -> float:
         return senders * self.p2p_bytes(micro_batch_size) / (bandwidth_gbps * GB) + self.latency_s

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,8 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetrain.errors import HetrainError
 from hetrain.profiling.profile import RuntimeOverheads
+from hetrain.profiling.profiler import _sync, _time_fwd_bwd
 from hetrain.spec.specs import ModelSpec
 
 # The stand-in: one block small enough that its compute is a few percent of the step's
@@ -70,17 +69,12 @@ def _plan(num_microbatches: int):
 
 @contextlib.contextmanager
 def _one_process_group(device: torch.device):
-    if dist.is_initialized():
-        raise HetrainError("the runtime's overheads are measured in a process of their own "
-                           "(a process group is already running here)")
-    hook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank: not this process's
-    store = dist.HashStore()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    """A world of one (this process is started for the measurement alone: see the module docstring)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 def _overhead_per_step(num_microbatches: int, device: torch.device, precision: str, work: Path) -> float:
@@ -114,12 +108,10 @@ def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
     opt = torch.optim.AdamW(params, lr=1e-4, **impl)
     times = []
     for i in range(2 + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         started = time.perf_counter()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - started)
     return statistics.median(times) / OPTIMIZER_PARAMS
@@ -130,7 +122,6 @@ def tp_block_overhead_s(device: torch.device, precision: str, repeats: int = 9) 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from hetrain.profiling.profiler import _time_fwd_bwd
     from hetrain.runtime.model import Block
     from hetrain.runtime.parallelize import TP_PLAN
 

@@ -144,19 +144,27 @@ def _worker_error(log: Path) -> str | None:
     return None
 
 
-def stop(proc: subprocess.Popen, run_dir: Path, grace_s: float = 10.0) -> None:
-    """Interrupt the launcher (it stops its workers), then make sure no worker survives."""
+def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0) -> None:
+    """Interrupt the launchers (they stop their workers), all at once, then make sure no worker survives.
+
+    Each signal goes to every launcher still running before any is waited for, so the nodes of
+    one run get their grace period together.
+    """
     for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
+        running = [p for p in procs if p.poll() is None]
+        if not running:
             break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
+        for proc in running:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
     for pid in worker_pids(run_dir):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -257,21 +265,21 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
             if on_record:
                 on_record(record)
         if stop_event is not None and stop_event.is_set() and watch.poll() is None:
-            _stop_all(procs, run_dir)
+            stop(procs, run_dir)
             raise RunStopped(records)
     except BaseException:
-        _stop_all(procs, run_dir)
+        stop(procs, run_dir)
         raise
     failed = [(p, log) for p, log in zip(procs, logs) if p.poll() is not None and p.returncode != 0]
-    if failed:  # one node failed: the others would wait for it forever
-        _stop_all(procs, run_dir)
-    else:
+    if not failed:
         for p in procs:
             p.wait()
-    if failed:
+    else:  # one node failed: the others would wait for it forever
+        stop(procs, run_dir)
         proc, log = failed[0]
         # the cause may be in any node's log (the first launcher to exit may be a peer noticing the loss)
-        reason = next((r for r in (_worker_error(lg) for lg in [lg for _, lg in failed] + logs) if r), None)
+        ordered = dict.fromkeys([lg for _, lg in failed] + logs)  # the failed nodes' logs first
+        reason = next((r for r in map(_worker_error, ordered) if r), None)
         if reason:
             raise HetrainError(reason)
         raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
@@ -291,20 +299,3 @@ class _FirstExit:
             return failed[0]
         return None if None in codes else 0
 
-
-def _stop_all(procs: list[subprocess.Popen], run_dir: Path) -> None:
-    """Interrupt every node's launcher at once (each gets its grace period together), then escalate one by one."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 10.0
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for proc in procs:
-        stop(proc, run_dir)

@@ -226,10 +226,6 @@ class NetBed:
 
         return commands
 
-    def describe(self) -> list[dict]:
-        return [{"node": n.name, "namespace": n.namespace, "address": n.address,
-                 "rate_mbit": n.rate_mbit} for n in self.nodes.values()]
-
 
 def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 32 << 20) -> float:
     """MB/s of one TCP stream from ``sender`` to ``receiver``, both ends inside the bed."""
