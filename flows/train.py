@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS
 from pydantic import Field
 
 from flows.events import emit_preempted
-from flows.report import Progress, publish_plan, publish_timing
+from flows.fanout import run_on_nodes
+from flows.report import Progress, artifact_key, publish_plan, publish_timing
 from hetrain.config import build_run_config
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
@@ -29,7 +31,7 @@ from hetrain.recovery.preemption import SOURCES
 from hetrain.recovery.runs import backup_problem, check_run_paths, run_dir_of, start_or_resume
 from hetrain.runtime.launch import RunStopped, launch
 from hetrain.runtime.schedule import DEFAULT_LR
-from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 from hetrain.testing.spot import LocalSpotRun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +138,27 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             "final_loss": records[-1]["loss"], "resumed_from": resumed, "backup_problem": problem, **timing}
 
 
+def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, steps: int, training: dict, rendezvous_port: int,
+                   runs_root: str, predicted_s: float) -> dict:
+    """One ``hetrain-node`` run per node of the plan (see ``flows.fanout``); rank 0's node streams its logs here."""
+    logger = get_run_logger()
+    layout = build_layout(the_plan)
+    first = next(iter(layout.nodes))
+    rendezvous = f"{cl.node_by_name[first].host}:{rendezvous_port}"
+    plan_json, cluster_json = json.loads(the_plan.to_json()), cl.model_dump(mode="json")
+    parameters = {node: {"run_id": run_id, "node": node, "plan": plan_json, "cluster": cluster_json,
+                         "rendezvous": rendezvous, "steps": steps, "training": training, "runs_root": runs_root}
+                  for node in layout.nodes}
+    summaries = run_on_nodes(parameters, logger.info, stream_from=first)  # the plan's rank 0 is on its first node
+    create_table_artifact(list(summaries.values()), key=artifact_key(run_id, "nodes"),
+                          description=f"what each node of run {run_id} did")
+    lead = summaries[first]
+    logger.info("run %s on %d nodes: %d steps, final loss %s (predicted %.3f s/iteration)", run_id, len(summaries),
+                lead.get("steps", 0), lead.get("final_loss"), predicted_s)
+    return {"status": "completed", "run_id": run_id, "first_step": 0, "last_step": lead.get("last_step"),
+            "final_loss": lead.get("final_loss"), "nodes": summaries, "predicted s": round(predicted_s, 4)}
+
+
 @flow(name="hetrain-train", log_prints=True)
 def train(
     cluster: str = "examples/clusters/cpu-emulated.yaml",
@@ -158,8 +181,16 @@ def train(
     precision: Literal["bf16", "fp16", "fp32"] | None = None,
     data: str | None = None,
     runs_root: str = "runs",
+    launch: Literal["local", "per-node"] = "local",
+    rendezvous_port: Annotated[int, Field(gt=0, lt=65536)] = 29500,
 ) -> dict:
     """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``.
+
+    ``launch``: ``local`` runs every rank on the machine whose worker took this flow run (one
+    machine, or the emulated cluster); ``per-node`` starts a ``hetrain-node`` flow run on each
+    node of the plan through the work queue named after the node (``flows.node``), torchrun's
+    c10d rendezvous on the plan's first node at ``rendezvous_port``, and fails when one node
+    does, after stopping the others. Per-node runs start at step 0 on each node's own disk.
 
     ``data``: a token file (``.bin``/``.npy``, see ``hetrain data prepare``) or a text file read
     as byte-level tokens (default: synthetic tokens); a scheduled run that resumes reads the
@@ -185,6 +216,13 @@ def train(
     the_plan = Plan.model_validate(plan_json)
     cost = CostModel(cl, spec, settings, Profile.from_dict(prof) if prof else None)
     predicted = cost.estimate(the_plan).iteration_time_s
+    if launch == "per-node":
+        if spot_metadata_url:
+            get_run_logger().warning("per-node runs do not watch spot notices yet: %s is ignored", spot_metadata_url)
+        training = {"checkpoint_every": checkpoint_every, "keep": keep, "remote": remote,
+                    "remote_endpoint": remote_endpoint, "lr": lr, "lr_min": lr_min, "warmup_steps": warmup_steps,
+                    "decay_steps": decay_steps, "data": data}
+        return train_on_nodes(run_id, the_plan, cl, steps, training, rendezvous_port, runs_root, predicted)
     return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
                      spot_metadata_url, cloud, lr, predicted, data,
                      {"lr_min": lr_min, "warmup_steps": warmup_steps, "decay_steps": decay_steps})

@@ -286,6 +286,33 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     return records
 
 
+def launch_node(config: RunConfig, layout: Layout, run_dir: Path, node: str, rendezvous: str,
+                local_address: str | None = None, on_record: Callable[[dict], None] | None = None,
+                stop_event: threading.Event | None = None) -> list[dict]:
+    """Run ``node``'s ranks of the plan on this machine, under torchrun, against a c10d rendezvous.
+
+    Every node of the plan runs this at once (the train flow starts one node-level flow run
+    per node through that node's work queue); ``rendezvous`` (``host:port``) is on the plan's
+    first node, whose torchrun hosts the store. ``local_address`` is the address this node's
+    agent advertises, where the host name does not resolve to one the other nodes reach.
+    Returns rank 0's metric records (none on the other nodes). A rank failing anywhere fails
+    every node: their collectives break, and each node's launch stops its own processes.
+    """
+    if node not in layout.nodes:
+        raise HetrainError(f"node '{node}': the plan has no ranks there (its nodes: {', '.join(layout.nodes)})")
+    host, _, port = rendezvous.rpartition(":")
+    if not host or not port.isdigit():
+        raise HetrainError(f"rendezvous '{rendezvous}': expected host:port")
+    addresses = {node: local_address} if local_address else None
+
+    def commands(config_path: Path) -> list[NodeCommand]:
+        every = node_commands(layout, str(config_path), host, int(port), config.run_id,
+                              torchrun=[sys.executable, "-m", "torch.distributed.run"], local_addresses=addresses)
+        return [c for c in every if c.node == node]
+
+    return launch(config, layout, run_dir, on_record=on_record, stop_event=stop_event, commands=commands)
+
+
 class _FirstExit:
     """Several processes as one for ``follow_metrics``: done when all have exited or any has failed."""
 

@@ -237,7 +237,8 @@ class Trainer:
         config = self.config
         plan = self.plan
         tokens_per_step = plan.global_batch_size * plan.model.seq_length
-        metrics = open(config.metrics, "a") if config.metrics and dist.get_rank() == 0 else None
+        # the plan's rank 0 (its first node) writes them: torchrun's own rank 0 may sit on any node
+        metrics = open(config.metrics, "a") if config.metrics and self.role.rank == 0 else None
         try:
             for step in range(config.start_step, config.steps):
                 record = self.train_step(step)

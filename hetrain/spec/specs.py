@@ -81,6 +81,16 @@ class NodeSpec(_Spec):
         "nodes at once splits inter_node_bandwidth_gbps); per_gpu: each GPU has a NIC of that bandwidth "
         "(DGX-class nodes)")
 
+    address: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$",
+        description="host name or IP address the other nodes reach this node at (the rendezvous on the first "
+        "node of a plan, peer servers); default: the node's name")
+
+    @property
+    def host(self) -> str:
+        """Where other nodes reach this node."""
+        return self.address or self.name
+
     @property
     def shares_nic(self) -> bool:
         return self.nics == "one" and self.count > 1

@@ -131,6 +131,7 @@ class NetBed:
         }
         self.bridge_ns = f"{PREFIX}{self.tag}-br"
         self._made: list[str] = []
+        self._relays: list[subprocess.Popen] = []  # host-side relays (those inside die with their namespace)
 
     # -- building
     def up(self) -> NetBed:
@@ -180,6 +181,11 @@ class NetBed:
 
     def down(self) -> None:
         """Kill what runs inside the bed and delete every namespace it made (idempotent)."""
+        for proc in self._relays:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._relays.clear()
         for ns in reversed(self._made):
             _kill_namespace_processes(ns)
             _ip("netns", "delete", ns, check=False)
@@ -225,6 +231,30 @@ class NetBed:
             return [NodeCommand(c.node, {**c.env, **self.env(c.node)}, self.exec_argv(c.node, c.argv)) for c in cmds]
 
         return commands
+
+
+    def forward(self, node: str, port: int, sockets_dir: str) -> int:
+        """A port on the host's loopback that reaches ``port`` on ``node`` (returns the host port).
+
+        For the test's own control plane (the Prefect API of a server inside the bed): two
+        ``hetrain.testing.relay`` processes joined by a unix socket in ``sockets_dir``, so the
+        host gets no address on the bed's network.
+        """
+        import sys
+
+        from hetrain.runtime.launch import free_port
+
+        sock = os.path.join(sockets_dir, f"{node}-{port}.sock")
+        host_port = free_port()
+        relay = [sys.executable, "-m", "hetrain.testing.relay"]
+        for argv, track in ((self.exec_argv(node, [*relay, f"unix:{sock}", f"tcp:127.0.0.1:{port}"]), False),
+                            ([*relay, f"tcp:127.0.0.1:{host_port}", f"unix:{sock}"], True)):
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            if track:
+                self._relays.append(proc)
+            if proc.stdout.readline().strip() != "ready":
+                raise NetBedError(f"the relay to {node}:{port} did not start")
+        return host_port
 
 
 def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 32 << 20) -> float:

@@ -1,0 +1,102 @@
+"""One node's share of a plan, as a Prefect flow run on that node's worker.
+
+The train flow (``launch="per-node"``) starts one run of this flow per node of the plan, each
+through the work queue named after the node, so the worker on that machine runs it: it
+writes the plan on the node's own disk, starts ``torchrun`` for the node's ranks against the
+c10d rendezvous on the plan's first node, and reports what its ranks did. Start a node once:
+
+    HETRAIN_NODE=v100-1 HETRAIN_RUNS_ROOT=/data/hetrain/runs \\
+        prefect worker start --pool hetrain --work-queue v100-1
+
+``HETRAIN_NODE`` guards against a worker serving another node's queue; ``HETRAIN_RUNS_ROOT``
+is the node's own disk (default ``runs`` in the checkout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import Field
+
+from flows.report import Progress, artifact_key
+from hetrain.checkpoint.manifest import committed_steps
+from hetrain.config import RUN_ID_PATTERN, build_run_config
+from hetrain.errors import HetrainError
+from hetrain.files import write_text_atomic
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.recovery.runs import check_run_paths, run_dir_of
+from hetrain.runtime.launch import launch_node
+from hetrain.spec.specs import ClusterSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_ENV = "HETRAIN_NODE"  # the node a worker's machine is (set where the worker starts)
+RUNS_ROOT_ENV = "HETRAIN_RUNS_ROOT"  # the node's own disk for runs
+
+
+def node_runs_root(runs_root: str) -> Path:
+    """The runs root on this node: its worker's ``HETRAIN_RUNS_ROOT``, else ``runs_root`` (relative to the checkout)."""
+    root = Path(os.environ.get(RUNS_ROOT_ENV) or runs_root)
+    return root if root.is_absolute() else ROOT / root
+
+
+@flow(name="hetrain-node", log_prints=True)
+def node(
+    run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)],
+    node: Annotated[str, Field(min_length=1)],
+    plan: dict,
+    cluster: dict,
+    rendezvous: Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_-]+:\d+$")],
+    steps: Annotated[int, Field(gt=0)],
+    training: dict | None = None,
+    runs_root: str = "runs",
+) -> dict:
+    """Train ``node``'s ranks of ``plan`` (run ``run_id``) for ``steps`` steps, from step 0.
+
+    ``training``: ``hetrain.config.build_run_config`` options (checkpoint_every, keep, lr and
+    schedule, remote, data...), the same on every node.
+    """
+    logger = get_run_logger()
+    here = os.environ.get(NODE_ENV)
+    if here and here != node:
+        raise HetrainError(f"node '{node}': this worker's machine is '{here}' ({NODE_ENV}); "
+                           f"check which queue it serves")
+    the_plan, spec = Plan.model_validate(plan), ClusterSpec.model_validate(cluster)
+    if node not in spec.node_by_name:
+        raise HetrainError(f"node '{node}': not in cluster '{spec.name}'")
+    run_dir = run_dir_of(node_runs_root(runs_root), run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan_path, cluster_path = run_dir / "plan.json", run_dir / "cluster.json"
+    config = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=cluster_path, **(training or {}))
+    check_run_paths(run_dir, config, [node])
+    if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
+        raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
+                           f"per node start from step 0; pick a new run_id")
+    the_plan.write(plan_path)
+    write_text_atomic(cluster_path, json.dumps(spec.model_dump(mode="json"), indent=2) + "\n", "cluster")
+    layout = build_layout(the_plan)
+    ranks = layout.nodes.get(node, [])
+    logger.info("node %s: ranks %s of %d, rendezvous %s", node, ranks, layout.world_size, rendezvous)
+    progress: dict = {}
+    every = max(1, steps // 10)
+
+    def on_record(r: dict) -> None:  # rank 0 lives on this node: its records come here
+        progress.setdefault("bar", Progress(run_id, 0, steps)).update(r["step"])
+        if r["step"] % every == 0 or r["step"] == steps - 1:
+            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
+                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
+
+    records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].address,
+                          on_record=on_record)
+    kept = committed_steps(config.checkpoint.node_root(node)) if config.checkpoint else []
+    summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir),
+               "steps": len(records), "last_step": records[-1]["step"] if records else None,
+               "final_loss": round(records[-1]["loss"], 4) if records else None,
+               "checkpoints_on_disk": ", ".join(map(str, kept))}
+    create_table_artifact([summary], key=artifact_key(run_id, "node", node), description=f"node {node} of run {run_id}")
+    return summary
