@@ -10,6 +10,7 @@ with that node's reason.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -22,10 +23,14 @@ from prefect.states import Cancelled, Cancelling
 from hetrain.errors import HetrainError
 
 NODE_DEPLOYMENT = "hetrain-node/node"
+PROFILE_DEPLOYMENT = "hetrain-node-profile/node-profile"
+WORK_POOL = "hetrain"
 POLL_S = 1.0  # how often the parent looks at its node runs: a second is well under a training step's worth
 # how long the other nodes' runs get to stop after one failed (their workers give a flow run 30 s
 # between SIGTERM and SIGKILL; launch's own stop takes up to 20 s)
 STOP_TIMEOUT_S = 60.0
+# a queue polled this recently has a live worker (Prefect's own "ready" window for work queues)
+POLLED_WITHIN_S = 60.0
 _FINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -36,14 +41,16 @@ def _reason(state) -> str:
     return message.split(": ", 1)[1] if message.startswith(("HetrainError: ", "NoPlanError: ")) else message
 
 
-def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], stream_from: str | None = None,
-                 deployment: str = NODE_DEPLOYMENT, poll_s: float = POLL_S) -> dict[str, dict]:
-    """Run ``deployment`` once per node (``parameters[node]``) on its queue; returns each node's summary table row.
+def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label: str,
+                 stream_from: str | None = None, deployment: str = NODE_DEPLOYMENT,
+                 poll_s: float = POLL_S) -> dict[str, dict[str, object]]:
+    """Run ``deployment`` once per node (``parameters[node]``) on its queue; returns each run's artifacts by type.
 
-    Raises HetrainError naming the first node whose run did not complete, after stopping the rest.
+    Flow runs are named ``<label>-<node>``. Raises HetrainError naming every node whose run
+    failed (first first), after stopping the rest.
     """
     runs = {node: run_deployment(deployment, parameters=params, work_queue_name=node, timeout=0,
-                                 flow_run_name=f"{params.get('run_id', 'run')}-{node}")
+                                 flow_run_name=f"{label}-{node}")
             for node, params in parameters.items()}
     log("node runs: " + ", ".join(f"{n} {r.id}" for n, r in runs.items()))
     seen_logs = 0
@@ -67,19 +74,33 @@ def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], stream
             if all(s is not None and s.type.value == "COMPLETED" for s in states.values()):
                 break
             time.sleep(poll_s)
-        summaries = {}
+        found = {}
         for n, r in runs.items():
             artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r.id])))
-            table = next((a.data for a in artifacts if a.type == "table"), None)
-            summaries[n] = _first_row(table)
-    return summaries
+            found[n] = {a.type: a.data for a in artifacts}
+    return found
 
 
-def _first_row(data) -> dict:
-    import json
-
-    rows = json.loads(data) if isinstance(data, str) else data
+def first_row(artifacts: dict[str, object]) -> dict:
+    """The first row of a node run's table artifact ({} without one)."""
+    data = artifacts.get("table")
+    rows = json.loads(data) if isinstance(data, str) else (data or [])
     return rows[0] if rows else {}
+
+
+def queue_ready(node: str, pool: str = WORK_POOL) -> bool:
+    """Whether a worker polled ``node``'s work queue lately (workers poll every few seconds)."""
+    from datetime import datetime, timezone
+
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            queue = client.read_work_queue_by_name(node, work_pool_name=pool)
+        except ObjectNotFound:
+            return False
+    polled = queue.last_polled
+    return polled is not None and (datetime.now(timezone.utc) - polled).total_seconds() < POLLED_WITHIN_S
 
 
 def _stop_others(client, runs: dict, states: dict, log: Callable[[str], None]) -> None:

@@ -17,19 +17,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
-from flows.report import Progress, artifact_key
+from flows.report import Progress, artifact_key, publish_profile
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.config import RUN_ID_PATTERN, build_run_config
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
+from hetrain.profiling.profile import Profile
 from hetrain.recovery.runs import check_run_paths, run_dir_of
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
@@ -100,3 +101,33 @@ def node(
                "checkpoints_on_disk": ", ".join(map(str, kept))}
     create_table_artifact([summary], key=artifact_key(run_id, "node", node), description=f"node {node} of run {run_id}")
     return summary
+
+
+@flow(name="hetrain-node-profile", log_prints=True)
+def node_profile(
+    node: Annotated[str, Field(min_length=1)],
+    model: dict,
+    gpu: Annotated[str, Field(min_length=1)],
+    micro_batch_sizes: list[int],
+    tp_degrees: list[int],
+    activation_recompute: bool,
+    precision: Literal["bf16", "fp16", "fp32"],
+    measures: int,
+    slowdown: Annotated[float, Field(ge=1.0)] = 1.0,
+) -> None:
+    """Profile the model on this node's device, filed under its GPU type ``gpu`` (cached per model and type).
+
+    ``slowdown`` is the node's emulation factor (CPU only; a GPU is measured as it is).
+    """
+    import torch
+
+    from flows.train import profile
+
+    here = os.environ.get(NODE_ENV)
+    if here and here != node:
+        raise HetrainError(f"node '{node}': this worker's machine is '{here}' ({NODE_ENV}); check which queue it serves")
+    if torch.cuda.is_available():
+        slowdown = 1.0
+    data = profile(model, {gpu: slowdown}, micro_batch_sizes, tp_degrees, activation_recompute, precision, measures)
+    publish_profile(Profile.from_dict(data), gpu, node)
+    get_run_logger().info("profiled %s on node %s (%s)", gpu, node, "cuda" if torch.cuda.is_available() else "cpu")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
+from pydantic import ValidationError
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
 from hetrain.cost.costmodel import Estimate
 from hetrain.cost.report import plan_rows
 from hetrain.plan.schema import Plan
+from hetrain.profiling.profile import Profile
 
 
 def artifact_key(*parts: str) -> str:
@@ -63,3 +66,29 @@ class Progress:
 
     def update(self, step: int) -> None:
         update_progress_artifact(self.id, min(100.0, 100.0 * (step + 1 - self.first) / self.total))
+
+
+PROFILE_FENCE = "```json"
+
+
+def publish_profile(profile: Profile, gpu: str, node: str) -> None:
+    """A node's profile of its GPU type: a table to read, and the exact JSON for the parent flow."""
+    rows = [{"tp": e.tp, "micro-batch": e.micro_batch_size, "block fwd ms": round(1e3 * e.block_forward_s, 3),
+             "block bwd ms": round(1e3 * e.block_backward_s, 3),
+             "activation MB": round((e.block_activation_bytes or 0) / 1e6, 1)} for e in profile.devices[gpu]]
+    create_table_artifact(rows, key=artifact_key("profile", gpu, node), description=f"{gpu} measured on node {node}")
+    create_markdown_artifact(f"## {gpu} measured on node {node}\n\n{PROFILE_FENCE}\n{profile.to_json()}\n```\n",
+                             key=artifact_key("profile", gpu, node, "json"), description=f"profile of {gpu}")
+
+
+def profile_from_markdown(text: object, source: str) -> Profile:
+    """The profile ``publish_profile`` wrote, validated (it comes from another machine)."""
+    from hetrain.errors import HetrainError
+
+    if not isinstance(text, str) or PROFILE_FENCE not in text:
+        raise HetrainError(f"{source}: no profile in the node run's artifacts")
+    body = text.split(PROFILE_FENCE, 1)[1].rsplit("```", 1)[0]
+    try:
+        return Profile.from_dict(json.loads(body))
+    except (ValueError, ValidationError) as e:
+        raise HetrainError(f"{source}: not a valid profile ({str(e).splitlines()[0]})") from None

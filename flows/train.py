@@ -18,8 +18,8 @@ from prefect.cache_policies import INPUTS
 from pydantic import Field
 
 from flows.events import emit_preempted
-from flows.fanout import run_on_nodes
-from flows.report import Progress, artifact_key, publish_plan, publish_timing
+from flows.fanout import PROFILE_DEPLOYMENT, first_row, queue_ready, run_on_nodes
+from flows.report import Progress, artifact_key, profile_from_markdown, publish_plan, publish_timing
 from hetrain.config import build_run_config
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
@@ -138,6 +138,44 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             "final_loss": records[-1]["loss"], "resumed_from": resumed, "backup_problem": problem, **timing}
 
 
+def profile_on_nodes(cl: ClusterSpec, spec, settings: TrainingSettings, tp_degrees: list[int],
+                     run_id: str) -> dict | None:
+    """Each GPU type profiled on a node of that type (``hetrain-node-profile``, cached there per model and type).
+
+    A type whose nodes no worker serves is left to the cost model's FLOP estimate, with a
+    warning. What the nodes send back is checked and merged into one profile.
+    """
+    from hetrain.profiling.profile import merge_profiles
+
+    logger = get_run_logger()
+    where: dict[str, str] = {}  # GPU type -> the node that profiles it
+    for n in cl.nodes:
+        if n.gpu not in where and queue_ready(n.name):
+            where[n.gpu] = n.name
+    for gpu in dict.fromkeys(n.gpu for n in cl.nodes):
+        if gpu not in where:
+            logger.warning("no worker serves a node of GPU type %s: its costs are FLOP estimates", gpu)
+    if not where:
+        return None
+    parameters = {node: {"node": node, "model": spec.model_dump(), "gpu": gpu,
+                         "micro_batch_sizes": settings.micro_batch_sizes, "tp_degrees": tp_degrees,
+                         "activation_recompute": settings.activation_recompute != "none",
+                         "precision": settings.precision, "measures": PROFILER_MEASURES,
+                         "slowdown": cl.node_by_name[node].emulate.slowdown if cl.node_by_name[node].emulate else 1.0}
+                  for gpu, node in where.items()}
+    found = run_on_nodes(parameters, logger.info, f"{run_id}-profile", deployment=PROFILE_DEPLOYMENT)
+    parts = []
+    for gpu, node in where.items():
+        part = profile_from_markdown(found[node].get("markdown"), f"profile of {gpu} from node {node}")
+        if set(part.devices) != {gpu} or part.model != spec or part.precision != settings.precision:
+            raise HetrainError(f"profile of {gpu} from node {node}: not a {settings.precision} profile of "
+                               f"{spec.name} for {gpu} alone (got {', '.join(part.devices)})")
+        parts.append(part)
+    merged = merge_profiles(parts, "node profiles")
+    logger.info("profiled %s", ", ".join(f"{gpu} on {node}" for gpu, node in where.items()))
+    return json.loads(merged.to_json())
+
+
 def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, steps: int, training: dict, rendezvous_port: int,
                    runs_root: str, predicted_s: float) -> dict:
     """One ``hetrain-node`` run per node of the plan (see ``flows.fanout``); rank 0's node streams its logs here."""
@@ -149,7 +187,8 @@ def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, steps: int, tra
     parameters = {node: {"run_id": run_id, "node": node, "plan": plan_json, "cluster": cluster_json,
                          "rendezvous": rendezvous, "steps": steps, "training": training, "runs_root": runs_root}
                   for node in layout.nodes}
-    summaries = run_on_nodes(parameters, logger.info, stream_from=first)  # the plan's rank 0 is on its first node
+    artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first)  # the plan's rank 0: its first node
+    summaries = {node: first_row(a) for node, a in artifacts.items()}
     create_table_artifact(list(summaries.values()), key=artifact_key(run_id, "nodes"),
                           description=f"what each node of run {run_id} did")
     lead = summaries[first]
@@ -208,9 +247,11 @@ def train(
         precision = "fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16"
     settings = TrainingSettings(global_batch_size=global_batch_size, precision=precision)
     prof = None
-    if use_profile:
-        prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes,
-                       [t for t in settings.tp_degrees if spec.tp_divides(t)],
+    tp_degrees = [t for t in settings.tp_degrees if spec.tp_divides(t)]
+    if use_profile and launch == "per-node":
+        prof = profile_on_nodes(cl, spec, settings, tp_degrees, run_id)
+    elif use_profile:
+        prof = profile(spec.model_dump(), gpus_from_cluster(cl), settings.micro_batch_sizes, tp_degrees,
                        settings.activation_recompute != "none", settings.precision, PROFILER_MEASURES)
     plan_json = plan(cluster, model, settings.model_dump(), prof, planner, run_id)
     the_plan = Plan.model_validate(plan_json)

@@ -68,6 +68,7 @@ def bed_cluster(tmp_path_factory):
         _wait_for(api + "/health", SERVER_START_S)
         cli_env = {**base, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp / "cli-home")}
         for args in (["work-pool", "create", "hetrain", "--type", "process"],
+                     *(["work-queue", "create", node, "--pool", "hetrain"] for node in NODES),  # a queue per node
                      ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
             r = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=cli_env, capture_output=True,
                                text=True, timeout=180)
@@ -81,6 +82,14 @@ def bed_cluster(tmp_path_factory):
             start(node, [sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain", "--work-queue",
                          node, "--name", node], PREFECT_API_URL=inside, PREFECT_HOME=str(tmp / f"w-{node}"),
                   HETRAIN_NODE=node, HETRAIN_RUNS_ROOT=str(roots[node]))
+        from flows.fanout import queue_ready
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: api}):  # the nodes' workers are up once they poll their queues
+            deadline = time.monotonic() + SERVER_START_S
+            while not all(queue_ready(n) for n in NODES):
+                assert time.monotonic() < deadline, "the nodes' workers did not poll their queues"
+                time.sleep(1)
         cluster = yaml.safe_load((EXAMPLES / "clusters" / "cpu-emulated.yaml").read_text())
         for n in cluster["nodes"]:
             n["address"] = bed.address(n["name"])
@@ -102,14 +111,14 @@ def _run(api: str, parameters: dict, timeout_s: float = 400):
 
 
 def _table(api: str, flow_run_id, key_part: str) -> list[dict]:
-    """Rows of the table artifact of a flow run whose key ends with ``key_part``."""
+    """Rows of the table artifact (of a flow run, or any) whose key ends with ``key_part``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])) if flow_run_id else None)
     found = [a for a in artifacts if a.type == "table" and (a.key or "").endswith(key_part)]
     assert found, [a.key for a in artifacts]
     return json.loads(found[0].data) if isinstance(found[0].data, str) else found[0].data
@@ -132,9 +141,16 @@ def _training_processes(bed) -> list[str]:
 
 def test_train_flow_runs_one_node_flow_per_node(bed_cluster):
     bed, api, cluster_file, roots = bed_cluster
-    run = _run(api, {"cluster": str(cluster_file), "run_id": "bed", "steps": 4, "use_profile": False,
-                     "checkpoint_every": 2, "launch": "per-node"})
+    # whale's plans use every GPU (hetrain's, with these profiles, may leave the slow node out)
+    run = _run(api, {"cluster": str(cluster_file), "run_id": "bed", "steps": 4, "checkpoint_every": 2,
+                     "launch": "per-node", "planner": "whale"})
     assert run.state.is_completed(), run.state.message
+    # each GPU type was profiled on its own node, and the emulated slow type measured slower
+    profiles = {}
+    for gpu, node in (("cpu-fast", "fast"), ("cpu-slow", "slow")):
+        (row,) = [r for r in _table(api, None, f"profile-{gpu}-{node}") if r["tp"] == 1 and r["micro-batch"] == 1]
+        profiles[gpu] = row["block fwd ms"] + row["block bwd ms"]
+    assert profiles["cpu-slow"] > 1.3 * profiles["cpu-fast"], profiles
     rows = {r["node"]: r for r in _table(api, run.id, "nodes")}  # the parent's per-node table
     assert set(rows) == set(NODES)
     lead = rows["fast"] if rows["fast"]["steps"] else rows["slow"]
@@ -157,7 +173,7 @@ def test_a_node_failing_mid_run_fails_the_parent_and_leaves_no_process(bed_clust
     with temporary_settings({PREFECT_API_URL: api}):
         run = run_deployment("hetrain-train/train", timeout=0, parameters={
             "cluster": str(cluster_file), "run_id": "bedfail", "steps": 200, "use_profile": False,
-            "checkpoint_every": 100, "launch": "per-node"})
+            "checkpoint_every": 100, "launch": "per-node", "planner": "whale"})
     metrics = [roots[n] / "bedfail" / "metrics.jsonl" for n in NODES]
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not any(m.exists() and m.read_text().count("\n") >= 2 for m in metrics):

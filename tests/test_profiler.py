@@ -198,3 +198,28 @@ def test_cost_model_rejects_profile_of_another_model(profile):
     other = SPEC.model_copy(update={"num_layers": 3})
     with pytest.raises(HetrainError, match="gpt-tiny"):
         CostModel(CLUSTER, other, TrainingSettings(global_batch_size=16, precision="fp32"), profile)
+
+
+def test_profiles_from_several_nodes_merge_one_type_each(profile):
+    """Each node profiles its own GPU type; the parts are checked before they are merged."""
+    from hetrain.profiling.profile import merge_profiles
+
+    parts = [profile.model_copy(update={"devices": {gpu: entries}, "runtime": {gpu: profile.runtime[gpu]}})
+             for gpu, entries in profile.devices.items()]
+    merged = merge_profiles(parts)
+    assert merged.devices == profile.devices and merged.runtime == profile.runtime
+    with pytest.raises(HetrainError, match="profiled twice"):
+        merge_profiles(parts + parts[:1])
+    with pytest.raises(HetrainError, match="differ in 'precision'"):
+        merge_profiles([parts[0], parts[1].model_copy(update={"precision": "bf16"})])
+
+
+def test_a_profile_from_another_node_is_validated(profile):
+    """A node run's artifact is untrusted: anything but a valid profile is one line naming the source."""
+    from flows.report import PROFILE_FENCE, profile_from_markdown
+
+    text = f"## x\n\n{PROFILE_FENCE}\n{profile.to_json()}\n```\n"
+    assert profile_from_markdown(text, "node a").devices == profile.devices
+    for bad in (None, "no profile here", f"{PROFILE_FENCE}\n{{\"schema\": 1}}\n```", f"{PROFILE_FENCE}\nnot json```"):
+        with pytest.raises(HetrainError, match="^node a: "):
+            profile_from_markdown(bad, "node a")

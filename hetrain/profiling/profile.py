@@ -123,3 +123,27 @@ def load_profile(path: str | Path) -> Profile:
         return Profile.model_validate(data)
     except ValidationError as e:
         raise HetrainError(describe_validation_error(str(p), e)) from None
+
+
+def merge_profiles(parts: list[Profile], source: str = "profiles") -> Profile:
+    """One profile from profiles of single GPU types taken on different machines (one per type).
+
+    Each part must be of the same model, precision and recompute setting, and no type may come
+    twice: parts from other nodes are untrusted until this has checked them.
+    """
+    if not parts:
+        raise HetrainError(f"{source}: nothing to merge")
+    first = parts[0]
+    devices: dict[str, list[ProfileEntry]] = {}
+    runtime: dict[str, RuntimeOverheads] = {}
+    for part in parts:
+        for field in ("model", "precision", "activation_recompute"):
+            if getattr(part, field) != getattr(first, field):
+                raise HetrainError(f"{source}: profiles of {', '.join(part.devices)} and {', '.join(first.devices)} "
+                                   f"differ in '{field}'")
+        for gpu, entries in part.devices.items():
+            if gpu in devices:
+                raise HetrainError(f"{source}: GPU type '{gpu}' profiled twice")
+            devices[gpu] = entries
+        runtime.update(part.runtime)
+    return first.model_copy(update={"devices": devices, "runtime": runtime})
