@@ -625,6 +625,43 @@ def watch(
     raise typer.Exit(0 if notice is not None else 1)
 
 
+node_app = typer.Typer(no_args_is_help=True, help="Run this machine as a node of a cluster.")
+app.add_typer(node_app, name="node")
+
+
+@node_app.command("start")
+@user_errors
+def node_start(
+    name: Annotated[str, typer.Option(help="this node's name in the cluster file")],
+    pool: Annotated[str, typer.Option(help="Prefect work pool (process type) the deployments use")] = "hetrain",
+    runs_root: Annotated[Path, typer.Option(help="where runs go on this machine's own disk")] = Path("runs"),
+):
+    """Serve node NAME: create its work queue in POOL and run a Prefect worker on it (until stopped).
+
+    The train flow with ``launch=per-node`` sends each node its share of a plan through the work
+    queue named after the node, so exactly one machine must run this for each node name. Reads
+    PREFECT_API_URL like any Prefect command.
+    """
+    import os
+    import re
+    import subprocess
+
+    from hetrain.spec.specs import NAME_PATTERN
+
+    if not re.match(NAME_PATTERN, name):
+        raise HetrainError(f"--name '{name}': expected a node name (letters, digits, '.', '_' or '-')")
+    check_output_dir(runs_root, "--runs-root")
+    prefect = [sys.executable, "-m", "prefect"]
+    made = subprocess.run([*prefect, "work-queue", "create", name, "--pool", pool], capture_output=True, text=True)
+    said = (made.stdout + made.stderr).strip()
+    if made.returncode != 0 and "already exists" not in said:
+        raise HetrainError(f"work queue '{name}' in pool '{pool}': {said.splitlines()[-1] if said else 'failed'}")
+    env = {**os.environ, "HETRAIN_NODE": name, "HETRAIN_RUNS_ROOT": str(runs_root.resolve())}
+    err.print(f"node {name}: worker on work queue '{name}' of pool '{pool}', runs under {runs_root.resolve()}",
+              highlight=False)
+    os.execvpe(prefect[0], [*prefect, "worker", "start", "--pool", pool, "--work-queue", name, "--name", name], env)
+
+
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 

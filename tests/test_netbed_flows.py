@@ -57,7 +57,7 @@ def bed_cluster(tmp_path_factory):
                  "PYTHONPATH": str(ROOT)}
 
         def start(node: str, argv: list[str], **env: str) -> None:
-            log = open(tmp / f"{node}-{argv[2]}.log", "w")
+            log = open(tmp / f"{node}-{argv[2]}-{len(logs)}.log", "w")
             logs.append(log)
             subprocess.Popen(bed.exec_argv(node, argv), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                              env={**base, **bed.env(node), **env})
@@ -68,7 +68,6 @@ def bed_cluster(tmp_path_factory):
         _wait_for(api + "/health", SERVER_START_S)
         cli_env = {**base, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp / "cli-home")}
         for args in (["work-pool", "create", "hetrain", "--type", "process"],
-                     *(["work-queue", "create", node, "--pool", "hetrain"] for node in NODES),  # a queue per node
                      ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
             r = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, env=cli_env, capture_output=True,
                                text=True, timeout=180)
@@ -79,9 +78,8 @@ def bed_cluster(tmp_path_factory):
         roots = {}
         for node in NODES:
             roots[node] = tmp / node / "runs"
-            start(node, [sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain", "--work-queue",
-                         node, "--name", node], PREFECT_API_URL=inside, PREFECT_HOME=str(tmp / f"w-{node}"),
-                  HETRAIN_NODE=node, HETRAIN_RUNS_ROOT=str(roots[node]))
+            start(node, [sys.executable, "-m", "hetrain", "node", "start", "--name", node, "--runs-root",
+                         str(roots[node])], PREFECT_API_URL=inside, PREFECT_HOME=str(tmp / f"w-{node}"))
         from flows.fanout import queue_ready
         from prefect.settings import PREFECT_API_URL, temporary_settings
 

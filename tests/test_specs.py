@@ -60,6 +60,8 @@ GOOD_NODE = "{name: a, gpu: A100-80G, count: 2, intra_node_bandwidth_gbps: 300}"
         ("name: x\nnodes: [" + GOOD_NODE + "]\nlinks: [{nodes: [a, zz], bandwidth_gbps: 1}]\n",
          "links[0].nodes: expected names of nodes in this file, got 'zz'"),
         ("name: x\nnodes: [" + GOOD_NODE + "]\nbogus: 1\n", "bogus: is not a known field"),
+        ("name: x\nnodes: [{name: a, gpu: T4, count: 1, intra_node_bandwidth_gbps: 1, address: 'h; rm'}]\n",
+         "nodes[0].address: expected"),
         ("nodes: [" + GOOD_NODE + "]\n", "name: is required"),
         ("name: x\nnodes: [{name: a, gpu: A100-80G, count: 2\n", "invalid YAML"),
     ],
@@ -114,3 +116,11 @@ def test_cli_bad_input_one_line_exit_2(cli, tmp_path, args, expected):
     lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and expected in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_node_start_refuses_a_bad_name_or_runs_root(cli, tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args, expected in ((["--name", "a b"], "--name 'a b': expected a node name"),
+                           (["--name", "a", "--runs-root", str(tmp_path / "file")], "is a file, expected a directory")):
+        r = cli("node", "start", *args)
+        assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
