@@ -432,3 +432,32 @@ def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s
     assert prune(cfg.node_root("a"), keep=1, run_id="mine") == []
     assert committed_steps(cfg.node_root("a")) == [1, 3]
     assert prune(cfg.node_root("a"), keep=1, run_id="run") == [1]
+
+
+def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_path: Path):
+    """Node c is gone: a and b each restore the step on their own, reading their own shards from
+    their disks, the other survivor's over its peer server and c's from the bucket."""
+    from hetrain.recovery.recover import restore_on_node
+
+    cfg = copy_run(trained, s3, tmp_path, "per-node")
+    shutil.rmtree(cfg.node_root("c"))
+    manifest = read_manifest(cfg.node_root("a"), 3)
+    size = {f.path: f.size for f in manifest.files}
+    held = {node: {f.path for f in manifest.files if node in f.nodes} for node in "ab"}
+    with PeerServer(cfg.node_root("a"), host="127.0.0.2") as peer_a, \
+            PeerServer(cfg.node_root("b"), host="127.0.0.3") as peer_b:
+        cfg = cfg.model_copy(update={"peers": {"a": peer_a.url, "b": peer_b.url, "c": "http://127.0.0.4:9"}})
+        config = RunConfig(plan="plan.json", steps=6, checkpoint=cfg)
+        for node, other in (("a", "b"), ("b", "a")):
+            report = restore_on_node(config, SAVE, node, ["c"], lambda s, n=node: str(tmp_path / n / f"step-{s}"),
+                                     timeout_s=2)
+            assert report.step == 3
+            sources = {f.path: f.source for f in report.files}
+            assert {p for p, src in sources.items() if src == node} == held[node]  # none of its bytes moved
+            kinds = report.by_kind(node)
+            assert kinds["local"] == sum(size[p] for p in held[node])
+            assert kinds["peers"] == sum(size[p] for p, src in sources.items() if src == other) > 0
+            assert sources["__3_0.distcp"] == "remote" and kinds["remote"] >= size["__3_0.distcp"]
+            assert (tmp_path / node / "step-3" / MANIFEST).exists()  # whole and verified, committed last
+    with pytest.raises(HetrainError, match="among the lost nodes"):
+        restore_on_node(config, SAVE, "c", ["c"], lambda s: str(tmp_path / "c"))

@@ -98,6 +98,13 @@ class FetchReport:
             out += [f"{f.path}: skipped {s}" for s in f.skipped]
         return out
 
+    def by_kind(self, local: str | None = None) -> dict[str, int]:
+        """Bytes from this node's own disk (``local``: its source name), from peers and from the remote store."""
+        out = {"local": 0, "peers": 0, "remote": 0}
+        for f in self.files:
+            out["local" if f.source == local else "remote" if f.source == "remote" else "peers"] += f.size
+        return out
+
     def by_source(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files:
@@ -159,11 +166,12 @@ def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s
 
 def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Callable[[int], str], *,
                       model: ModelSpec | None = None, timeout_s: float = 10.0,
-                      progress: Callable[[int, int], None] | None = None) -> FetchReport:
+                      progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
     """Reassemble the newest committed step that can be fetched whole, falling back to older ones.
 
     An emergency checkpoint may be committed on the nodes before the lost node's shards reached
     the bucket: then the step before it, complete in the bucket, is the one to resume from.
+    ``local``: the name of the peer that is this node's own disk (see ``reassemble``).
     """
     sources = peers + ([remote] if remote else [])
     holders, errors = committed_by_source(sources, timeout_s)
@@ -173,7 +181,8 @@ def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Calla
     for step in sorted(holders, reverse=True):
         try:
             manifest = _manifest(step, holders[step], model, timeout_s)
-            report = reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress)
+            report = reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress,
+                                local=local)
         except WrongModel:
             raise
         except HetrainError as e:  # a damaged or incomplete step: the one before it may be whole
@@ -234,8 +243,13 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
 
 def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
                timeout_s: float = 10.0, workers: int = 8,
-               progress: Callable[[int, int], None] | None = None) -> FetchReport:
-    """Fetch every file of ``manifest`` into ``dest_url``, verified; peers first, the remote for the rest."""
+               progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
+    """Fetch every file of ``manifest`` into ``dest_url``, verified; peers first, the remote for the rest.
+
+    ``local`` names the peer whose root is this node's own disk: every file it holds is read
+    from there first (verified like any other), so a node that recovers moves over the network
+    only what it lacks.
+    """
     started = time.perf_counter()
     by_name = {p.name: p for p in peers}
     dest_fs, dest = url_to_fs(dest_url)
@@ -246,7 +260,8 @@ def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, d
     total, done = manifest.total_bytes, 0
 
     def fetch(entry: FileEntry) -> FileFetch:
-        candidates = [by_name[n] for n in entry.nodes if n in by_name] + ([remote] if remote else [])
+        holders = sorted((n for n in entry.nodes if n in by_name), key=lambda n: n != local)  # own disk first
+        candidates = [by_name[n] for n in holders] + ([remote] if remote else [])
         skipped = []
         for src in candidates:
             t0 = time.perf_counter()

@@ -70,6 +70,25 @@ def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
     return peers, remote
 
 
+def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: list[str], dest_of: Callable[[int], str],
+                    *, timeout_s: float = 10.0, progress: Callable[[int, int], None] | None = None) -> FetchReport:
+    """On surviving node ``node``: the newest committed step into ``dest_of(step)``, its own disk first.
+
+    The files this node already holds are read from its checkpoint root (verified), the rest
+    from the other survivors' peer servers, then the remote store: each node of a recovery
+    runs this at once, and none moves bytes it has. ``report.by_kind(node)`` says how many
+    came from where.
+    """
+    if config.checkpoint is None:
+        raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
+    if node in lost_nodes:
+        raise HetrainError(f"node '{node}' is among the lost nodes; it cannot restore")
+    peers, remote = sources_for(config, old_plan, lost_nodes)
+    own = Source(node, config.checkpoint.node_root(node))  # read directly, not through this node's own server
+    return reassemble_newest([own, *(p for p in peers if p.name != node)], remote, dest_of, model=old_plan.model,
+                             timeout_s=timeout_s, progress=progress, local=node)
+
+
 def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_file: Path | None = None,
             steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True, use_peers: bool = True,
             on_progress: Callable[[str, float], None] | None = None,
