@@ -135,10 +135,11 @@ def split_layers_modes(
     modes = [[(b, min(max(c, 0), limit)) for b, c in opts] for opts in options]
     fastest = []  # fastest[k][n]: seconds per block of stage k's fastest mode holding n blocks
     for opts in modes:
-        per_block = [math.inf] * (limit + 2)
-        for b, c in opts:
-            for n in range(1, c + 1):
-                per_block[n] = min(per_block[n], b)
+        per_block, filled = [math.inf] * (limit + 2), 0
+        for b, c in sorted(opts):  # fastest first: it serves every count it holds that no faster mode does
+            if c > filled:
+                per_block[filled + 1:c + 1] = [b] * (c - filled)
+                filled = c
         fastest.append(per_block)
 
     def stage_s(k: int, n: int) -> float:
