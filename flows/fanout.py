@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId,
+                                             LogFilterTimestamp)
 from prefect.client.schemas.sorting import LogSort
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled, Cancelling
@@ -24,18 +25,26 @@ from hetrain.errors import HetrainError
 
 NODE_DEPLOYMENT = "hetrain-node/node"
 PROFILE_DEPLOYMENT = "hetrain-node-profile/node-profile"
+RESTORE_DEPLOYMENT = "hetrain-node-restore/node-restore"
 WORK_POOL = "hetrain"
 POLL_S = 1.0  # how often the parent looks at its node runs: a second is well under a training step's worth
 # how long the other nodes' runs get to stop after one failed (their workers give a flow run 30 s
 # between SIGTERM and SIGKILL; launch's own stop takes up to 20 s)
 STOP_TIMEOUT_S = 60.0
+# after one node run failed, how long the others get to fail on their own (and say why) before
+# they are cancelled: a rank's death reaches its peers' collectives within seconds
+FAIL_GRACE_S = 15.0
+# a node run no worker has taken up after this long means that node's worker is gone (workers
+# poll every 10 s; a flow run's process starts in a few)
+PICKUP_TIMEOUT_S = 120.0
 # a queue polled this recently has a live worker (Prefect's own "ready" window for work queues)
 POLLED_WITHIN_S = 60.0
 _FINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
 
 
 def _reason(state) -> str:
-    message = (state.message or state.name or "").strip()
+    """A node run's failure as one line (its exception's message, without Prefect's wrapping)."""
+    message = " ".join((state.message or state.name or "").split())
     for prefix in ("Flow run encountered an exception: ", "Flow run encountered an exception. "):
         message = message.removeprefix(prefix)
     return message.split(": ", 1)[1] if message.startswith(("HetrainError: ", "NoPlanError: ")) else message
@@ -46,34 +55,26 @@ def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label:
                  poll_s: float = POLL_S) -> dict[str, dict[str, object]]:
     """Run ``deployment`` once per node (``parameters[node]``) on its queue; returns each run's artifacts by type.
 
-    Flow runs are named ``<label>-<node>``. Raises HetrainError naming every node whose run
-    failed (first first), after stopping the rest.
+    Flow runs are named ``<label>-<node>``. Refuses to start unless every node's queue has a
+    live worker. Raises HetrainError naming every node whose run failed (first first), or that
+    no worker took up, after stopping the rest; anything else that ends the wait (an API
+    error, the parent being stopped) stops them too.
     """
-    runs = {node: run_deployment(deployment, parameters=params, work_queue_name=node, timeout=0,
-                                 flow_run_name=f"{label}-{node}")
-            for node, params in parameters.items()}
-    log("node runs: " + ", ".join(f"{n} {r.id}" for n, r in runs.items()))
-    seen_logs = 0
+    idle = [node for node in parameters if not queue_ready(node)]
+    if idle:
+        raise HetrainError(f"no worker serves the work queue of node{'s' if len(idle) > 1 else ''} "
+                           f"{', '.join(idle)}: run `hetrain node start --name <node>` there")
+    runs: dict = {}
     with get_client(sync_client=True) as client:
-        while True:
-            states = {n: client.read_flow_run(r.id).state for n, r in runs.items()}
-            if stream_from is not None:
-                new = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[runs[stream_from].id])),
-                                       offset=seen_logs, sort=LogSort.TIMESTAMP_ASC)
-                for entry in new:
-                    log(f"[{stream_from}] {entry.message}")
-                seen_logs += len(new)
-            if any(s is not None and s.type.value in _FINAL_BAD for s in states.values()):
-                _stop_others(client, runs, states, log)
-                # every node that failed on its own, first first: a rank's error fails its peers' collectives too
-                failed = sorted(((s.timestamp, n, s) for n, r in runs.items()
-                                 if (s := client.read_flow_run(r.id).state).type.value in ("FAILED", "CRASHED")),
-                                key=lambda f: f[0])
-                failed = failed or [(None, n, s) for n, s in states.items() if s is not None and s.is_final()]
-                raise HetrainError("; ".join(f"node {n}: {_reason(s)}" for _, n, s in failed))
-            if all(s is not None and s.type.value == "COMPLETED" for s in states.values()):
-                break
-            time.sleep(poll_s)
+        try:
+            for node, params in parameters.items():
+                runs[node] = run_deployment(deployment, parameters=params, work_queue_name=node, timeout=0,
+                                            flow_run_name=f"{label}-{node}")
+            log("node runs: " + ", ".join(f"{n} {r.id}" for n, r in runs.items()))
+            _follow(client, runs, log, stream_from, poll_s)
+        except BaseException:
+            _stop(client, runs, log)
+            raise
         found = {}
         for n, r in runs.items():
             artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r.id])))
@@ -81,11 +82,55 @@ def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label:
     return found
 
 
+def _follow(client, runs: dict, log: Callable[[str], None], stream_from: str | None, poll_s: float) -> None:
+    """Until every run completed; HetrainError with the failed nodes' reasons (or the idle ones) otherwise."""
+    seen_logs: set = set()  # ids of the lines already passed on at the newest timestamp
+    since = None
+    started = time.monotonic()
+    while True:
+        states = {n: client.read_flow_run(r.id).state for n, r in runs.items()}
+        if stream_from is not None:  # lines arrive in batches, not in order: read from the newest seen on
+            new = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[runs[stream_from].id]),
+                                             timestamp=LogFilterTimestamp(after_=since)),
+                                   sort=LogSort.TIMESTAMP_ASC)
+            for entry in new:
+                if entry.id not in seen_logs:
+                    seen_logs.add(entry.id)
+                    log(f"[{stream_from}] {entry.message}")
+            if new:
+                since = new[-1].timestamp
+        if any(s is not None and s.type.value in _FINAL_BAD for s in states.values()):
+            # the other nodes' ranks fail too once a peer is gone: give each node that is failing on its own
+            # a moment to say why before the rest are cancelled
+            deadline = time.monotonic() + FAIL_GRACE_S
+            while time.monotonic() < deadline and not all(s is not None and s.is_final() for s in states.values()):
+                time.sleep(poll_s)
+                states = {n: client.read_flow_run(r.id).state for n, r in runs.items()}
+            _stop(client, runs, log)
+            failed = sorted(((s.timestamp, n, s) for n, r in runs.items()
+                             if (s := client.read_flow_run(r.id).state).type.value in ("FAILED", "CRASHED")),
+                            key=lambda f: f[0])
+            failed = failed or [(None, n, s) for n, s in states.items() if s is not None and s.type.value in _FINAL_BAD]
+            raise HetrainError("; ".join(f"node {n}: {_reason(s)}" for _, n, s in failed))
+        if all(s is not None and s.type.value == "COMPLETED" for s in states.values()):
+            return
+        waiting = [n for n, s in states.items() if s is None or s.type.value in ("SCHEDULED", "PENDING", "LATE")
+                   or s.name == "Late"]
+        if waiting and time.monotonic() - started > PICKUP_TIMEOUT_S:
+            raise HetrainError(f"no worker took the run of node{'s' if len(waiting) > 1 else ''} "
+                               f"{', '.join(waiting)} within {PICKUP_TIMEOUT_S:.0f} s (is `hetrain node start` "
+                               f"still running there?)")
+        time.sleep(poll_s)
+
+
 def first_row(artifacts: dict[str, object]) -> dict:
-    """The first row of a node run's table artifact ({} without one)."""
+    """The first row of a node run's table artifact ({} without one, or when it is not a table of rows)."""
     data = artifacts.get("table")
-    rows = json.loads(data) if isinstance(data, str) else (data or [])
-    return rows[0] if rows else {}
+    try:
+        rows = json.loads(data) if isinstance(data, str) else data
+    except ValueError:
+        return {}
+    return rows[0] if isinstance(rows, list) and rows and isinstance(rows[0], dict) else {}
 
 
 def queue_ready(node: str, pool: str = WORK_POOL) -> bool:
@@ -103,14 +148,18 @@ def queue_ready(node: str, pool: str = WORK_POOL) -> bool:
     return polled is not None and (datetime.now(timezone.utc) - polled).total_seconds() < POLLED_WITHIN_S
 
 
-def _stop_others(client, runs: dict, states: dict, log: Callable[[str], None]) -> None:
+def _stop(client, runs: dict, log: Callable[[str], None]) -> None:
     """Cancel every node run not yet final, then wait (bounded) until their workers have stopped them."""
-    pending = [n for n, s in states.items() if s is None or not s.is_final()]
-    for n in pending:
+    pending = []
+    for n, r in runs.items():
+        state = client.read_flow_run(r.id).state
+        if state is not None and state.is_final():
+            continue
         # a run no worker has taken yet is cancelled outright; a running one is stopped by its worker
-        waiting = states[n] is None or states[n].is_scheduled()
-        state = (Cancelled if waiting else Cancelling)(message="another node of the run failed")
-        client.set_flow_run_state(runs[n].id, state, force=True)
+        waiting = state is None or state.is_scheduled()
+        client.set_flow_run_state(r.id, (Cancelled if waiting else Cancelling)(
+            message="another node of the run failed, or the run was stopped"), force=True)
+        pending.append(n)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while pending and time.monotonic() < deadline:
         time.sleep(POLL_S)

@@ -23,15 +23,15 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
-from flows.report import Progress, artifact_key, publish_profile
-from hetrain.checkpoint.manifest import committed_steps
+from flows.report import Progress, artifact_key, publish_json, publish_profile
+from hetrain.checkpoint.manifest import MANIFEST, committed_steps, step_name
 from hetrain.config import RUN_ID_PATTERN, build_run_config
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile
-from hetrain.recovery.runs import check_run_paths, run_dir_of
+from hetrain.recovery.runs import check_run_paths, load_run, run_dir_of
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
 
@@ -46,6 +46,19 @@ def node_runs_root(runs_root: str) -> Path:
     return root if root.is_absolute() else ROOT / root
 
 
+def check_node(node: str) -> None:
+    """Node flows run only on the worker of their node (``hetrain node start`` sets ``HETRAIN_NODE``).
+
+    A worker that polls every queue of the pool (``prefect worker start --pool hetrain`` without
+    ``--work-queue``) could otherwise take a node's run and train its ranks on the wrong machine.
+    """
+    here = os.environ.get(NODE_ENV)
+    if here != node:
+        where = f"'{here}'" if here else f"no node ({NODE_ENV} is unset)"
+        raise HetrainError(f"node '{node}': this worker's machine is {where}; start node workers with `hetrain node "
+                           f"start --name {node}` and the control worker with --work-queue default")
+
+
 @flow(name="hetrain-node", log_prints=True)
 def node(
     run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)],
@@ -56,28 +69,40 @@ def node(
     steps: Annotated[int, Field(gt=0)],
     training: dict | None = None,
     runs_root: str = "runs",
+    resume_step: Annotated[int | None, Field(ge=0)] = None,
 ) -> dict:
-    """Train ``node``'s ranks of ``plan`` (run ``run_id``) for ``steps`` steps, from step 0.
+    """Train ``node``'s ranks of ``plan`` (run ``run_id``) up to step ``steps``, from step 0.
 
     ``training``: ``hetrain.config.build_run_config`` options (checkpoint_every, keep, lr and
-    schedule, remote, data...), the same on every node.
+    schedule, remote, data...), the same on every node. ``resume_step``: continue the run this
+    node already has from that checkpoint, which ``node_restore`` reassembled on this node (a
+    recovery onto a new plan; the run's own options stay, ``training`` is ignored).
     """
     logger = get_run_logger()
-    here = os.environ.get(NODE_ENV)
-    if here and here != node:
-        raise HetrainError(f"node '{node}': this worker's machine is '{here}' ({NODE_ENV}); "
-                           f"check which queue it serves")
+    check_node(node)
     the_plan, spec = Plan.model_validate(plan), ClusterSpec.model_validate(cluster)
     if node not in spec.node_by_name:
         raise HetrainError(f"node '{node}': not in cluster '{spec.name}'")
     run_dir = run_dir_of(node_runs_root(runs_root), run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
-    plan_path, cluster_path = run_dir / "plan.json", run_dir / "cluster.json"
-    config = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=cluster_path, **(training or {}))
-    check_run_paths(run_dir, config, [node])
-    if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
-        raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
-                           f"per node start from step 0; pick a new run_id")
+    if resume_step is None:
+        plan_path, cluster_path = run_dir / "plan.json", run_dir / "cluster.json"
+        config = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=cluster_path,
+                                  **(training or {}))
+        check_run_paths(run_dir, config, [node])
+        if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
+            raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
+                               f"per node start from step 0; pick a new run_id")
+    else:
+        plan_path = run_dir / f"plan-from-step-{resume_step}.json"
+        cluster_path = run_dir / f"cluster-from-step-{resume_step}.json"
+        restored = run_dir / "restore" / step_name(resume_step)
+        if not (restored / MANIFEST).is_file():
+            raise HetrainError(f"node '{node}': step {resume_step} of run '{run_id}' was not restored here "
+                               f"({restored}); the recovery restores before it resumes")
+        config = load_run(run_dir).model_copy(update={
+            "plan": str(plan_path), "cluster": str(cluster_path), "start_step": resume_step + 1, "steps": steps,
+            "resume_from": str(restored), "resume_options": {}})
     the_plan.write(plan_path)
     write_text_atomic(cluster_path, json.dumps(spec.model_dump(mode="json"), indent=2) + "\n", "cluster")
     layout = build_layout(the_plan)
@@ -87,15 +112,15 @@ def node(
     every = max(1, steps // 10)
 
     def on_record(r: dict) -> None:  # rank 0 lives on this node: its records come here
-        progress.setdefault("bar", Progress(run_id, 0, steps)).update(r["step"])
-        if r["step"] % every == 0 or r["step"] == steps - 1:
+        progress.setdefault("bar", Progress(run_id, config.start_step, steps)).update(r["step"])
+        if r["step"] % every == 0 or r["step"] == steps - 1 or r["step"] == config.start_step:
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
 
-    records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].address,
+    records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].host,
                           on_record=on_record)
     kept = committed_steps(config.checkpoint.node_root(node)) if config.checkpoint else []
-    summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir),
+    summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir), "first_step": config.start_step,
                "steps": len(records), "last_step": records[-1]["step"] if records else None,
                "final_loss": round(records[-1]["loss"], 4) if records else None,
                "checkpoints_on_disk": ", ".join(map(str, kept))}
@@ -123,11 +148,49 @@ def node_profile(
 
     from flows.train import profile
 
-    here = os.environ.get(NODE_ENV)
-    if here and here != node:
-        raise HetrainError(f"node '{node}': this worker's machine is '{here}' ({NODE_ENV}); check which queue it serves")
+    check_node(node)
     if torch.cuda.is_available():
         slowdown = 1.0
     data = profile(model, {gpu: slowdown}, micro_batch_sizes, tp_degrees, activation_recompute, precision, measures)
     publish_profile(Profile.from_dict(data), gpu, node)
     get_run_logger().info("profiled %s on node %s (%s)", gpu, node, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+@flow(name="hetrain-node-restore", log_prints=True)
+def node_restore(
+    run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)],
+    node: Annotated[str, Field(min_length=1)],
+    lost_nodes: list[str],
+    runs_root: str = "runs",
+    timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+) -> None:
+    """Reassemble the run's newest committed checkpoint on this node: its own disk first, then peers, then the bucket.
+
+    Publishes what came from where (a table) and the run's plan (for the parent to re-plan
+    from); a node without the run says so in its table ("no run here") and restores nothing.
+    """
+    from hetrain.checkpoint.manifest import restore_dir
+    from hetrain.plan.schema import load_plan
+    from hetrain.recovery.recover import restore_on_node
+
+    logger = get_run_logger()
+    check_node(node)
+    run_dir = run_dir_of(node_runs_root(runs_root), run_id)
+    if not (run_dir / "config.json").is_file():
+        create_table_artifact([{"node": node, "status": "no run here"}], key=artifact_key(run_id, "restore", node))
+        return
+    config = load_run(run_dir)
+    old_plan = load_plan(config.plan)
+    report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(restore_dir(run_dir, step)),
+                             timeout_s=timeout_s)
+    for warning in report.warnings():
+        logger.warning("restore: %s", warning)
+    kinds = report.by_kind(node)
+    row = {"node": node, "status": "restored", "step": report.step, "run_steps": config.steps,
+           "local_bytes": kinds["local"],
+           "peer_bytes": kinds["peers"], "bucket_bytes": kinds["remote"], "seconds": round(report.seconds, 3)}
+    create_table_artifact([row], key=artifact_key(run_id, "restore", node), description=f"restore on node {node}")
+    publish_json(json.loads(old_plan.to_json()), key=artifact_key(run_id, "restore", node, "plan"),
+                 title=f"plan of run {run_id} before losing {', '.join(lost_nodes)}")
+    logger.info("restored step %d: %.1f MB from this node's disk, %.1f MB from peers, %.1f MB from the bucket",
+                report.step, kinds["local"] / 1e6, kinds["peers"] / 1e6, kinds["remote"] / 1e6)

@@ -10,20 +10,80 @@ newest committed checkpoint peers first, and resumes training at the next step
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+import json
+from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from flows.report import Progress, artifact_key, publish_plan
+from flows.fanout import RESTORE_DEPLOYMENT, first_row, run_on_nodes
+from flows.report import Progress, artifact_key, json_from_markdown, publish_plan
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
+from hetrain.errors import HetrainError
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
 from hetrain.recovery.recover import recover as recover_run
+from hetrain.recovery.recover import surviving_cluster
 from hetrain.recovery.runs import existing_run
 from hetrain.spec.specs import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: int | None, runs_root: str,
+                     timeout_s: float, rendezvous_port: int) -> dict:
+    """Restore on every survivor at once, re-plan for those that hold the run, resume per node."""
+    from solver.planner import make_plan
+
+    logger = get_run_logger()
+    cl = load_cluster(cluster_file)
+    unknown = [n for n in lost if n not in cl.node_by_name]
+    if unknown:
+        raise HetrainError(f"lost node '{unknown[0]}' is not a node of cluster {cluster_file} "
+                           f"(nodes: {', '.join(cl.node_by_name)})")
+    survivors = [n.name for n in cl.nodes if n.name not in lost]
+    logger.info("recovering run %s without %s: restoring on %s", run_id, ", ".join(lost), ", ".join(survivors))
+    found = run_on_nodes({n: {"run_id": run_id, "node": n, "lost_nodes": lost, "runs_root": runs_root,
+                              "timeout_s": timeout_s} for n in survivors},
+                         logger.info, f"{run_id}-restore", deployment=RESTORE_DEPLOYMENT)
+    rows = {n: first_row(a) for n, a in found.items()}
+    holders = [n for n, r in rows.items() if r.get("status") == "restored"]
+    if not holders:
+        raise HetrainError(f"run '{run_id}': no surviving node holds it ({', '.join(survivors)})")
+    restored_steps = {rows[n].get("step") for n in holders}
+    if len(restored_steps) != 1:
+        raise HetrainError(f"run '{run_id}': the nodes restored different steps "
+                           f"({', '.join(n + ' ' + str(rows[n].get('step')) for n in holders)})")
+    (step,) = restored_steps
+    source = f"the plan of run {run_id} from node {holders[0]}"
+    try:
+        old_plan = Plan.model_validate(json_from_markdown(found[holders[0]].get("markdown"), source, "plan"))
+    except ValidationError as e:
+        raise HetrainError(f"{source}: not a valid plan ({str(e).splitlines()[0]})") from None
+    new_cluster = surviving_cluster(cl, [n.name for n in cl.nodes if n.name not in holders], str(cluster_file))
+    new_plan = make_plan("hetrain", new_cluster, old_plan.model, old_plan.settings()).plan
+    est = CostModel(new_cluster, new_plan.model, new_plan.settings()).estimate(new_plan)
+    publish_plan(new_plan, est, run_id, f"recovered-from-step-{step}")
+    layout = build_layout(new_plan)
+    first = next(iter(layout.nodes))
+    total = steps or int(rows[holders[0]]["run_steps"])
+    params = {n: {"run_id": run_id, "node": n, "plan": json.loads(new_plan.to_json()),
+                  "cluster": new_cluster.model_dump(mode="json"), "rendezvous": f"{new_cluster.node_by_name[first].host}:"
+                  f"{rendezvous_port}", "steps": total, "runs_root": runs_root, "resume_step": step}
+              for n in layout.nodes}
+    ran = run_on_nodes(params, logger.info, f"{run_id}-from-{step}", stream_from=first)
+    summaries = {n: first_row(a) for n, a in ran.items()}
+    restore_rows = [rows[n] for n in holders]
+    create_table_artifact(restore_rows, key=artifact_key(run_id, "recovery-bytes"),
+                          description=f"recovery of {run_id} from step {step}: bytes per node and source")
+    logger.info("recovered from step %d on %s: %s", step, ", ".join(layout.nodes),
+                "; ".join(f"{r['node']} {r['local_bytes'] / 1e6:.1f} MB own disk, {r['peer_bytes'] / 1e6:.1f} MB peers, "
+                          f"{r['bucket_bytes'] / 1e6:.1f} MB bucket" for r in restore_rows))
+    lead = summaries[first]
+    return {"run_id": run_id, "lost_nodes": lost, "checkpoint_step": step, "resumed_at": step + 1,
+            "last_step": lead.get("last_step"), "restore": restore_rows, "plan_devices": new_plan.devices()}
 
 
 @flow(name="hetrain-recover", log_prints=True)
@@ -34,17 +94,30 @@ def recover(
     steps: Annotated[int, Field(gt=0)] | None = None,
     runs_root: str = "runs",
     timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+    launch: Literal["local", "per-node"] = "local",
+    rendezvous_port: Annotated[int, Field(gt=0, lt=65536)] = 29500,
 ) -> dict:
-    """Resume run ``run_id`` without ``lost_node`` on a new plan, from its newest committed checkpoint."""
+    """Resume run ``run_id`` without ``lost_node`` on a new plan, from its newest committed checkpoint.
+
+    ``launch="per-node"`` (a run the train flow started per node; ``cluster`` required): every
+    surviving node restores the checkpoint on its own disk at once (``hetrain-node-restore``:
+    what it holds from its disk, the rest from peers, then the bucket), the plan is made for
+    the survivors, and each node resumes its share (``hetrain-node``).
+    """
     from solver.planner import make_plan
 
     logger = get_run_logger()
-    root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
-    run_dir, config = existing_run(root, run_id)
     lost = [n.strip() for n in lost_node.split(",") if n.strip()]
     cluster_file = None
     if cluster:
         cluster_file = Path(cluster) if Path(cluster).is_absolute() else ROOT / cluster
+    if launch == "per-node":
+        if cluster_file is None:
+            raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
+                               "directories are on the nodes)")
+        return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port)
+    root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
+    run_dir, config = existing_run(root, run_id)
     logger.info("recovering run %s without %s", run_id, ", ".join(lost))
     progress: dict = {}
 

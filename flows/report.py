@@ -68,7 +68,28 @@ class Progress:
         update_progress_artifact(self.id, min(100.0, 100.0 * (step + 1 - self.first) / self.total))
 
 
-PROFILE_FENCE = "```json"
+PROFILE_FENCE = JSON_FENCE = "```json"
+
+
+def publish_json(data: dict, key: str, title: str) -> None:
+    """Exact JSON for a parent flow run on another machine, as a markdown artifact people can read too."""
+    create_markdown_artifact(f"## {title}\n\n{JSON_FENCE}\n{json.dumps(data, indent=2)}\n```\n", key=key,
+                             description=title)
+
+
+def json_from_markdown(text: object, source: str, what: str) -> dict:
+    """What ``publish_json`` wrote; HetrainError naming ``source`` when there is none or it is not JSON."""
+    from hetrain.errors import HetrainError
+
+    if not isinstance(text, str) or JSON_FENCE not in text:
+        raise HetrainError(f"{source}: no {what} in the node run's artifacts")
+    try:
+        data = json.loads(text.split(JSON_FENCE, 1)[1].rsplit("```", 1)[0])
+    except ValueError as e:
+        raise HetrainError(f"{source}: not a valid {what} ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise HetrainError(f"{source}: not a valid {what} (expected a JSON object)")
+    return data
 
 
 def publish_profile(profile: Profile, gpu: str, node: str) -> None:
@@ -77,18 +98,16 @@ def publish_profile(profile: Profile, gpu: str, node: str) -> None:
              "block bwd ms": round(1e3 * e.block_backward_s, 3),
              "activation MB": round((e.block_activation_bytes or 0) / 1e6, 1)} for e in profile.devices[gpu]]
     create_table_artifact(rows, key=artifact_key("profile", gpu, node), description=f"{gpu} measured on node {node}")
-    create_markdown_artifact(f"## {gpu} measured on node {node}\n\n{PROFILE_FENCE}\n{profile.to_json()}\n```\n",
-                             key=artifact_key("profile", gpu, node, "json"), description=f"profile of {gpu}")
+    publish_json(json.loads(profile.to_json()), key=artifact_key("profile", gpu, node, "json"),
+                 title=f"{gpu} measured on node {node}")
 
 
 def profile_from_markdown(text: object, source: str) -> Profile:
     """The profile ``publish_profile`` wrote, validated (it comes from another machine)."""
     from hetrain.errors import HetrainError
 
-    if not isinstance(text, str) or PROFILE_FENCE not in text:
-        raise HetrainError(f"{source}: no profile in the node run's artifacts")
-    body = text.split(PROFILE_FENCE, 1)[1].rsplit("```", 1)[0]
+    data = json_from_markdown(text, source, "profile")
     try:
-        return Profile.from_dict(json.loads(body))
-    except (ValueError, ValidationError) as e:
+        return Profile.from_dict(data)
+    except ValidationError as e:
         raise HetrainError(f"{source}: not a valid profile ({str(e).splitlines()[0]})") from None

@@ -222,6 +222,7 @@ def train(
     runs_root: str = "runs",
     launch: Literal["local", "per-node"] = "local",
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)] = 29500,
+    peer_port: Annotated[int, Field(ge=0, lt=65536)] = 8470,
 ) -> dict:
     """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``.
 
@@ -229,7 +230,8 @@ def train(
     machine, or the emulated cluster); ``per-node`` starts a ``hetrain-node`` flow run on each
     node of the plan through the work queue named after the node (``flows.node``), torchrun's
     c10d rendezvous on the plan's first node at ``rendezvous_port``, and fails when one node
-    does, after stopping the others. Per-node runs start at step 0 on each node's own disk.
+    does, after stopping the others. Per-node runs start at step 0 on each node's own disk;
+    ``peer_port`` is where each node serves its runs to peers (``hetrain node start``; 0: none).
 
     ``data``: a token file (``.bin``/``.npy``, see ``hetrain data prepare``) or a text file read
     as byte-level tokens (default: synthetic tokens); a scheduled run that resumes reads the
@@ -263,6 +265,8 @@ def train(
         training = {"checkpoint_every": checkpoint_every, "keep": keep, "remote": remote,
                     "remote_endpoint": remote_endpoint, "lr": lr, "lr_min": lr_min, "warmup_steps": warmup_steps,
                     "decay_steps": decay_steps, "data": data}
+        if peer_port:  # each node's peer server serves its runs root: run/checkpoints/<node> below it
+            training["peers"] = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
         return train_on_nodes(run_id, the_plan, cl, steps, training, rendezvous_port, runs_root, predicted)
     return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
                      spot_metadata_url, cloud, lr, predicted, data,

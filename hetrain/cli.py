@@ -635,12 +635,19 @@ def node_start(
     name: Annotated[str, typer.Option(help="this node's name in the cluster file")],
     pool: Annotated[str, typer.Option(help="Prefect work pool (process type) the deployments use")] = "hetrain",
     runs_root: Annotated[Path, typer.Option(help="where runs go on this machine's own disk")] = Path("runs"),
+    peer_port: Annotated[int, typer.Option(min=0, max=65535, help="serve the runs' checkpoints to peers on this "
+                                                                  "port (0: do not serve)")] = 8470,
+    token_env: Annotated[str, typer.Option(help="environment variable holding the peers' bearer token")]
+    = "HETRAIN_PEER_TOKEN",
+    insecure: Annotated[bool, typer.Option("--insecure", help="serve checkpoints without a token (trusted "
+                                                              "networks only)")] = False,
 ):
-    """Serve node NAME: create its work queue in POOL and run a Prefect worker on it (until stopped).
+    """Serve node NAME: create its work queue in POOL, run a Prefect worker on it and a peer server (until stopped).
 
     The train flow with ``launch=per-node`` sends each node its share of a plan through the work
-    queue named after the node, so exactly one machine must run this for each node name. Reads
-    PREFECT_API_URL like any Prefect command.
+    queue named after the node, so exactly one machine must run this for each node name. The
+    peer server (``hetrain serve`` on RUNS_ROOT, every address) lets surviving nodes fetch this
+    node's shards in a recovery. Reads PREFECT_API_URL like any Prefect command.
     """
     import os
     import re
@@ -650,16 +657,45 @@ def node_start(
 
     if not re.match(NAME_PATTERN, name):
         raise HetrainError(f"--name '{name}': expected a node name (letters, digits, '.', '_' or '-')")
+    if name == "default":
+        raise HetrainError("--name default: that is the pool's queue for the train and recover flows; "
+                           "name the node as the cluster file does")
     check_output_dir(runs_root, "--runs-root")
     prefect = [sys.executable, "-m", "prefect"]
     made = subprocess.run([*prefect, "work-queue", "create", name, "--pool", pool], capture_output=True, text=True)
     said = (made.stdout + made.stderr).strip()
     if made.returncode != 0 and "already exists" not in said:
         raise HetrainError(f"work queue '{name}' in pool '{pool}': {said.splitlines()[-1] if said else 'failed'}")
+    if peer_port and not os.environ.get(token_env) and not insecure:
+        raise HetrainError(f"--peer-port {peer_port}: checkpoints hold the model's weights; set a bearer token in "
+                           f"${token_env} (the same on every node), or pass --insecure on a trusted network, or "
+                           f"--peer-port 0")
+    runs_root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HETRAIN_NODE": name, "HETRAIN_RUNS_ROOT": str(runs_root.resolve())}
-    err.print(f"node {name}: worker on work queue '{name}' of pool '{pool}', runs under {runs_root.resolve()}",
-              highlight=False)
-    os.execvpe(prefect[0], [*prefect, "worker", "start", "--pool", pool, "--work-queue", name, "--name", name], env)
+    children = []
+    try:
+        if peer_port:
+            children.append(subprocess.Popen([sys.executable, "-m", "hetrain", "serve", "--root", str(runs_root),
+                                              "--host", "0.0.0.0", "--port", str(peer_port), "--token-env", token_env,
+                                              *(["--insecure"] if insecure else [])], env=env))
+        err.print(f"node {name}: worker on work queue '{name}' of pool '{pool}', runs under {runs_root.resolve()}"
+                  + (f", peers served on port {peer_port}" if peer_port else ""), highlight=False)
+        children.append(subprocess.Popen([*prefect, "worker", "start", "--pool", pool, "--work-queue", name,
+                                          "--name", name], env=env))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children below, as on Ctrl-C
+        code = children[-1].wait()
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    raise typer.Exit(code)
 
 
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")

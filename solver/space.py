@@ -160,9 +160,10 @@ def split_layers_modes(
         heapq.heappush(offers, (stage_s(k, held[k] + 1), k))
     at_tau = []  # per stage: the most blocks a mode holds within tau (ties to the least recompute), its per-block s
     for k in range(S):
-        takes = [min(c, math.floor((tau - extra_s[k]) / b + 1e-9)) for b, c in modes[k]]
+        takes = [c if b <= 0 else min(c, math.floor((tau - extra_s[k]) / b + 1e-9)) for b, c in modes[k]]
         i = max(range(len(takes)), key=lambda i: (takes[i], -i))
-        at_tau.append((takes[i], modes[k][i][0]))
+        # never fewer than the greedy pass handed out (it fits within tau; rounding may say one less)
+        at_tau.append((max(takes[i], held[k]), modes[k][i][0]))
     n = [blocks for blocks, _ in at_tau]
     surplus = sum(n) - num_layers
     for k in sorted(range(S), key=lambda k: -at_tau[k][1]):

@@ -204,6 +204,12 @@ def test_peer_server_is_confined_to_its_root_and_checks_the_token(trained, tmp_p
             src.steps(2.0)
         monkeypatch.setenv("HETRAIN_PEER_TOKEN", "s3cret")
         assert src.steps(2.0) == [1, 3]
+    # a node serving its whole runs root: each checkpoint root below it answers /_steps, nothing above it
+    with PeerServer(Path(cfg.node_root("a")).parent, host="127.0.0.6", token="s3cret") as peer:
+        assert Source("a", f"{peer.url}/a").steps(2.0) == [1, 3]
+        assert Source("a", f"{peer.url}/nothing-here").steps(2.0) == []
+        for escape in ("/../_steps", "/%2e%2e/_steps", "/a/../../_steps"):
+            assert get(escape) == 404, escape
 
 
 def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path: Path):

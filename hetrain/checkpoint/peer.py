@@ -47,10 +47,15 @@ def make_app(root: str | Path, token: str | None = None) -> ASGIApp:
     if not root.is_dir():
         raise HetrainError(f"--root {root}: not a directory")
 
-    async def steps(_request: Request) -> JSONResponse:
-        return JSONResponse(committed_steps(str(root)))
+    async def steps(request: Request) -> JSONResponse | PlainTextResponse:
+        """Committed steps of the root, or of a checkpoint root below it (a node serving its runs root)."""
+        sub = (root / request.path_params.get("sub", "")).resolve()
+        if not sub.is_relative_to(root):
+            return PlainTextResponse("outside the served root", status_code=404)
+        return JSONResponse(committed_steps(str(sub)) if sub.is_dir() else [])
 
-    app: ASGIApp = Starlette(routes=[Route("/_steps", steps), Mount("/", StaticFiles(directory=root))])
+    app: ASGIApp = Starlette(routes=[Route("/_steps", steps), Route("/{sub:path}/_steps", steps),
+                                     Mount("/", StaticFiles(directory=root))])
     return _BearerToken(app, token) if token else app
 
 

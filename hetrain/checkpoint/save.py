@@ -95,7 +95,9 @@ class Checkpointer:
         self.buddy_of = nodes[nodes.index(role.node) - 1] if config.replicate and len(nodes) > 1 else None
         self.uploader = None
         if config.remote_url and self.node_leader:
-            self.uploader = Uploader(config, role.node, coordinator=dist.get_rank() == 0, run_id=run_id)
+            # the plan's rank 0 coordinates, as it writes the metrics its failures go into (torchrun's rank 0
+            # may be on any node)
+            self.uploader = Uploader(config, role.node, coordinator=role.rank == 0, run_id=run_id)
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""

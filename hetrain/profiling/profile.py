@@ -145,5 +145,9 @@ def merge_profiles(parts: list[Profile], source: str = "profiles") -> Profile:
             if gpu in devices:
                 raise HetrainError(f"{source}: GPU type '{gpu}' profiled twice")
             devices[gpu] = entries
+        stray = set(part.runtime) - set(part.devices)
+        if stray:
+            raise HetrainError(f"{source}: runtime overheads of {', '.join(sorted(stray))} in the profile of "
+                               f"{', '.join(part.devices)}")
         runtime.update(part.runtime)
     return first.model_copy(update={"devices": devices, "runtime": runtime})

@@ -303,7 +303,9 @@ def launch_node(config: RunConfig, layout: Layout, run_dir: Path, node: str, ren
     host, _, port = rendezvous.rpartition(":")
     if not host or not port.isdigit():
         raise HetrainError(f"rendezvous '{rendezvous}': expected host:port")
-    addresses = {node: local_address} if local_address else None
+    # always say who hosts the store and what to advertise: torch's guess from the host name fails where
+    # the cluster's names are not the machines' host names
+    addresses = {node: local_address or node}
 
     def commands(config_path: Path) -> list[NodeCommand]:
         every = node_commands(layout, str(config_path), host, int(port), config.run_id,

@@ -82,7 +82,7 @@ class NodeSpec(_Spec):
         "(DGX-class nodes)")
 
     address: str | None = Field(
-        default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$",
+        default=None, min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9.:_-]*$",
         description="host name or IP address the other nodes reach this node at (the rendezvous on the first "
         "node of a plan, peer servers); default: the node's name")
 
