@@ -162,32 +162,6 @@ def _training_processes(bed) -> list[str]:
     return left
 
 
-def test_train_flow_runs_one_node_flow_per_node(bed_cluster):
-    bed, api, cluster_file, roots = bed_cluster[:4]
-    # whale's plans use every GPU (hetrain's, with these profiles, may leave the slow node out)
-    run = _run(api, {"cluster": str(cluster_file), "run_id": "bed", "steps": 4, "checkpoint_every": 2,
-                     "launch": "per-node", "planner": "whale"})
-    assert run.state.is_completed(), run.state.message
-    # each GPU type was profiled on a node of its own, and the emulated slow type measured slower
-    profiles = {}
-    for gpu, node in (("cpu-fast", "a"), ("cpu-slow", "spot")):
-        (row,) = [r for r in _table(api, None, f"profile-{gpu}-{node}") if r["tp"] == 1 and r["micro-batch"] == 1]
-        profiles[gpu] = row["block fwd ms"] + row["block bwd ms"]
-    assert profiles["cpu-slow"] > profiles["cpu-fast"], profiles  # 2x nominal; both nodes share 2 busy cores
-    rows = {r["node"]: r for r in _table(api, run.id, "nodes")}  # the parent's per-node table
-    assert set(rows) == set(NODES)
-    (lead,) = [r for r in rows.values() if r["steps"]]  # rank 0's node: the plan's first
-    plan = json.loads((roots["a"] / "bed" / "plan.json").read_text())
-    assert lead["node"] == plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
-    assert lead["last_step"] == 3 and lead["final_loss"] > 0 and lead["steps"] == 4
-    for node in NODES:  # each node wrote its own shards on its own disk, nothing of the others'
-        ckpt = roots[node] / "bed" / "checkpoints"
-        assert [p.name for p in ckpt.iterdir()] == [node]
-        assert rows[node]["checkpoints_on_disk"] == "1, 3"  # after every 2 steps and at the end
-    assert sum((roots[n] / "bed" / "metrics.jsonl").exists() for n in NODES) == 1
-    assert _training_processes(bed) == []
-
-
 def test_a_node_failing_mid_run_fails_the_parent_and_leaves_no_process(bed_cluster):
     bed, api, cluster_file, roots = bed_cluster[:4]
     from prefect.deployments import run_deployment
@@ -225,10 +199,11 @@ def test_a_node_failing_mid_run_fails_the_parent_and_leaves_no_process(bed_clust
     assert _training_processes(bed) == []
 
 
-def test_a_lost_node_is_recovered_per_node_from_own_disks_peers_and_the_bucket(bed_cluster):
-    """Node spot dies mid-run with its disk; a and b each restore the newest committed step, reading what
-    they hold from their own disks, each other's shards from the other's peer server and spot's from the
-    bucket, and resume on a new plan at checkpoint + 1."""
+def test_train_per_node_lose_a_node_and_recover_per_node(bed_cluster):
+    """The train flow profiles each GPU type on a node of that type and trains a plan over all three
+    nodes, each writing its shards to its own disk. Node spot dies mid-run with its disk; a and b each
+    restore the newest committed step, reading what they hold from their own disks, each other's shards
+    from the other's peer server and spot's from the bucket, and resume on a new plan at checkpoint + 1."""
     import s3fs
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -238,10 +213,10 @@ def test_a_lost_node_is_recovered_per_node_from_own_disks_peers_and_the_bucket(b
     bed, api, cluster_file, roots, s3_host, s3_inside = bed_cluster
     remote = f"s3://{BUCKET}/rec"
     with temporary_settings({PREFECT_API_URL: api}):
+        # whale's plans use every GPU (hetrain's, with these profiles, may leave the slow node out)
         run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "cluster": str(cluster_file), "run_id": "rec", "steps": 400, "use_profile": False,
-            "checkpoint_every": 3, "launch": "per-node", "planner": "whale", "remote": remote,
-            "remote_endpoint": s3_inside})
+            "cluster": str(cluster_file), "run_id": "rec", "steps": 400, "checkpoint_every": 3,
+            "launch": "per-node", "planner": "whale", "remote": remote, "remote_endpoint": s3_inside})
     options = {"endpoint_url": s3_host, "key": "testing", "secret": "testing"}
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # a checkpoint committed on every node and whole in the bucket
@@ -250,6 +225,19 @@ def test_a_lost_node_is_recovered_per_node_from_own_disks_peers_and_the_bucket(b
             break
         time.sleep(0.5)
     assert committed_steps(remote, options), "no checkpoint reached the bucket"
+    # each GPU type was profiled on a node of its own, and the emulated slow type measured slower
+    profiles = {}
+    for gpu, node in (("cpu-fast", "a"), ("cpu-slow", "spot")):
+        (row,) = [r for r in _table(api, None, f"profile-{gpu}-{node}") if r["tp"] == 1 and r["micro-batch"] == 1]
+        profiles[gpu] = row["block fwd ms"] + row["block bwd ms"]
+    assert profiles["cpu-slow"] > profiles["cpu-fast"], profiles  # 2x nominal; both nodes share 2 busy cores
+    # every node writes its own shards to its own disk, and rank 0's node (the plan's first) the metrics
+    plan = json.loads((roots["a"] / "rec" / "plan.json").read_text())
+    first = plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
+    assert {d.split("/")[0] for p in plan["pipelines"] for st in p["stages"] for d in st["devices"]} == set(NODES)
+    for node in NODES:
+        assert [p.name for p in (roots[node] / "rec" / "checkpoints").iterdir()] == [node]
+        assert (roots[node] / "rec" / "metrics.jsonl").exists() == (node == first)
     netbed._kill_namespace_processes(bed.nodes["spot"].namespace)  # the spot node is gone, its disk with it
     shutil.rmtree(roots["spot"])
     with temporary_settings({PREFECT_API_URL: api}):
