@@ -37,6 +37,9 @@ FAIL_GRACE_S = 15.0
 # a node run no worker has taken up after this long means that node's worker is gone (workers
 # poll every 10 s; a flow run's process starts in a few)
 PICKUP_TIMEOUT_S = 120.0
+# a node's worker that has not polled this long after its run was cancelled is gone (workers poll
+# every 10 s by default)
+WORKER_SILENT_S = 25.0
 # a queue polled this recently has a live worker (Prefect's own "ready" window for work queues)
 POLLED_WITHIN_S = 60.0
 _FINAL_BAD = {"FAILED", "CRASHED", "CANCELLED"}
@@ -72,6 +75,8 @@ def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label:
                                             flow_run_name=f"{label}-{node}")
             log("node runs: " + ", ".join(f"{n} {r.id}" for n, r in runs.items()))
             _follow(client, runs, log, stream_from, poll_s)
+        except NodesFailed:
+            raise  # the node runs are stopped already
         except BaseException:
             _stop(client, runs, log)
             raise
@@ -111,13 +116,14 @@ def _follow(client, runs: dict, log: Callable[[str], None], stream_from: str | N
                              if (s := client.read_flow_run(r.id).state).type.value in ("FAILED", "CRASHED")),
                             key=lambda f: f[0])
             failed = failed or [(None, n, s) for n, s in states.items() if s is not None and s.type.value in _FINAL_BAD]
-            raise HetrainError("; ".join(f"node {n}: {_reason(s)}" for _, n, s in failed))
+            raise NodesFailed("; ".join(f"node {n}: {_reason(s)}" for _, n, s in failed))
         if all(s is not None and s.type.value == "COMPLETED" for s in states.values()):
             return
         waiting = [n for n, s in states.items() if s is None or s.type.value in ("SCHEDULED", "PENDING", "LATE")
                    or s.name == "Late"]
         if waiting and time.monotonic() - started > PICKUP_TIMEOUT_S:
-            raise HetrainError(f"no worker took the run of node{'s' if len(waiting) > 1 else ''} "
+            _stop(client, runs, log)
+            raise NodesFailed(f"no worker took the run of node{'s' if len(waiting) > 1 else ''} "
                                f"{', '.join(waiting)} within {PICKUP_TIMEOUT_S:.0f} s (is `hetrain node start` "
                                f"still running there?)")
         time.sleep(poll_s)
@@ -148,8 +154,19 @@ def queue_ready(node: str, pool: str = WORK_POOL) -> bool:
     return polled is not None and (datetime.now(timezone.utc) - polled).total_seconds() < POLLED_WITHIN_S
 
 
+class NodesFailed(HetrainError):
+    """Node runs failed (or were never taken up); the others are stopped already."""
+
+
 def _stop(client, runs: dict, log: Callable[[str], None]) -> None:
-    """Cancel every node run not yet final, then wait (bounded) until their workers have stopped them."""
+    """Cancel every node run not yet final, then wait (bounded) until their workers have stopped them.
+
+    A node whose worker has not polled since the cancellation (a preempted or dead machine) is
+    not waited for: nothing of it can still run, and its run stays as the server last heard.
+    """
+    from datetime import datetime, timezone
+
+    cancelled_at = datetime.now(timezone.utc)
     pending = []
     for n, r in runs.items():
         state = client.read_flow_run(r.id).state
@@ -161,8 +178,24 @@ def _stop(client, runs: dict, log: Callable[[str], None]) -> None:
             message="another node of the run failed, or the run was stopped"), force=True)
         pending.append(n)
     deadline = time.monotonic() + STOP_TIMEOUT_S
+    silent_after = time.monotonic() + WORKER_SILENT_S
     while pending and time.monotonic() < deadline:
         time.sleep(POLL_S)
         pending = [n for n in pending if not client.read_flow_run(runs[n].id).state.is_final()]
+        if time.monotonic() > silent_after:
+            gone = [n for n in pending if not _polled_since(client, n, cancelled_at)]
+            if gone:
+                log(f"the worker of {', '.join(gone)} has not polled since the run was stopped: that node is gone")
+                pending = [n for n in pending if n not in gone]
     if pending:
         log(f"node runs of {', '.join(pending)} did not stop within {STOP_TIMEOUT_S:.0f} s (is their worker alive?)")
+
+
+def _polled_since(client, node: str, when) -> bool:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        polled = client.read_work_queue_by_name(node, work_pool_name=WORK_POOL).last_polled
+    except ObjectNotFound:
+        return False
+    return polled is not None and polled >= when

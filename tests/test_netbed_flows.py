@@ -71,7 +71,8 @@ def bed_cluster(tmp_path_factory):
     try:
         base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         base |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-                 "PYTHONPATH": str(ROOT), "HETRAIN_PEER_TOKEN": TOKEN, **CREDENTIALS}
+                 "PYTHONPATH": str(ROOT), "HETRAIN_PEER_TOKEN": TOKEN, **CREDENTIALS,
+                 "PREFECT_WORKER_QUERY_SECONDS": "2"}  # workers look for runs every 2 s (default 10): each fan-out waits for it
 
         def start(node: str, argv: list[str], **env: str) -> None:
             log = open(tmp / f"{node}-{argv[2]}-{len(logs)}.log", "w")
