@@ -129,6 +129,18 @@ def _follow(client, runs: dict, log: Callable[[str], None], stream_from: str | N
         time.sleep(poll_s)
 
 
+def node_run_parameters(run_id: str, plan, cluster, steps: int, runs_root: str, rendezvous_port: int,
+                        **extra) -> tuple[dict[str, dict], str]:
+    """``hetrain-node`` parameters for every node of ``plan``, and its first node (rank 0, the rendezvous host)."""
+    from hetrain.plan.layout import build_layout
+
+    nodes = list(build_layout(plan).nodes)
+    common = {"run_id": run_id, "plan": json.loads(plan.to_json()), "cluster": cluster.model_dump(mode="json"),
+              "rendezvous": f"{cluster.node_by_name[nodes[0]].host}:{rendezvous_port}", "steps": steps,
+              "runs_root": runs_root, **extra}
+    return {node: {**common, "node": node} for node in nodes}, nodes[0]
+
+
 def first_row(artifacts: dict[str, object]) -> dict:
     """The first row of a node run's table artifact ({} without one, or when it is not a table of rows)."""
     data = artifacts.get("table")

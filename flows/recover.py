@@ -10,19 +10,17 @@ newest committed checkpoint peers first, and resumes training at the next step
 from __future__ import annotations
 
 from pathlib import Path
-import json
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from flows.fanout import RESTORE_DEPLOYMENT, first_row, run_on_nodes
-from flows.report import Progress, artifact_key, json_from_markdown, publish_plan
+from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes
+from flows.report import Progress, artifact_key, model_from_markdown, publish_plan
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
-from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.recovery.recover import recover as recover_run
 from hetrain.recovery.recover import surviving_cluster
@@ -58,27 +56,20 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
                            f"({', '.join(n + ' ' + str(rows[n].get('step')) for n in holders)})")
     (step,) = restored_steps
     source = f"the plan of run {run_id} from node {holders[0]}"
-    try:
-        old_plan = Plan.model_validate(json_from_markdown(found[holders[0]].get("markdown"), source, "plan"))
-    except ValidationError as e:
-        raise HetrainError(f"{source}: not a valid plan ({str(e).splitlines()[0]})") from None
+    old_plan = model_from_markdown(found[holders[0]].get("markdown"), source, Plan, "plan")
     new_cluster = surviving_cluster(cl, [n.name for n in cl.nodes if n.name not in holders], str(cluster_file))
     new_plan = make_plan("hetrain", new_cluster, old_plan.model, old_plan.settings()).plan
     est = CostModel(new_cluster, new_plan.model, new_plan.settings()).estimate(new_plan)
     publish_plan(new_plan, est, run_id, f"recovered-from-step-{step}")
-    layout = build_layout(new_plan)
-    first = next(iter(layout.nodes))
     total = steps or int(rows[holders[0]]["run_steps"])
-    params = {n: {"run_id": run_id, "node": n, "plan": json.loads(new_plan.to_json()),
-                  "cluster": new_cluster.model_dump(mode="json"), "rendezvous": f"{new_cluster.node_by_name[first].host}:"
-                  f"{rendezvous_port}", "steps": total, "runs_root": runs_root, "resume_step": step}
-              for n in layout.nodes}
+    params, first = node_run_parameters(run_id, new_plan, new_cluster, total, runs_root, rendezvous_port,
+                                        resume_step=step)
     ran = run_on_nodes(params, logger.info, f"{run_id}-from-{step}", stream_from=first)
     summaries = {n: first_row(a) for n, a in ran.items()}
     restore_rows = [rows[n] for n in holders]
     create_table_artifact(restore_rows, key=artifact_key(run_id, "recovery-bytes"),
                           description=f"recovery of {run_id} from step {step}: bytes per node and source")
-    logger.info("recovered from step %d on %s: %s", step, ", ".join(layout.nodes),
+    logger.info("recovered from step %d on %s: %s", step, ", ".join(params),
                 "; ".join(f"{r['node']} {r['local_bytes'] / 1e6:.1f} MB own disk, {r['peer_bytes'] / 1e6:.1f} MB peers, "
                           f"{r['bucket_bytes'] / 1e6:.1f} MB bucket" for r in restore_rows))
     lead = summaries[first]

@@ -102,12 +102,17 @@ def publish_profile(profile: Profile, gpu: str, node: str) -> None:
                  title=f"{gpu} measured on node {node}")
 
 
-def profile_from_markdown(text: object, source: str) -> Profile:
-    """The profile ``publish_profile`` wrote, validated (it comes from another machine)."""
+def model_from_markdown(text: object, source: str, model, what: str):
+    """A pydantic ``model`` from what ``publish_json`` wrote, validated (it comes from another machine)."""
     from hetrain.errors import HetrainError
 
-    data = json_from_markdown(text, source, "profile")
+    data = json_from_markdown(text, source, what)
     try:
-        return Profile.from_dict(data)
+        return model.from_dict(data) if hasattr(model, "from_dict") else model.model_validate(data)
     except ValidationError as e:
-        raise HetrainError(f"{source}: not a valid profile ({str(e).splitlines()[0]})") from None
+        raise HetrainError(f"{source}: not a valid {what} ({str(e).splitlines()[0]})") from None
+
+
+def profile_from_markdown(text: object, source: str) -> Profile:
+    """The profile ``publish_profile`` wrote, validated."""
+    return model_from_markdown(text, source, Profile, "profile")

@@ -18,7 +18,7 @@ from prefect.cache_policies import INPUTS
 from pydantic import Field
 
 from flows.events import emit_preempted
-from flows.fanout import PROFILE_DEPLOYMENT, first_row, queue_ready, run_on_nodes
+from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes
 from flows.report import Progress, artifact_key, profile_from_markdown, publish_plan, publish_timing
 from hetrain.config import build_run_config
 from hetrain.config import RUN_ID_PATTERN
@@ -180,14 +180,8 @@ def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, steps: int, tra
                    runs_root: str, predicted_s: float) -> dict:
     """One ``hetrain-node`` run per node of the plan (see ``flows.fanout``); rank 0's node streams its logs here."""
     logger = get_run_logger()
-    layout = build_layout(the_plan)
-    first = next(iter(layout.nodes))
-    rendezvous = f"{cl.node_by_name[first].host}:{rendezvous_port}"
-    plan_json, cluster_json = json.loads(the_plan.to_json()), cl.model_dump(mode="json")
-    parameters = {node: {"run_id": run_id, "node": node, "plan": plan_json, "cluster": cluster_json,
-                         "rendezvous": rendezvous, "steps": steps, "training": training, "runs_root": runs_root}
-                  for node in layout.nodes}
-    artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first)  # the plan's rank 0: its first node
+    parameters, first = node_run_parameters(run_id, the_plan, cl, steps, runs_root, rendezvous_port, training=training)
+    artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first)
     summaries = {node: first_row(a) for node, a in artifacts.items()}
     create_table_artifact(list(summaries.values()), key=artifact_key(run_id, "nodes"),
                           description=f"what each node of run {run_id} did")
