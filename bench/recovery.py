@@ -20,6 +20,18 @@ start three processes, load with DCP resharding, one training step. Prints the b
 and the ratios, writes bench/results/recovery.json.
 
     python bench/recovery.py [--repeats 2] [--layers 6] [--hidden 512] [--bucket-mb-s 100]
+
+``--bed`` runs it across machines instead: each node a network namespace of the test bed
+(``hetrain.testing.netbed``: veth pairs on a bridge, links shaped with ``tc tbf``), the
+bucket (moto) in its own namespace behind a slower link (``--bucket-mbit``, default 200
+Mbit/s, against ``--node-mbit`` 1000 for the nodes). The ranks train inside their nodes'
+namespaces, each node writing to its own disk (directory) and serving it (``hetrain serve``,
+token required); after n3 is lost, the three survivors restore at once, each inside its
+namespace (``hetrain restore``): peers first (own disk, then the other survivors, then the
+bucket) against bucket only. Reports bytes per node and source and each node's fetch time;
+the recovery's fetch phase is as long as its slowest node. Needs root and ``ip netns``.
+
+    python bench/recovery.py --bed [--repeats 2] [--bucket-mbit 200] [--node-mbit 1000]
 """
 
 from __future__ import annotations
@@ -74,10 +86,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--bucket-mb-s", type=float, default=100.0, help="bucket bandwidth cap in MB/s (0: none)")
+    ap.add_argument("--bed", action="store_true", help="across network namespaces (root): per-node restores")
+    ap.add_argument("--bucket-mbit", type=float, default=200.0, help="--bed: the bucket's link (Mbit/s)")
+    ap.add_argument("--node-mbit", type=float, default=1000.0, help="--bed: each node's link (Mbit/s)")
     args = ap.parse_args()
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(k, "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    if args.bed:
+        bed_main(args)
+        return
 
     procs: list[subprocess.Popen] = []
 
@@ -169,6 +187,121 @@ def main() -> None:
          ("fetch speed-up", "{fetch_ratio:.2f}x"), ("total speed-up", "{total_ratio:.2f}x")],
     )
     print(f"\nresults: {write_results('recovery', rows)}")
+
+
+def bed_main(args) -> None:
+    """Per-node restores across the namespaces of a test bed (see the module's docstring)."""
+    import json
+
+    import yaml
+
+    from hetrain.runtime.launch import write_config
+    from hetrain.testing import netbed
+
+    ok, why = netbed.available()
+    if not ok:
+        sys.exit(f"--bed: no network namespaces here ({why})")
+    nodes = [f"n{i}" for i in range(4)]
+    survivors = [n for n in nodes if n != LOST]
+    s3_port, peer_port, token = 5000, 8470, os.urandom(16).hex()
+    env = {**os.environ, "HETRAIN_PEER_TOKEN": token, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    model = ModelSpec(name="gpt-bench-ckpt", num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
+                      seq_length=64, vocab_size=256)
+    settings = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_sizes=[1, 2], tp_degrees=[1])
+    samples: dict[str, list[dict]] = {"peers first": [], "bucket only": []}
+    bed = netbed.NetBed(["bucket", *nodes], rate_mbit={"bucket": args.bucket_mbit,
+                                                       **{n: args.node_mbit for n in nodes}})
+    with bed, tempfile.TemporaryDirectory(prefix="hetrain-recovery-bed-") as tmp_str:
+        tmp = Path(tmp_str)
+        logs = open(tmp / "servers.log", "w")
+
+        def start(node: str, argv: list[str]) -> None:
+            subprocess.Popen(bed.exec_argv(node, argv), stdout=logs, stderr=subprocess.STDOUT,
+                             env={**env, **bed.env(node)})  # they die with their namespace
+
+        start("bucket", [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(s3_port)])
+        s3_host = f"http://127.0.0.1:{bed.forward('bucket', s3_port, str(tmp))}"
+        wait_for_port("127.0.0.1", int(s3_host.rsplit(":", 1)[1]))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3fs.S3FileSystem(endpoint_url=s3_host).mkdir(BUCKET)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        cluster = yaml.safe_load(CLUSTER)
+        for n in cluster["nodes"]:
+            n["address"] = bed.address(n["name"])
+        (tmp / "cluster.yaml").write_text(yaml.safe_dump(cluster))
+        plan = make_plan("hetrain", load_cluster(tmp / "cluster.yaml"), model, settings).plan
+        plan.write(tmp / "plan.json")
+        ckpt = CheckpointConfig(
+            local_dir=str(tmp / "nodes" / "{node}"), every_steps=1000, remote_url=f"s3://{BUCKET}/run",
+            remote_options={"endpoint_url": f"http://{bed.address('bucket')}:{s3_port}"},
+            peers={n: f"http://{bed.address(n)}:{peer_port}" for n in nodes})
+        base = RunConfig(plan=str(tmp / "plan.json"), cluster=str(tmp / "cluster.yaml"), steps=2, checkpoint=ckpt)
+        layout = build_layout(plan)
+        print(f"training {model.name} two steps on 4 nodes of the bed and checkpointing ...", flush=True)
+        launch(base, layout, tmp / "train", commands=bed.launch_commands(layout, "bench"))
+        host_view = {"endpoint_url": s3_host}
+        assert committed_steps(ckpt.remote_url, host_view) == [1], "backup did not finish"
+        manifest = read_manifest(ckpt.node_root("n0"), 1)
+        shards = [f for f in manifest.files if f.path.endswith(".distcp")]
+        print(f"checkpoint: {manifest.total_bytes / 1e6:.0f} MB in {len(shards)} shards "
+              f"({', '.join(f'{f.nodes[0]} {f.size / 1e6:.0f} MB' for f in shards)})", flush=True)
+        netbed._kill_namespace_processes(bed.nodes[LOST].namespace)
+        shutil.rmtree(ckpt.node_root(LOST))  # the lost node's disk is gone with it
+        for n in survivors:
+            start(n, [sys.executable, "-m", "hetrain", "serve", "--root", ckpt.node_root(n), "--host", "0.0.0.0",
+                      "--port", str(peer_port)])
+        time.sleep(3)  # the servers import and bind
+        for rep in range(args.repeats):
+            for mode in samples:
+                procs = {}
+                for n in survivors:  # every survivor restores at once, inside its own namespace
+                    run_dir = tmp / f"{mode.replace(' ', '-')}-{rep}" / n
+                    write_config(base, run_dir)
+                    argv = [sys.executable, "-m", "hetrain", "restore", "--run", str(run_dir), "--node", n,
+                            "--lost-nodes", LOST, "--timeout-s", "5", "--json",
+                            *(["--no-peers"] if mode == "bucket only" else [])]
+                    procs[n] = subprocess.Popen(bed.exec_argv(n, argv), stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True, env={**env, **bed.env(n)})
+                per_node = {}
+                for n, proc in procs.items():
+                    stdout, stderr = proc.communicate(timeout=600)
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"restore on {n} ({mode}): {stderr.strip()}")
+                    per_node[n] = json.loads(stdout)
+                slowest = max(r["seconds"] for r in per_node.values())
+                samples[mode].append({"nodes": per_node, "fetch_s": slowest})
+                print(f"repeat {rep} {mode}: slowest node {slowest:.2f} s; " + "; ".join(
+                    f"{n} {r['seconds']:.2f} s ({r['local_bytes'] / 1e6:.0f} MB own disk, "
+                    f"{r['peer_bytes'] / 1e6:.0f} MB peers, {r['bucket_bytes'] / 1e6:.0f} MB bucket)"
+                    for n, r in per_node.items()), flush=True)
+        logs.close()
+
+    rows = []
+    base_s = statistics.median(x["fetch_s"] for x in samples["bucket only"])
+    for mode, xs in samples.items():
+        for n in survivors:
+            first = xs[0]["nodes"][n]  # the bytes are the same every repeat
+            rows.append({"mode": mode, "node": n, "own_mb": f"{first['local_bytes'] / 1e6:.0f}",
+                         "peer_mb": f"{first['peer_bytes'] / 1e6:.0f}", "bucket_mb": f"{first['bucket_bytes'] / 1e6:.0f}",
+                         "seconds": statistics.median(x["nodes"][n]["seconds"] for x in xs), "speedup": ""})
+        fetch_s = statistics.median(x["fetch_s"] for x in xs)
+        rows.append({"mode": mode, "node": "all (slowest node)", "own_mb": "", "peer_mb": "", "bucket_mb": "",
+                     "seconds": fetch_s, "speedup": f"{base_s / fetch_s:.2f}x", "runs": xs})
+    print_table(
+        f"Per-node restore of one {manifest.total_bytes / 1e6:.0f} MB checkpoint ({len(shards)} shards) after losing "
+        f"{LOST}, on the namespace bed: nodes {args.node_mbit:g} Mbit/s, bucket {args.bucket_mbit:g} Mbit/s; "
+        f"medians of {args.repeats} alternating runs (seconds)",
+        rows,
+        [("mode", "mode"), ("node", "node"), ("MB own disk", "own_mb"), ("MB peers", "peer_mb"),
+         ("MB bucket", "bucket_mb"), ("fetch s", "{seconds:.2f}"), ("speed-up vs bucket only", "speedup")],
+    )
+    print(f"\nresults: {write_results('recovery-bed', rows)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""The whole loop on one machine: ``make demo`` (``python -m flows.demo``).
+"""The whole loop: ``make demo`` (``python -m flows.demo``).
+
+Where this machine can make network namespaces (root, ``ip netns``) it runs on the test bed
+(``flows.bed``): a control node, a bucket node and three training nodes, each a namespace
+with its own worker, disk and shaped links; the train deployment runs per node, the spot
+node's watcher gets a notice, the ranks checkpoint and stop, the event's automation recovers
+on the two survivors (each restoring from its own disk first) and the run trains to the end;
+it prints what each node did. Elsewhere (or with ``--one-machine``):
 
 Starts a local Prefect server (SQLite under ``.demo/prefect``), an S3-compatible endpoint
 (moto) and a stand-in for the cloud's metadata endpoint; deploys ``deployments/prefect.yaml``
@@ -21,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -129,13 +137,153 @@ def report(run_dir: Path, steps: int, notice_step: int, wall_s: float, ui: str, 
                   f"(this run's UI was {ui}).", highlight=False)
 
 
+BED_NODES = [  # the emulated cluster's device types, one node each for a and b, the spot node with two
+    {"name": "a", "gpu": "cpu-fast", "count": 1, "intra_node_bandwidth_gbps": 2.0, "emulate": {"slowdown": 2.0}},
+    {"name": "b", "gpu": "cpu-fast", "count": 1, "intra_node_bandwidth_gbps": 2.0, "emulate": {"slowdown": 2.0}},
+    {"name": "spot", "gpu": "cpu-slow", "count": 2, "intra_node_bandwidth_gbps": 2.0, "spot": True,
+     "emulate": {"slowdown": 4.0, "memory_gb": 2}},
+]
+BED_LINK_MBIT, BED_BUCKET_MBIT = 400, 200
+
+
+def _devices_by_node(plan: dict) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for pipeline in plan["pipelines"]:
+        for stage in pipeline["stages"]:
+            for device in stage["devices"]:
+                found[device.split("/")[0]] = found.get(device.split("/")[0], 0) + 1
+    return found
+
+
+def bed_main(args, home: Path, started: float) -> None:
+    """The demo across machines: every node a network namespace with its own worker, disk and links."""
+    import yaml
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.bed import BUCKET, BedCluster
+    from flows.report import artifact_key
+
+    types = yaml.safe_load((ROOT / "examples" / "clusters" / "cpu-emulated.yaml").read_text())
+    console.print(f"[bold]1/5[/] building the test bed in {home}: namespaces control (Prefect server, parent flows' "
+                  f"worker), bucket (S3 API, {BED_BUCKET_MBIT} Mbit/s) and nodes "
+                  f"{', '.join(n['name'] for n in BED_NODES)} ({BED_LINK_MBIT} Mbit/s links, each with its own "
+                  f"worker, disk and peer server; spot also watches its metadata endpoint)")
+    fields = {"name": "demo-bed", **{k: v for k, v in types.items() if k not in ("name", "nodes")}}
+    with BedCluster(home, BED_NODES, cluster_fields=fields, rate_mbit=BED_LINK_MBIT,
+                    bucket_mbit=BED_BUCKET_MBIT) as bc, \
+            temporary_settings({PREFECT_API_URL: bc.api}), get_client(sync_client=True) as client:
+        cluster = yaml.safe_load(bc.cluster_file.read_text())
+        nodes = Table(title="nodes", title_justify="left")
+        for col in ("node", "address", "devices", "link", "spot"):
+            nodes.add_column(col)
+        for n in cluster["nodes"]:
+            nodes.add_row(n["name"], n["address"], f"{n['count']} x {n['gpu']}", f"{BED_LINK_MBIT} Mbit/s",
+                          "yes (watched)" if n.get("spot") else "")
+        console.print(nodes)
+        console.print(f"    Prefect API (relayed to this machine): {bc.api}")
+        run_id = "demo"
+        console.print(f"[bold]2/5[/] training run '{run_id}' per node (launch=per-node): each GPU type profiled on "
+                      f"its own node, planned, one node run per node through its work queue, torchrun's c10d "
+                      f"rendezvous on the first node; {args.steps} steps, checkpoints every 25 steps to each "
+                      f"node's disk and s3://{BUCKET}/{run_id}")
+        train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
+            "cluster": str(bc.cluster_file), "run_id": run_id, "steps": args.steps, "checkpoint_every": 25,
+            "launch": "per-node", "planner": "hetrain", "remote": f"s3://{BUCKET}/{run_id}",
+            "remote_endpoint": bc.s3_inside})
+        deadline = time.monotonic() + args.timeout_s
+        plan_file = bc.roots["a"] / run_id / "plan.json"
+        while not plan_file.exists():
+            if time.monotonic() > deadline or client.read_flow_run(train_run.id).state.is_final():
+                raise SystemExit(f"demo: the training run did not start on the nodes; logs in {home}")
+            time.sleep(0.5)
+        plan = json.loads(plan_file.read_text())
+        if "spot" not in _devices_by_node(plan):
+            raise SystemExit("demo: the plan leaves the spot node out (its devices measured too slow to help): "
+                             "nothing to recover")
+        first = plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
+        metrics = bc.roots[first] / run_id / "metrics.jsonl"
+
+        def records() -> list[dict]:
+            return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+        while not records() or records()[-1]["step"] < args.preempt_at_step:
+            if time.monotonic() > deadline or client.read_flow_run(train_run.id).state.is_final():
+                raise SystemExit(f"demo: training did not reach step {args.preempt_at_step}; logs in {home}")
+            time.sleep(0.3)
+        notice_step = records()[-1]["step"]
+        gone_at = bc.cloud.preempt("spot", args.notice_s)
+        console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'spot' goes away at "
+                      f"{gone_at:%H:%M:%S} ({args.notice_s:g} s notice)")
+        while not (state := client.read_flow_run(train_run.id).state).is_final():
+            if time.monotonic() > deadline:
+                raise SystemExit("demo: the training run did not stop after the notice")
+            time.sleep(1)
+        before = records()
+        stopped = before[-1]
+        if not stopped.get("stopped"):
+            raise SystemExit(f"demo: the run ended {state.name} at step {stopped['step']} without stopping for the "
+                             f"notice (raise --steps); logs in {home}")
+        console.print(f"    spot's watcher had the ranks take an emergency checkpoint at step {stopped['step']} and "
+                      f"stop there, and emitted hetrain.node.preempted; training flow run {state.name}")
+        time.sleep(max(0.0, (gone_at - datetime.now(UTC)).total_seconds()))
+        bc.lose("spot")
+        console.print("[bold]4/5[/] the deadline: node 'spot' is gone (its processes killed, its disk deleted); the "
+                      "event's automation started hetrain-recover/recover: restore on every survivor at once, "
+                      "re-plan, resume per node")
+        while not (recs := client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["hetrain-recover"])))):
+            if time.monotonic() > deadline:
+                raise SystemExit("demo: the preemption event started no recovery")
+            time.sleep(1)
+        while not (rec := client.read_flow_run(recs[0].id)).state.is_final():
+            if time.monotonic() > deadline:
+                raise SystemExit("demo: timed out waiting for the recovery")
+            time.sleep(1)
+        if not rec.state.is_completed():
+            raise SystemExit(f"demo: recovery ended {rec.state.name}: {rec.state.message}; logs in {home}")
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[artifact_key(run_id, "recovery-bytes")])))
+        if not found:
+            raise SystemExit("demo: the recovery published no table of restored bytes")
+        data = found[0].data
+        rows = {r["node"]: r for r in (json.loads(data) if isinstance(data, str) else data)}
+        step = stopped["step"]
+        new_plan = json.loads((bc.roots["a"] / run_id / f"plan-from-step-{step}.json").read_text())
+        new_first = new_plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
+        after_all = [json.loads(line) for line in (bc.roots[new_first] / run_id / "metrics.jsonl").read_text().splitlines()]
+        after = after_all[max(i for i, r in enumerate(after_all) if "resume_load_s" in r):]
+
+    old_devices, new_devices = _devices_by_node(plan), _devices_by_node(new_plan)
+    console.print(f"[bold]5/5[/] done in {time.monotonic() - started:.0f} s")
+    table = Table(title="what each node did", title_justify="left")
+    for col in ("node", f"steps 0-{step}", "restored (own disk / peers / bucket)", "restore s",
+                f"steps {after[0]['step']}-{after[-1]['step']}"):
+        table.add_column(col, justify="left" if col in ("node",) else "right")
+    for n in BED_NODES:
+        name = n["name"]
+        row = rows.get(name)
+        restored_mb = (f"{row['local_bytes'] / 1e6:.1f} / {row['peer_bytes'] / 1e6:.1f} / "
+                       f"{row['bucket_bytes'] / 1e6:.1f} MB" if row else "gone at the deadline")
+        table.add_row(name, f"{old_devices.get(name, 0)} devices", restored_mb,
+                      f"{row['seconds']:.1f}" if row else "", f"{new_devices.get(name, 0)} devices")
+    console.print(table)
+    console.print(f"training: loss {before[0]['loss']:.3f} at step 0 -> {stopped['loss']:.3f} at step {step} "
+                  f"(the emergency checkpoint) -> {after[-1]['loss']:.3f} at step {after[-1]['step']}; resumed at "
+                  f"step {after[0]['step']} (= checkpoint + 1), no committed step lost", highlight=False)
+    console.print(f"Logs of every process are in {home}; the bed is torn down.", highlight=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="hetrain end to end: train, preempt a spot node, recover, finish")
     ap.add_argument("--home", default=str(ROOT / ".demo"), help="state of the demo (Prefect DB, runs, logs)")
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=None, help="default: 50 on one machine, 300 on the test bed")
     ap.add_argument("--preempt-at-step", type=int, default=18)
-    ap.add_argument("--notice-s", type=float, default=5.0, help="seconds between the notice and the node's end")
+    ap.add_argument("--notice-s", type=float, default=None,
+                    help="seconds between the notice and the node's end (default: 5 on one machine, 60 on the bed)")
     ap.add_argument("--timeout-s", type=float, default=900.0)
+    ap.add_argument("--one-machine", action="store_true", help="one machine even where a test bed can be built")
     args = ap.parse_args()
 
     started = time.monotonic()
@@ -143,6 +291,19 @@ def main() -> None:
     if home.exists():
         shutil.rmtree(home)
     home.mkdir(parents=True)
+    from hetrain.testing import netbed
+
+    ok, why = (False, "--one-machine") if args.one_machine else netbed.available()
+    if ok:
+        console.print("[bold]running on a network-namespace test bed[/]: several machines on this one (root and "
+                      "`ip netns` are here; --one-machine to skip)")
+        args.steps = args.steps or 300
+        args.notice_s = args.notice_s if args.notice_s is not None else 60.0
+        bed_main(args, home, started)
+        return
+    console.print(f"[bold]running on one machine[/] (no test bed: {why})", highlight=False)
+    args.steps = args.steps or 50
+    args.notice_s = args.notice_s if args.notice_s is not None else 5.0
     api_port, s3_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": api,

@@ -55,7 +55,7 @@ def _reason(state) -> str:
 
 def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label: str,
                  stream_from: str | None = None, deployment: str = NODE_DEPLOYMENT,
-                 poll_s: float = POLL_S) -> dict[str, dict[str, object]]:
+                 poll_s: float = POLL_S, tags: list[str] | None = None) -> dict[str, dict[str, object]]:
     """Run ``deployment`` once per node (``parameters[node]``) on its queue; returns each run's artifacts by type.
 
     Flow runs are named ``<label>-<node>``. Refuses to start unless every node's queue has a
@@ -72,7 +72,7 @@ def run_on_nodes(parameters: dict[str, dict], log: Callable[[str], None], label:
         try:
             for node, params in parameters.items():
                 runs[node] = run_deployment(deployment, parameters=params, work_queue_name=node, timeout=0,
-                                            flow_run_name=f"{label}-{node}")
+                                            flow_run_name=f"{label}-{node}", tags=tags)
             log("node runs: " + ", ".join(f"{n} {r.id}" for n, r in runs.items()))
             _follow(client, runs, log, stream_from, poll_s)
         except NodesFailed:
@@ -129,16 +129,27 @@ def _follow(client, runs: dict, log: Callable[[str], None], stream_from: str | N
         time.sleep(poll_s)
 
 
-def node_run_parameters(run_id: str, plan, cluster, steps: int, runs_root: str, rendezvous_port: int,
-                        **extra) -> tuple[dict[str, dict], str]:
-    """``hetrain-node`` parameters for every node of ``plan``, and its first node (rank 0, the rendezvous host)."""
+def node_run_parameters(run_id: str, plan, cluster, cluster_file: str, steps: int, runs_root: str,
+                        rendezvous_port: int, lost: list[str] = (), **extra) -> tuple[dict[str, dict], str]:
+    """``hetrain-node`` parameters for every node of ``plan``, and its first node (rank 0, the rendezvous host).
+
+    ``cluster_file`` (the parent's, on the control machine) and ``lost`` (nodes lost before)
+    go to each node as what its watcher's preemption event needs to start the recovery.
+    """
     from hetrain.plan.layout import build_layout
 
     nodes = list(build_layout(plan).nodes)
+    recover = {"launch": "per-node", "cluster": cluster_file, "runs_root": runs_root,
+               "rendezvous_port": rendezvous_port, "lost": list(lost)}
     common = {"run_id": run_id, "plan": json.loads(plan.to_json()), "cluster": cluster.model_dump(mode="json"),
               "rendezvous": f"{cluster.node_by_name[nodes[0]].host}:{rendezvous_port}", "steps": steps,
-              "runs_root": runs_root, **extra}
+              "runs_root": runs_root, "recover": recover, **extra}
     return {node: {**common, "node": node} for node in nodes}, nodes[0]
+
+
+def run_tag(run_id: str) -> str:
+    """The tag of a run's training node runs (``stop_run``, and a filter in the UI)."""
+    return f"hetrain-run:{run_id}"
 
 
 def first_row(artifacts: dict[str, object]) -> dict:
@@ -170,7 +181,31 @@ class NodesFailed(HetrainError):
     """Node runs failed (or were never taken up); the others are stopped already."""
 
 
-def _stop(client, runs: dict, log: Callable[[str], None]) -> None:
+def stop_run(run_id: str, reason: str, log: Callable[[str], None]) -> list[str]:
+    """Stop the run's training node runs still going (the nodes whose runs it stopped).
+
+    A recovery that starts while the run still trains (a notice came, the node is not gone
+    yet) stops it first: the survivors must not write newer checkpoints under the restore,
+    and what they would train until the node goes is lost with it anyway.
+    """
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, \
+        FlowRunFilterTags
+    from prefect.client.schemas.objects import StateType
+
+    final = [StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED]
+    with get_client(sync_client=True) as client:
+        going = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[run_tag(run_id)]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final))))
+        runs = {str(r.parameters.get("node", r.name)): r for r in going}
+        if runs:
+            log(f"stopping run {run_id} on {', '.join(runs)}: {reason}")
+            _stop(client, runs, log, reason)
+    return list(runs)
+
+
+def _stop(client, runs: dict, log: Callable[[str], None],
+          reason: str = "another node of the run failed, or the run was stopped") -> None:
     """Cancel every node run not yet final, then wait (bounded) until their workers have stopped them.
 
     A node whose worker has not polled since the cancellation (a preempted or dead machine) is
@@ -186,8 +221,7 @@ def _stop(client, runs: dict, log: Callable[[str], None]) -> None:
             continue
         # a run no worker has taken yet is cancelled outright; a running one is stopped by its worker
         waiting = state is None or state.is_scheduled()
-        client.set_flow_run_state(r.id, (Cancelled if waiting else Cancelling)(
-            message="another node of the run failed, or the run was stopped"), force=True)
+        client.set_flow_run_state(r.id, (Cancelled if waiting else Cancelling)(message=reason), force=True)
         pending.append(n)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     silent_after = time.monotonic() + WORKER_SILENT_S

@@ -31,6 +31,7 @@ from hetrain.files import write_text_atomic
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile
+from hetrain.recovery.preemption import mark_active
 from hetrain.recovery.runs import check_run_paths, load_run, run_dir_of
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
@@ -70,6 +71,7 @@ def node(
     training: dict | None = None,
     runs_root: str = "runs",
     resume_step: Annotated[int | None, Field(ge=0)] = None,
+    recover: dict | None = None,
 ) -> dict:
     """Train ``node``'s ranks of ``plan`` (run ``run_id``) up to step ``steps``, from step 0.
 
@@ -77,6 +79,9 @@ def node(
     schedule, remote, data...), the same on every node. ``resume_step``: continue the run this
     node already has from that checkpoint, which ``node_restore`` reassembled on this node (a
     recovery onto a new plan; the run's own options stay, ``training`` is ignored).
+    ``recover``: how a recovery restarts the run (launch, the cluster file on the control
+    machine, nodes lost before...): recorded in the run directory while the ranks run, where
+    the node's watcher (``hetrain watch --runs-root``) finds the run and puts it in the event.
     """
     logger = get_run_logger()
     check_node(node)
@@ -117,13 +122,15 @@ def node(
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
 
-    records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].host,
-                          on_record=on_record)
+    with mark_active(run_dir, {"run_id": run_id, "node": node, "recover": recover or {}}):
+        records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].host,
+                              on_record=on_record)
     kept = committed_steps(config.checkpoint.node_root(node)) if config.checkpoint else []
     summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir), "first_step": config.start_step,
                "steps": len(records), "last_step": records[-1]["step"] if records else None,
                "final_loss": round(records[-1]["loss"], 4) if records else None,
-               "checkpoints_on_disk": ", ".join(map(str, kept))}
+               "checkpoints_on_disk": ", ".join(map(str, kept)),
+               "stopped": records[-1].get("stopped", "") if records else ""}  # rank 0's node knows
     create_table_artifact([summary], key=artifact_key(run_id, "node", node), description=f"node {node} of run {run_id}")
     return summary
 
@@ -163,8 +170,11 @@ def node_restore(
     lost_nodes: list[str],
     runs_root: str = "runs",
     timeout_s: Annotated[float, Field(gt=0)] = 10.0,
+    still_up: list[str] | None = None,
 ) -> None:
     """Reassemble the run's newest committed checkpoint on this node: its own disk first, then peers, then the bucket.
+
+    ``still_up``: lost nodes inside their notice window, asked after the survivors and before the bucket.
 
     Publishes what came from where (a table) and the run's plan (for the parent to re-plan
     from); a node without the run says so in its table ("no run here") and restores nothing.
@@ -182,7 +192,7 @@ def node_restore(
     config = load_run(run_dir)
     old_plan = load_plan(config.plan)
     report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(restore_dir(run_dir, step)),
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, still_up=still_up or [])
     for warning in report.warnings():
         logger.warning("restore: %s", warning)
     kinds = report.by_kind(node)

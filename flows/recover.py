@@ -9,6 +9,7 @@ newest committed checkpoint peers first, and resumes training at the next step
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
-from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes
+from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes, run_tag, stop_run
 from flows.report import Progress, artifact_key, model_from_markdown, publish_plan
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
@@ -31,8 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: int | None, runs_root: str,
-                     timeout_s: float, rendezvous_port: int) -> dict:
-    """Restore on every survivor at once, re-plan for those that hold the run, resume per node."""
+                     timeout_s: float, rendezvous_port: int, lost_until: datetime | None = None) -> dict:
+    """Stop what still runs of the run, restore on every survivor at once, re-plan for those that hold it, resume.
+
+    ``lost_until``: when the lost nodes go (their notice's deadline); until then the restores
+    may fetch from them too.
+    """
     from solver.planner import make_plan
 
     logger = get_run_logger()
@@ -42,9 +47,12 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
         raise HetrainError(f"lost node '{unknown[0]}' is not a node of cluster {cluster_file} "
                            f"(nodes: {', '.join(cl.node_by_name)})")
     survivors = [n.name for n in cl.nodes if n.name not in lost]
-    logger.info("recovering run %s without %s: restoring on %s", run_id, ", ".join(lost), ", ".join(survivors))
+    stop_run(run_id, f"node {', '.join(lost)} is lost: hetrain-recover takes the run over", logger.info)
+    still_up = lost if lost_until is not None and lost_until > datetime.now(UTC) else []
+    logger.info("recovering run %s without %s: restoring on %s%s", run_id, ", ".join(lost), ", ".join(survivors),
+                f" ({', '.join(still_up)} asked too until {lost_until:%H:%M:%S} UTC)" if still_up else "")
     found = run_on_nodes({n: {"run_id": run_id, "node": n, "lost_nodes": lost, "runs_root": runs_root,
-                              "timeout_s": timeout_s} for n in survivors},
+                              "timeout_s": timeout_s, "still_up": still_up} for n in survivors},
                          logger.info, f"{run_id}-restore", deployment=RESTORE_DEPLOYMENT)
     rows = {n: first_row(a) for n, a in found.items()}
     holders = [n for n, r in rows.items() if r.get("status") == "restored"]
@@ -55,6 +63,12 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
         raise HetrainError(f"run '{run_id}': the nodes restored different steps "
                            f"({', '.join(n + ' ' + str(rows[n].get('step')) for n in holders)})")
     (step,) = restored_steps
+    restore_rows = [rows[n] for n in holders]
+    create_table_artifact(restore_rows, key=artifact_key(run_id, "recovery-bytes"),
+                          description=f"recovery of {run_id} from step {step}: bytes per node and source")
+    logger.info("restored step %d: %s", step,
+                "; ".join(f"{r['node']} {r['local_bytes'] / 1e6:.1f} MB own disk, {r['peer_bytes'] / 1e6:.1f} MB peers, "
+                          f"{r['bucket_bytes'] / 1e6:.1f} MB bucket in {r['seconds']:.1f} s" for r in restore_rows))
     source = f"the plan of run {run_id} from node {holders[0]}"
     old_plan = model_from_markdown(found[holders[0]].get("markdown"), source, Plan, "plan")
     new_cluster = surviving_cluster(cl, [n.name for n in cl.nodes if n.name not in holders], str(cluster_file))
@@ -62,17 +76,14 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
     est = CostModel(new_cluster, new_plan.model, new_plan.settings()).estimate(new_plan)
     publish_plan(new_plan, est, run_id, f"recovered-from-step-{step}")
     total = steps or int(rows[holders[0]]["run_steps"])
-    params, first = node_run_parameters(run_id, new_plan, new_cluster, total, runs_root, rendezvous_port,
+    params, first = node_run_parameters(run_id, new_plan, new_cluster, str(cluster_file), total, runs_root,
+                                        rendezvous_port, lost=[n.name for n in cl.nodes if n.name not in holders],
                                         resume_step=step)
-    ran = run_on_nodes(params, logger.info, f"{run_id}-from-{step}", stream_from=first)
+    ran = run_on_nodes(params, logger.info, f"{run_id}-from-{step}", stream_from=first, tags=[run_tag(run_id)])
     summaries = {n: first_row(a) for n, a in ran.items()}
-    restore_rows = [rows[n] for n in holders]
-    create_table_artifact(restore_rows, key=artifact_key(run_id, "recovery-bytes"),
-                          description=f"recovery of {run_id} from step {step}: bytes per node and source")
-    logger.info("recovered from step %d on %s: %s", step, ", ".join(params),
-                "; ".join(f"{r['node']} {r['local_bytes'] / 1e6:.1f} MB own disk, {r['peer_bytes'] / 1e6:.1f} MB peers, "
-                          f"{r['bucket_bytes'] / 1e6:.1f} MB bucket" for r in restore_rows))
     lead = summaries[first]
+    logger.info("recovered from step %d on %s: trained to step %s%s", step, ", ".join(params), lead.get("last_step"),
+                f" (stopped: {lead['stopped']})" if lead.get("stopped") else "")
     return {"run_id": run_id, "lost_nodes": lost, "checkpoint_step": step, "resumed_at": step + 1,
             "last_step": lead.get("last_step"), "restore": restore_rows, "plan_devices": new_plan.devices()}
 
@@ -87,13 +98,17 @@ def recover(
     timeout_s: Annotated[float, Field(gt=0)] = 10.0,
     launch: Literal["local", "per-node"] = "local",
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)] = 29500,
+    lost_until: str = "",
 ) -> dict:
     """Resume run ``run_id`` without ``lost_node`` on a new plan, from its newest committed checkpoint.
 
     ``launch="per-node"`` (a run the train flow started per node; ``cluster`` required): every
     surviving node restores the checkpoint on its own disk at once (``hetrain-node-restore``:
     what it holds from its disk, the rest from peers, then the bucket), the plan is made for
-    the survivors, and each node resumes its share (``hetrain-node``).
+    the survivors, and each node resumes its share (``hetrain-node``). The run's node runs
+    still going are stopped first (a notice came, the node is not gone yet); ``lost_until``
+    (ISO 8601, the notice's deadline) lets the restores fetch from the lost node until then.
+    The preemption event's automation fills every parameter (empty ``cluster``: none).
     """
     from solver.planner import make_plan
 
@@ -106,7 +121,13 @@ def recover(
         if cluster_file is None:
             raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
                                "directories are on the nodes)")
-        return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port)
+        try:
+            until = datetime.fromisoformat(lost_until.replace("Z", "+00:00")) if lost_until else None
+        except ValueError:
+            raise HetrainError(f"lost_until: expected an ISO 8601 time, got '{lost_until}'") from None
+        if until is not None and until.tzinfo is None:
+            until = until.replace(tzinfo=UTC)
+        return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port, until)
     root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
     run_dir, config = existing_run(root, run_id)
     logger.info("recovering run %s without %s", run_id, ", ".join(lost))

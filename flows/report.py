@@ -57,15 +57,24 @@ def publish_timing(run_id: str, predicted_s: float, records: list[dict], warmup:
 
 
 class Progress:
-    """A progress artifact that follows the steps of a training run."""
+    """A progress artifact that follows the steps of a training run.
+
+    It is updated when the whole percentage changes, not every step: a step can take
+    milliseconds, and each update is a write to the Prefect server's database, which every
+    worker and flow run of the cluster shares.
+    """
 
     def __init__(self, run_id: str, first_step: int, last_step: int) -> None:
         self.first, self.total = first_step, max(1, last_step - first_step)
+        self.shown = 0
         self.id = create_progress_artifact(0.0, key=artifact_key(run_id, "progress"),
                                            description=f"training {run_id}: steps {first_step}-{last_step - 1}")
 
     def update(self, step: int) -> None:
-        update_progress_artifact(self.id, min(100.0, 100.0 * (step + 1 - self.first) / self.total))
+        percent = min(100.0, 100.0 * (step + 1 - self.first) / self.total)
+        if int(percent) > self.shown or percent == 100.0:
+            self.shown = int(percent)
+            update_progress_artifact(self.id, percent)
 
 
 PROFILE_FENCE = JSON_FENCE = "```json"

@@ -18,7 +18,7 @@ from prefect.cache_policies import INPUTS
 from pydantic import Field
 
 from flows.events import emit_preempted
-from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes
+from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes, run_tag
 from flows.report import Progress, artifact_key, profile_from_markdown, publish_plan, publish_timing
 from hetrain.config import build_run_config
 from hetrain.config import RUN_ID_PATTERN
@@ -176,16 +176,21 @@ def profile_on_nodes(cl: ClusterSpec, spec, settings: TrainingSettings, tp_degre
     return json.loads(merged.to_json())
 
 
-def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, steps: int, training: dict, rendezvous_port: int,
-                   runs_root: str, predicted_s: float) -> dict:
+def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, cluster_file: str, steps: int, training: dict,
+                   rendezvous_port: int, runs_root: str, predicted_s: float) -> dict:
     """One ``hetrain-node`` run per node of the plan (see ``flows.fanout``); rank 0's node streams its logs here."""
     logger = get_run_logger()
-    parameters, first = node_run_parameters(run_id, the_plan, cl, steps, runs_root, rendezvous_port, training=training)
-    artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first)
+    parameters, first = node_run_parameters(run_id, the_plan, cl, cluster_file, steps, runs_root, rendezvous_port,
+                                            training=training)
+    artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first, tags=[run_tag(run_id)])
     summaries = {node: first_row(a) for node, a in artifacts.items()}
     create_table_artifact(list(summaries.values()), key=artifact_key(run_id, "nodes"),
                           description=f"what each node of run {run_id} did")
     lead = summaries[first]
+    if lead.get("stopped"):  # a spot node's notice: the ranks stopped at the emergency checkpoint
+        logger.warning("run %s stopped at its checkpoint of step %s (%s): the recovery flow, started by the "
+                       "preemption event, resumes it", run_id, lead.get("last_step"), lead["stopped"])
+        return {"status": "preempted", "run_id": run_id, "checkpoint_step": lead.get("last_step"), "nodes": summaries}
     logger.info("run %s on %d nodes: %d steps, final loss %s (predicted %.3f s/iteration)", run_id, len(summaries),
                 lead.get("steps", 0), lead.get("final_loss"), predicted_s)
     return {"status": "completed", "run_id": run_id, "first_step": 0, "last_step": lead.get("last_step"),
@@ -255,13 +260,16 @@ def train(
     predicted = cost.estimate(the_plan).iteration_time_s
     if launch == "per-node":
         if spot_metadata_url:
-            get_run_logger().warning("per-node runs do not watch spot notices yet: %s is ignored", spot_metadata_url)
+            get_run_logger().warning("spot_metadata_url is for launch=local: per node, each spot node's own watcher "
+                                     "(`hetrain node start --cloud ...`) polls its metadata endpoint; %s is ignored",
+                                     spot_metadata_url)
         training = {"checkpoint_every": checkpoint_every, "keep": keep, "remote": remote,
                     "remote_endpoint": remote_endpoint, "lr": lr, "lr_min": lr_min, "warmup_steps": warmup_steps,
                     "decay_steps": decay_steps, "data": data}
         if peer_port:  # each node's peer server serves its runs root: run/checkpoints/<node> below it
             training["peers"] = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
-        return train_on_nodes(run_id, the_plan, cl, steps, training, rendezvous_port, runs_root, predicted)
+        return train_on_nodes(run_id, the_plan, cl, str(_path(cluster)), steps, training, rendezvous_port, runs_root,
+                              predicted)
     return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
                      spot_metadata_url, cloud, lr, predicted, data,
                      {"lr_min": lr_min, "warmup_steps": warmup_steps, "decay_steps": decay_steps})

@@ -584,44 +584,136 @@ def recover(
 
 @app.command()
 @user_errors
+def restore(
+    run: Annotated[Path, typer.Option(help="this node's copy of the run directory (holds config.json)")],
+    node: Annotated[str, typer.Option(help="this node's name in the run's plan")],
+    lost_nodes: Annotated[str, typer.Option(help="comma-separated names of the nodes that are gone")],
+    still_up: Annotated[str, typer.Option(help="lost nodes still inside their notice window (asked after the "
+                                               "survivors, before the remote store)")] = "",
+    timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
+                                             help="seconds before a silent peer counts as gone")] = 10.0,
+    no_peers: Annotated[bool, typer.Option("--no-peers", help="fetch everything from the remote store")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+):
+    """On one surviving node: the run's newest committed checkpoint into RUN/restore/step-N, this node's disk first.
+
+    What the node holds is read from its own checkpoint directory (verified), the rest from the
+    other survivors' peer servers, then the remote store; every survivor runs this at once
+    (the recover flow's ``launch=per-node`` does it through ``hetrain-node-restore``).
+    """
+    import time
+
+    from hetrain.checkpoint.manifest import restore_dir
+    from hetrain.plan.schema import load_plan
+    from hetrain.recovery.recover import restore_on_node
+    from hetrain.recovery.runs import load_run
+
+    lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
+    if not lost:
+        raise HetrainError("--lost-nodes: expected at least one node name")
+    if not (run / "config.json").is_file():
+        raise HetrainError(f"--run {run}: no config.json (not a run directory of this node)")
+    config = load_run(run)
+    old_plan = load_plan(config.plan)
+    started = time.perf_counter()
+    report = restore_on_node(config, old_plan, node, lost, lambda step: str(restore_dir(run, step)),
+                             timeout_s=timeout_s, still_up=[n.strip() for n in still_up.split(",") if n.strip()],
+                             use_peers=not no_peers)
+    seconds = time.perf_counter() - started
+    kinds = report.by_kind(node)
+    for warning in report.warnings():
+        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
+    summary = {"node": node, "step": report.step, "dest": str(restore_dir(run, report.step)), "seconds": seconds,
+               "local_bytes": kinds["local"], "peer_bytes": kinds["peers"], "bucket_bytes": kinds["remote"],
+               "by_source": report.by_source()}
+    if json_out:
+        out.print_json(json.dumps(summary))
+        return
+    table = Table(title=f"node {node}: step {report.step} of {run} restored in {seconds:.2f} s", title_justify="left")
+    for col in ("source", "MB"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for source, size in report.by_source().items():
+        table.add_row("this node's disk" if source == node else source, f"{size / 1e6:.1f}")
+    out.print(table)
+
+
+@app.command()
+@user_errors
 def watch(
     node: Annotated[str, typer.Option(help="this node's name in the cluster file")],
     cloud: Annotated[str, typer.Option(help="aws, gcp or azure")],
     run: Annotated[Path | None, typer.Option(help="run directory: ask its ranks for an emergency checkpoint")] = None,
+    runs_root: Annotated[Path | None, typer.Option(help="this node's runs root: every run active on the node at "
+                                                        "the notice checkpoints (what `hetrain node start` does)")]
+    = None,
     metadata_url: Annotated[str | None, typer.Option(help="metadata endpoint base URL (default: the cloud's)")] = None,
     poll_s: Annotated[float, typer.Option(min=MIN_POLL_S, max=60.0, help="seconds between polls (at least "
                                                                          f"{MIN_POLL_S:g}: the endpoint is shared)")] = 5.0,
     min_checkpoint_s: Annotated[float, typer.Option(min=0.0, help="skip the checkpoint when less time is left")] = 10.0,
     wait_checkpoint_s: Annotated[float, typer.Option(min=0.0, max=MAX_TIMEOUT_S,
-                                                     help="after a request, wait this long for the checkpoint")] = 60.0,
+                                                     help="after a request, wait this long for the checkpoint "
+                                                          "(never past the notice's deadline)")] = 60.0,
+    stop_after_checkpoint: Annotated[bool, typer.Option(
+        "--stop-after-checkpoint", help="the runs end at the emergency checkpoint (the recovery resumes them "
+                                        "from it) instead of training until the node goes")] = False,
     hook_command: Annotated[str | None, typer.Option(
-        help="shell command run on a notice; gets HETRAIN_NOTICE (JSON), HETRAIN_NODE, HETRAIN_CHECKPOINT_STEP")] = None,
+        help="shell command run on a notice (once per active run with --runs-root); gets HETRAIN_NOTICE (JSON), "
+             "HETRAIN_NODE, HETRAIN_CHECKPOINT_STEP, and HETRAIN_RUN_DIR, HETRAIN_RUN_ID, HETRAIN_RUN_INFO (JSON)")]
+    = None,
 ):
     """Watch for a spot preemption notice (or SIGTERM); checkpoint and call a hook when one comes."""
     import os
     import subprocess
 
-    from hetrain.recovery.preemption import SOURCES, PreemptionWatcher, wait_for_checkpoint
+    from hetrain.recovery.preemption import SOURCES, PreemptionWatcher, active_runs, wait_for_checkpoint
 
     if cloud not in SOURCES:
         raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
-    request = (run / "checkpoint.request").resolve() if run else None
+    if run is not None and runs_root is not None:
+        raise HetrainError("--run and --runs-root: give one (a run, or every run active on this node)")
+    if runs_root is not None and not runs_root.is_dir():
+        raise HetrainError(f"--runs-root {runs_root}: not a directory")
+    # (run directory, what its node flow recorded) for each run the notice concerns
+    runs: list[tuple[Path, dict]] = [(run.resolve(), {})] if run else []
+
+    def request_files() -> list[Path]:
+        if runs_root is not None:
+            runs[:] = [(d.resolve(), info) for d, info in active_runs(runs_root)]
+        return [d / "checkpoint.request" for d, _ in runs]
 
     def on_notice(notice, checkpoint: bool) -> None:
-        step = wait_for_checkpoint(request, wait_checkpoint_s) if checkpoint and request else None
-        if checkpoint:
-            err.print(f"emergency checkpoint {'committed at step ' + str(step) if step is not None else 'not confirmed'}")
-        if hook_command:
-            env = {**os.environ, "HETRAIN_NOTICE": json.dumps(notice.to_dict()), "HETRAIN_NODE": node,
-                   "HETRAIN_CHECKPOINT_STEP": "" if step is None else str(step)}
-            subprocess.run(hook_command, shell=True, env=env, check=False)
+        left = notice.seconds_left()
+        wait_s = wait_checkpoint_s if left is None else max(0.0, min(wait_checkpoint_s, left))
+        for run_dir, info in runs or [(None, {})]:
+            request = run_dir / "checkpoint.request" if run_dir else None
+            step = wait_for_checkpoint(request, wait_s) if request in watcher.requested else None
+            if request in watcher.requested:
+                err.print(f"{run_dir.name}: emergency checkpoint "
+                          f"{'committed at step ' + str(step) if step is not None else 'not confirmed'}",
+                          highlight=False)
+            if hook_command:
+                env = {**os.environ, "HETRAIN_NOTICE": json.dumps(notice.to_dict()), "HETRAIN_NODE": node,
+                       "HETRAIN_CHECKPOINT_STEP": "" if step is None else str(step),
+                       "HETRAIN_RUN_DIR": str(run_dir or ""), "HETRAIN_RUN_ID": run_dir.name if run_dir else "",
+                       "HETRAIN_RUN_INFO": json.dumps(info)}
+                done = subprocess.run(hook_command, shell=True, env=env, check=False)
+                if done.returncode != 0:
+                    err.print(f"hook for {run_dir.name if run_dir else 'the notice'} exited {done.returncode}",
+                              highlight=False)
 
-    watcher = PreemptionWatcher(SOURCES[cloud](metadata_url), node, request_file=request,
+    watcher = PreemptionWatcher(SOURCES[cloud](metadata_url), node,
+                                request_file=request_files if runs_root is not None else
+                                (runs[0][0] / "checkpoint.request" if runs else None),
                                 min_checkpoint_s=min_checkpoint_s, on_notice=on_notice, poll_s=poll_s,
-                                log=lambda msg: err.print(msg, highlight=False))
+                                log=lambda msg: err.print(msg, highlight=False),
+                                stop_after_checkpoint=stop_after_checkpoint)
     watcher.install_sigterm()
-    err.print(f"watching {cloud} preemption notices for node {node}", highlight=False)
-    notice = watcher.run()
+    err.print(f"watching {cloud} preemption notices for node {node}"
+              + (f" (runs under {runs_root})" if runs_root else ""), highlight=False)
+    try:
+        notice = watcher.run()
+    except KeyboardInterrupt:  # stopped (`hetrain node start` stops its watcher so): not a notice
+        raise typer.Exit(130) from None
     raise typer.Exit(0 if notice is not None else 1)
 
 
@@ -641,13 +733,24 @@ def node_start(
     = "HETRAIN_PEER_TOKEN",
     insecure: Annotated[bool, typer.Option("--insecure", help="serve checkpoints without a token (trusted "
                                                               "networks only)")] = False,
+    cloud: Annotated[str | None, typer.Option(help="a spot node: watch this cloud's preemption notices (aws, gcp, "
+                                                   "azure)")] = None,
+    metadata_url: Annotated[str | None, typer.Option(help="the metadata endpoint's base URL (default: the "
+                                                          "cloud's)")] = None,
+    watch_poll_s: Annotated[float, typer.Option(min=MIN_POLL_S, max=60.0, help="seconds between metadata "
+                                                                               "polls")] = 5.0,
+    on_notice: Annotated[str, typer.Option(help="the watcher's hook, run once per active run on a notice")]
+    = f"{sys.executable} -m flows.events",
 ):
     """Serve node NAME: create its work queue in POOL, run a Prefect worker on it and a peer server (until stopped).
 
     The train flow with ``launch=per-node`` sends each node its share of a plan through the work
     queue named after the node, so exactly one machine must run this for each node name. The
     peer server (``hetrain serve`` on RUNS_ROOT, every address) lets surviving nodes fetch this
-    node's shards in a recovery. Reads PREFECT_API_URL like any Prefect command.
+    node's shards in a recovery. With ``--cloud`` (spot nodes) a watcher (``hetrain watch
+    --runs-root``) polls the metadata endpoint; on a notice the runs active on this node take an
+    emergency checkpoint and the hook emits the preemption event that starts the recovery
+    flow. Reads PREFECT_API_URL like any Prefect command.
     """
     import os
     import re
@@ -660,7 +763,16 @@ def node_start(
     if name == "default":
         raise HetrainError("--name default: that is the pool's queue for the train and recover flows; "
                            "name the node as the cluster file does")
+    from hetrain.recovery.preemption import SOURCES
+
+    if cloud is not None and cloud not in SOURCES:
+        raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
     check_output_dir(runs_root, "--runs-root")
+    api_url = subprocess.run([sys.executable, "-c", "from prefect.settings import PREFECT_API_URL as u; "
+                              "print(u.value() or '')"], capture_output=True, text=True).stdout.strip()
+    if not api_url:  # Prefect would start a server of its own, and the worker would never get the cluster's runs
+        raise HetrainError("PREFECT_API_URL is not set: point it at the Prefect server's API (for example "
+                           "http://control:4200/api) so this node's worker gets its runs")
     prefect = [sys.executable, "-m", "prefect"]
     made = subprocess.run([*prefect, "work-queue", "create", name, "--pool", pool], capture_output=True, text=True)
     said = (made.stdout + made.stderr).strip()
@@ -678,8 +790,15 @@ def node_start(
             children.append(subprocess.Popen([sys.executable, "-m", "hetrain", "serve", "--root", str(runs_root),
                                               "--host", "0.0.0.0", "--port", str(peer_port), "--token-env", token_env,
                                               *(["--insecure"] if insecure else [])], env=env))
+        if cloud:
+            children.append(subprocess.Popen([sys.executable, "-m", "hetrain", "watch", "--node", name, "--cloud",
+                                              cloud, "--runs-root", str(runs_root), "--poll-s", str(watch_poll_s),
+                                              "--stop-after-checkpoint",
+                                              *(["--metadata-url", metadata_url] if metadata_url else []),
+                                              "--hook-command", on_notice], env=env))
         err.print(f"node {name}: worker on work queue '{name}' of pool '{pool}', runs under {runs_root.resolve()}"
-                  + (f", peers served on port {peer_port}" if peer_port else ""), highlight=False)
+                  + (f", peers served on port {peer_port}" if peer_port else "")
+                  + (f", {cloud} preemption notices watched" if cloud else ""), highlight=False)
         children.append(subprocess.Popen([*prefect, "worker", "start", "--pool", pool, "--work-queue", name,
                                           "--name", name], env=env))
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children below, as on Ctrl-C
@@ -688,8 +807,8 @@ def node_start(
         code = 130
     finally:
         for child in children:
-            if child.poll() is None:
-                child.terminate()
+            if child.poll() is None:  # the watcher takes SIGTERM for a notice: SIGINT stops it
+                child.send_signal(signal.SIGINT) if child.args[3:4] == ["watch"] else child.terminate()
         for child in children:
             try:
                 child.wait(10)

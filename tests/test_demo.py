@@ -1,4 +1,8 @@
-"""The README's main job, end to end: `python -m flows.demo` (what `make demo` runs after setup)."""
+"""The README's main job, end to end: `python -m flows.demo` (what `make demo` runs after setup).
+
+On one machine here; the test-bed variant's parts (per-node training, the spot watcher, the
+event-triggered per-node recovery) are tested in test_netbed_flows.py.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 def test_demo_trains_preempts_recovers_and_finishes(tmp_path: Path):
     env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
-    r = subprocess.run([sys.executable, "-m", "flows.demo", "--home", str(tmp_path / "demo")], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "flows.demo", "--one-machine", "--home", str(tmp_path / "demo")],
+                       cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout

@@ -167,7 +167,9 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     emit_preempted("spot", "slow", {"cloud": "aws", "action": "terminate", "deadline": None}, 5, str(runs_root))
     (run,) = wait_for_runs(dep.id, 1)
     assert run.state.is_completed(), run.state.message
-    assert run.parameters == {"run_id": "spot", "lost_node": "slow", "runs_root": str(runs_root)}
+    # every payload field rendered into a parameter; the port as a number (the json kind in prefect.yaml)
+    assert run.parameters == {"run_id": "spot", "lost_node": "slow", "runs_root": str(runs_root), "launch": "local",
+                              "cluster": "", "lost_until": "", "rendezvous_port": 29500}
     metrics = [json.loads(line) for line in (runs_root / "spot" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics][-4:] == [6, 7, 8, 9]  # resumed right after the last commit
     report = json.loads((runs_root / "spot" / "recovery-from-step-5.json").read_text())

@@ -95,6 +95,56 @@ def test_sigterm_counts_as_a_notice_and_runs_the_hook(fake, tmp_path: Path):
     assert "emergency checkpoint not confirmed" in rest  # nothing was training
 
 
+def test_a_node_watcher_checkpoints_the_runs_active_on_the_node_and_hooks_each(fake, tmp_path: Path):
+    """`hetrain watch --runs-root` (what `hetrain node start --cloud` runs): on a notice, each run whose
+    ranks run on the node now (marked by its node flow, its process alive) is asked for a checkpoint and
+    gets the hook with its step and what the node flow recorded; finished or crashed runs are left alone."""
+    from hetrain.recovery.preemption import ACTIVE_FILE, active_runs, mark_active
+
+    root = tmp_path / "runs"
+    for name in ("live", "crashed", "done"):
+        (root / name).mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (root / "crashed" / ACTIVE_FILE).write_text(json.dumps({"pid": dead.pid, "run_id": "crashed"}))
+    hook_out = tmp_path / "hooks.txt"
+    with mark_active(root / "live", {"run_id": "live", "recover": {"launch": "per-node", "cluster": "c.yaml"}}):
+        assert [d.name for d, _ in active_runs(root)] == ["live"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hetrain", "watch", "--node", "spot-1", "--cloud", "aws", "--metadata-url",
+             fake.url("spot-1"), "--runs-root", str(root), "--poll-s", "0.5", "--wait-checkpoint-s", "20",
+             "--hook-command", f'echo "$HETRAIN_RUN_ID $HETRAIN_CHECKPOINT_STEP $HETRAIN_RUN_INFO" >> {hook_out}'],
+            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        assert "watching aws" in proc.stderr.readline()
+        fake.preempt("spot-1", 60)
+        request = root / "live" / "checkpoint.request"
+        deadline = time.monotonic() + 20
+        while not request.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.replace(request, root / "live" / "checkpoint.request.done-7")  # as the run's node leader answers
+        rest = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 0, rest
+    assert not (root / "live" / ACTIVE_FILE).exists() and active_runs(root) == []
+    (line,) = hook_out.read_text().splitlines()
+    run_id, step, info = line.split(" ", 2)
+    assert (run_id, step) == ("live", "7") and json.loads(info)["recover"]["cluster"] == "c.yaml"
+    assert not (root / "crashed" / "checkpoint.request").exists() and not (root / "done" / "checkpoint.request").exists()
+    assert "live: emergency checkpoint committed at step 7" in rest
+
+
+def test_a_stopped_watcher_is_no_notice(fake, tmp_path: Path):
+    """`hetrain node start` stops its watcher with SIGINT: no hook (SIGTERM is the cloud's notice)."""
+    hook_out = tmp_path / "hook.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetrain", "watch", "--node", "n", "--cloud", "aws", "--metadata-url", fake.url("n"),
+         "--runs-root", str(tmp_path), "--poll-s", "0.5", "--hook-command", f"touch {hook_out}"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert "watching aws" in proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130 and not hook_out.exists()
+
+
 def test_ranks_take_an_emergency_checkpoint_when_asked(tmp_path: Path):
     p = plan(1, [(4, [("a/0", [0, 6])]), (4, [("b/0", [0, 3]), ("b/1", [3, 6])])])
     request = tmp_path / "checkpoint.request"
@@ -107,6 +157,20 @@ def test_ranks_take_an_emergency_checkpoint_when_asked(tmp_path: Path):
     for node in ("a", "b"):
         assert committed_steps(cfg.node_root(node)) == [0, 2]  # the emergency one and the final one
     assert os.path.getsize(tmp_path / "checkpoint.request.done-0") == 2
+
+
+def test_a_node_watchers_request_ends_the_run_at_the_checkpoint(tmp_path: Path):
+    """A node's watcher asks the ranks to stop after the emergency checkpoint (the recovery resumes
+    from it): every rank stops at that step, whichever node saw the request."""
+    p = plan(1, [(4, [("a/0", [0, 6])]), (4, [("b/0", [0, 3]), ("b/1", [3, 6])])])
+    request = tmp_path / "checkpoint.request"
+    request.write_text(json.dumps({"cloud": "aws", "action": "terminate", "stop": True}))
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1000)
+    records = run(p, tmp_path / "train", steps=5, checkpoint=cfg, request_file=str(request))
+    assert [r["step"] for r in records] == [0] and records[0]["stopped"] == "preemption notice"
+    assert (tmp_path / "checkpoint.request.done-0").exists()
+    for node in ("a", "b"):
+        assert committed_steps(cfg.node_root(node)) == [0]  # the emergency one only: the run ended there
 
 
 @pytest.mark.parametrize("cloud,answer", [

@@ -446,7 +446,7 @@ def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_p
     from hetrain.recovery.recover import restore_on_node
 
     cfg = copy_run(trained, s3, tmp_path, "per-node")
-    shutil.rmtree(cfg.node_root("c"))
+    shutil.move(cfg.node_root("c"), tmp_path / "c-leaving")
     manifest = read_manifest(cfg.node_root("a"), 3)
     size = {f.path: f.size for f in manifest.files}
     held = {node: {f.path for f in manifest.files if node in f.nodes} for node in "ab"}
@@ -465,5 +465,19 @@ def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_p
             assert kinds["peers"] == sum(size[p] for p, src in sources.items() if src == other) > 0
             assert sources["__3_0.distcp"] == "remote" and kinds["remote"] >= size["__3_0.distcp"]
             assert (tmp_path / node / "step-3" / MANIFEST).exists()  # whole and verified, committed last
+        # c inside its notice window: its server still answers (its disk kept aside here), so its shard
+        # comes from it rather than the bucket; gone (a dead address), the bucket as before
+        with PeerServer(str(tmp_path / "c-leaving"), host="127.0.0.4") as peer_c:
+            leaving = config.model_copy(update={"checkpoint": cfg.model_copy(update={
+                "peers": {**cfg.peers, "c": peer_c.url}})})
+            report = restore_on_node(leaving, SAVE, "a", ["c"], lambda s: str(tmp_path / "a-window" / f"step-{s}"),
+                                     timeout_s=2, still_up=["c"])
+        assert {f.path: f.source for f in report.files}["__3_0.distcp"] == "c"
+        report = restore_on_node(config, SAVE, "a", ["c"], lambda s: str(tmp_path / "a-gone" / f"step-{s}"),
+                                 timeout_s=2, still_up=["c"])
+        assert {f.path: f.source for f in report.files}["__3_0.distcp"] == "remote"
+        everything = restore_on_node(config, SAVE, "a", ["c"], lambda s: str(tmp_path / "a-bucket" / f"step-{s}"),
+                                     timeout_s=2, use_peers=False)  # the restart-from-the-bucket baseline
+        assert everything.by_kind("a") == {"local": 0, "peers": 0, "remote": sum(size.values())}
     with pytest.raises(HetrainError, match="among the lost nodes"):
         restore_on_node(config, SAVE, "c", ["c"], lambda s: str(tmp_path / "c"))

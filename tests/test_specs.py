@@ -122,6 +122,8 @@ def test_node_start_refuses_a_bad_name_or_runs_root(cli, tmp_path):
     (tmp_path / "file").write_text("x")
     for args, expected in ((["--name", "a b"], "--name 'a b': expected a node name"),
                            (["--name", "default"], "--name default: that is the pool's queue"),
-                           (["--name", "a", "--runs-root", str(tmp_path / "file")], "is a file, expected a directory")):
+                           (["--name", "a", "--runs-root", str(tmp_path / "file")], "is a file, expected a directory"),
+                           (["--name", "a", "--cloud", "ibm"], "--cloud: expected one of aws, gcp, azure"),
+                           (["--name", "a", "--runs-root", str(tmp_path / "runs")], "PREFECT_API_URL is not set")):
         r = cli("node", "start", *args)
         assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -20,14 +20,16 @@ Documented endpoints (the base URL is configurable so tests point it at a local 
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
+import os
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -192,13 +194,19 @@ SOURCES = {"aws": AwsSpot, "gcp": GcpPreempted, "azure": AzureScheduledEvents}
 class PreemptionWatcher:
     """Poll ``source`` every ``poll_s`` (and catch SIGTERM); on the first notice, act once."""
 
-    def __init__(self, source, node: str, *, request_file: Path | None = None, min_checkpoint_s: float = 10.0,
-                 on_notice: Callable[[Notice, bool], None] | None = None, poll_s: float = 5.0,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(self, source, node: str, *, request_file: Path | Callable[[], list[Path]] | None = None,
+                 min_checkpoint_s: float = 10.0, on_notice: Callable[[Notice, bool], None] | None = None,
+                 poll_s: float = 5.0, log: Callable[[str], None] = print, stop_after_checkpoint: bool = False) -> None:
+        """``request_file``: the run's checkpoint request file, or a function giving those of the runs
+        active at the notice (a node's watcher: see ``active_runs``). ``stop_after_checkpoint``: the
+        runs end at the emergency checkpoint (a recovery resumes them from it elsewhere) rather than
+        train on until the node goes."""
+        self.stop_after_checkpoint = stop_after_checkpoint
         self.source, self.node = source, node
         self.request_file, self.min_checkpoint_s = request_file, min_checkpoint_s
         self.on_notice, self.poll_s, self.log = on_notice, poll_s, log
         self.notice: Notice | None = None
+        self.requested: list[Path] = []  # the request files written for the notice
         self._fired = threading.Lock()
         self.stopped = threading.Event()  # no more polling
         self.handled = threading.Event()  # the notice was acted on (checkpoint requested, hook returned)
@@ -210,26 +218,37 @@ class PreemptionWatcher:
         self.notice = notice
         self.stopped.set()
         left = notice.seconds_left()
-        checkpoint = self.request_file is not None and (left is None or left >= self.min_checkpoint_s)
-        why_not = "no time for a checkpoint"
-        if checkpoint:
-            try:
-                self.request_file.parent.mkdir(parents=True, exist_ok=True)
-                for old in self.request_file.parent.glob(self.request_file.name + ".done-*"):
-                    old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
-                self.request_file.write_text(json.dumps(notice.to_dict()))
-            except OSError as e:  # the notice still goes to the hook: it matters more than the checkpoint
-                checkpoint, why_not = False, f"cannot request a checkpoint ({self.request_file}: {e.strerror or e})"
+        files = self._request_files()
+        why_not = "no time for a checkpoint" if files else "no run to checkpoint"
+        problems = []
+        if files and (left is None or left >= self.min_checkpoint_s):
+            for request in files:
+                try:
+                    request.parent.mkdir(parents=True, exist_ok=True)
+                    for old in request.parent.glob(request.name + ".done-*"):
+                        old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
+                    request.write_text(json.dumps({**notice.to_dict(), "stop": self.stop_after_checkpoint}))
+                    self.requested.append(request)
+                except OSError as e:  # the notice still goes to the hook: it matters more than the checkpoint
+                    problems.append(f"cannot request a checkpoint ({request}: {e.strerror or e})")
+        checkpoint = bool(self.requested)
         when = f"{left:.0f} s left" if left is not None else "no deadline given"
         unreadable = f" (unreadable answer: {notice.detail.get('error')})" if notice.action == "unreadable" else ""
-        self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}){unreadable}; "
-                 + ("emergency checkpoint requested" if checkpoint else why_not))
+        asked = ("emergency checkpoint requested" + (f" in {len(self.requested)} runs" if len(self.requested) > 1 else "")
+                 + (", then the run stops" if self.stop_after_checkpoint else ""))
+        said = ([asked] if checkpoint else []) + (problems or ([] if checkpoint else [why_not]))
+        self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}){unreadable}; " + "; ".join(said))
         try:
             if self.on_notice is not None:
                 self.on_notice(notice, checkpoint)
         finally:
             self.handled.set()
         return True
+
+    def _request_files(self) -> list[Path]:
+        if self.request_file is None:
+            return []
+        return [self.request_file] if isinstance(self.request_file, Path) else list(self.request_file())
 
     def install_sigterm(self, grace_s: float = SIGTERM_GRACE_S) -> None:
         """SIGTERM (what spot VMs and Kubernetes send first) counts as a notice with ``grace_s`` left."""
@@ -273,3 +292,49 @@ def wait_for_checkpoint(request_file: Path, timeout_s: float, poll_s: float = 0.
             return max(int(p.name.rsplit("-", 1)[1]) for p in done)
         time.sleep(poll_s)
     return None
+
+
+ACTIVE_FILE = "node-run.json"  # in a run directory while a node's ranks of the run are running
+
+
+@contextlib.contextmanager
+def mark_active(run_dir: Path, info: dict) -> Iterator[None]:
+    """While the block runs, ``run_dir`` is one of this node's active runs (``active_runs``).
+
+    ``info`` is what a preemption of this node needs to start the run's recovery (for the
+    orchestration layer: how the run was launched, its cluster file); the file also holds the
+    pid that runs it, so a run whose process died without cleaning up is not taken as active.
+    """
+    path = run_dir / ACTIVE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+    os.replace(tmp, path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def active_runs(runs_root: Path) -> list[tuple[Path, dict]]:
+    """The runs of ``runs_root`` whose ranks run on this node now, with their ``mark_active`` info."""
+    found = []
+    for marker in sorted(Path(runs_root).glob(f"*/{ACTIVE_FILE}")):
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue  # being written or removed
+        if isinstance(info, dict) and _alive(info.get("pid")):
+            found.append((marker.parent, info))
+    return found

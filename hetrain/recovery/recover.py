@@ -71,19 +71,29 @@ def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
 
 
 def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: list[str], dest_of: Callable[[int], str],
-                    *, timeout_s: float = 10.0, progress: Callable[[int, int], None] | None = None) -> FetchReport:
+                    *, timeout_s: float = 10.0, progress: Callable[[int, int], None] | None = None,
+                    still_up: list[str] = (), use_peers: bool = True) -> FetchReport:
     """On surviving node ``node``: the newest committed step into ``dest_of(step)``, its own disk first.
 
     The files this node already holds are read from its checkpoint root (verified), the rest
     from the other survivors' peer servers, then the remote store: each node of a recovery
     runs this at once, and none moves bytes it has. ``report.by_kind(node)`` says how many
-    came from where.
+    came from where. ``still_up``: lost nodes inside their notice window (not gone yet), asked
+    after the survivors and before the remote store; a node gone meanwhile costs a refused or
+    timed-out request, and what it sends is verified like anything else. ``use_peers=False``
+    reads everything from the remote store, own disk included (the restart-from-the-bucket
+    baseline).
     """
     if config.checkpoint is None:
         raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
     if node in lost_nodes:
         raise HetrainError(f"node '{node}' is among the lost nodes; it cannot restore")
     peers, remote = sources_for(config, old_plan, lost_nodes)
+    if not use_peers:
+        if remote is None:
+            raise HetrainError(f"{config.plan}: no remote store to restore from without peers")
+        return reassemble_newest([], remote, dest_of, model=old_plan.model, timeout_s=timeout_s, progress=progress)
+    peers += [Source(n, config.checkpoint.peer_url(n)) for n in still_up if n in lost_nodes]
     own = Source(node, config.checkpoint.node_root(node))  # read directly, not through this node's own server
     return reassemble_newest([own, *(p for p in peers if p.name != node)], remote, dest_of, model=old_plan.model,
                              timeout_s=timeout_s, progress=progress, local=node)

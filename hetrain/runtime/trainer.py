@@ -42,20 +42,35 @@ from hetrain.spec.specs import EmulateSpec, load_cluster
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
+def _asks_to_stop(request_file: str) -> bool:
+    """Whether a checkpoint request (a notice's, from the node's watcher) ends the run after the checkpoint.
+
+    A node's watcher asks so (``hetrain watch --stop-after-checkpoint``): the node goes at the
+    deadline and the recovery resumes from this checkpoint, so steps after it would be thrown
+    away. A request being written or unreadable counts as no.
+    """
+    try:
+        with open(request_file) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("stop") is True
+
+
 class StepTotals:
     """The one float64 vector every rank all-reduces per step (SUM): what the step's record needs from all.
 
     ``[grad norm squared (pipeline 0's ranks), loss (last stages), per rank: schedule s, sync s,
-    compute s, peak GB, ..., checkpoint requested]``.
+    compute s, peak GB, ..., stop after the checkpoint, checkpoint requested]``.
     """
 
     GRAD_NORM_SQ, LOSS = 0, 1
     PER_RANK = 4  # schedule_s, sync_s, compute_s, peak_gb
-    REQUEST = -1
+    REQUEST, STOP = -1, -2
 
     @classmethod
     def size(cls, world: int) -> int:
-        return 2 + cls.PER_RANK * world + 1
+        return 2 + cls.PER_RANK * world + 2
 
     @classmethod
     def rank_slice(cls, rank: int) -> slice:
@@ -187,6 +202,7 @@ class Trainer:
         totals = torch.zeros(StepTotals.size(world), dtype=torch.float64, device=self.device)
         if self.config.request_file and os.path.exists(self.config.request_file):
             totals[StepTotals.REQUEST] = 1.0
+            totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
         if role.pipeline == 0:
             grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
@@ -224,7 +240,8 @@ class Trainer:
                           "peak_memory_gb": peak_gb})
         record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
                   "step_time_s": time.perf_counter() - started, "ranks": ranks,
-                  "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0)}
+                  "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
+                  "stop_requested": bool(totals[StepTotals.STOP] > 0)}
         if self.scaler.enabled:
             record["loss_scale"] = scale
             if not applied:
@@ -243,6 +260,7 @@ class Trainer:
             for step in range(config.start_step, config.steps):
                 record = self.train_step(step)
                 requested = record.pop("checkpoint_requested")
+                stop = record.pop("stop_requested") and self.checkpointer is not None
                 ckpt = self.checkpointer
                 if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
                     saved = time.perf_counter()
@@ -259,11 +277,15 @@ class Trainer:
                     record["resume_load_s"] = self.load_s  # rank 0's; all ranks load at once
                     if self.restored_schedule is not None:  # the checkpoint's schedule, not the options'
                         record["lr_schedule"] = self.restored_schedule.model_dump()
+                if stop and "checkpoint_s" in record:
+                    record["stopped"] = "preemption notice"  # the run ends at its emergency checkpoint
                 if metrics is not None:
                     record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
                     record["time"] = time.time()
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
+                if "stopped" in record:
+                    break
         finally:
             if metrics is not None:
                 metrics.close()

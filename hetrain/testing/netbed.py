@@ -257,6 +257,29 @@ class NetBed:
         return host_port
 
 
+    def reach_host(self, node: str, host_port: int, sockets_dir: str) -> int:
+        """A port on ``node``'s loopback that reaches ``host_port`` on the host's (returns the node's port).
+
+        For what is node-local on a real machine and lives in the test here: a cloud's metadata
+        endpoint (169.254.169.254 answers each VM about itself). Relays as in ``forward``.
+        """
+        import sys
+
+        from hetrain.runtime.launch import free_port
+
+        sock = os.path.join(sockets_dir, f"host-{host_port}-{node}.sock")
+        node_port = free_port()  # free on the host; the node's loopback has nothing on it either way
+        relay = [sys.executable, "-m", "hetrain.testing.relay"]
+        for argv, track in (([*relay, f"unix:{sock}", f"tcp:127.0.0.1:{host_port}"], True),
+                            (self.exec_argv(node, [*relay, f"tcp:127.0.0.1:{node_port}", f"unix:{sock}"]), False)):
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            if track:
+                self._relays.append(proc)
+            if proc.stdout.readline().strip() != "ready":
+                raise NetBedError(f"the relay from {node} to the host's port {host_port} did not start")
+        return node_port
+
+
 def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 32 << 20) -> float:
     """MB/s of one TCP stream from ``sender`` to ``receiver``, both ends inside the bed."""
     import sys
