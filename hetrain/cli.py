@@ -748,9 +748,10 @@ def node_start(
     queue named after the node, so exactly one machine must run this for each node name. The
     peer server (``hetrain serve`` on RUNS_ROOT, every address) lets surviving nodes fetch this
     node's shards in a recovery. With ``--cloud`` (spot nodes) a watcher (``hetrain watch
-    --runs-root``) polls the metadata endpoint; on a notice the runs active on this node take an
-    emergency checkpoint and the hook emits the preemption event that starts the recovery
-    flow. Reads PREFECT_API_URL like any Prefect command.
+    --runs-root --stop-after-checkpoint``) polls the metadata endpoint; on a notice the runs
+    active on this node take an emergency checkpoint and stop there, and the hook emits the
+    preemption event that starts the recovery flow. Reads PREFECT_API_URL like any Prefect
+    command.
     """
     import os
     import re
