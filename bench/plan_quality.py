@@ -30,6 +30,9 @@ CASES = [
     ("paper-32gpu", "gpt-30b", 512),
     ("hethub-4types", "gpt-13b", 512),
     ("hethub-4types", "gpt-30b", 512),
+    # Llama-shaped (grouped-query attention, SwiGLU, 8192-token sequences)
+    ("paper-3types", "llama-3-8b", 512),
+    ("hethub-4types", "llama-3-8b", 512),
 ]
 
 
@@ -68,7 +71,7 @@ def main() -> None:
         print(f"{cluster_name} {model_name}: hetrain {row['hetrain']:,.0f} tok/s ({row['of_useful_bound']:.0%} of the "
               f"useful-work bound; {row['vs_full']:.2f}x full recompute everywhere)", flush=True)
     print_table(
-        "Plan quality (predicted tokens/s; global batch 512 x 2048 tokens)",
+        "Plan quality (predicted tokens/s; global batch 512 sequences of the model's length)",
         rows,
         [("cluster", "cluster"), ("model", "model"), ("GPUs", "gpus"), ("useful-work bound", "{useful_work_bound:,.0f}"),
          ("hetrain", "{hetrain:,.0f}"), ("hetrain / bound", "{of_useful_bound:.1%}"),

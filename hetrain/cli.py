@@ -584,6 +584,30 @@ def recover(
 
 @app.command()
 @user_errors
+def export(
+    run: Annotated[Path, typer.Option(help="run directory (holds config.json)")],
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for model.safetensors (+ config.json)")],
+    step: Annotated[int | None, typer.Option(min=0, help="a committed step (default: the newest)")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32 (as trained: exact), bf16 or fp16")] = "fp32",
+    timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
+                                             help="seconds before a silent peer counts as gone")] = 10.0,
+):
+    """Write a run's committed checkpoint as one model.safetensors (+ a transformers config.json for Llama)."""
+    from hetrain.checkpoint.export import DTYPES, export_run
+
+    if dtype not in DTYPES:
+        raise HetrainError(f"--dtype: expected one of {', '.join(DTYPES)}, got '{dtype}'")
+    if not (run / "config.json").is_file():
+        raise HetrainError(f"--run {run}: no config.json (not a run directory)")
+    check_output_dir(out_dir, "--out")
+    result = export_run(run, out_dir, step=step, dtype=dtype, timeout_s=timeout_s)
+    out.print(f"exported step {result.step} of {run}: {result.num_params:,} parameters, "
+              f"{result.num_bytes / 1e6:.1f} MB {dtype} -> {', '.join(str(out_dir / f) for f in result.files)}",
+              highlight=False, soft_wrap=True)
+
+
+@app.command()
+@user_errors
 def restore(
     run: Annotated[Path, typer.Option(help="this node's copy of the run directory (holds config.json)")],
     node: Annotated[str, typer.Option(help="this node's name in the run's plan")],
@@ -708,6 +732,9 @@ def watch(
                                 log=lambda msg: err.print(msg, highlight=False),
                                 stop_after_checkpoint=stop_after_checkpoint)
     watcher.install_sigterm()
+    # SIGINT stops the watcher (how `hetrain node start` stops it), even when this process was started
+    # with SIGINT ignored (a background job of a non-interactive shell, nohup scripts)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     err.print(f"watching {cloud} preemption notices for node {node}"
               + (f" (runs under {runs_root})" if runs_root else ""), highlight=False)
     try:

@@ -66,8 +66,7 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
     tps = tp_candidates(model, st, cluster)
     if not tps:
         return (
-            f"no TP degree in {st.tp_degrees} divides hidden_size {model.hidden_size} and num_heads "
-            f"{model.num_heads} of {model.name} and fits on a node"
+            f"no TP degree in {st.tp_degrees} divides {model.split_sizes()} of {model.name} and fits on a node"
         )
     return (
         f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and optimizer state) "

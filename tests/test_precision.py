@@ -24,7 +24,7 @@ from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource, prepare_tokens
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.schedule import LRSchedule
-from hetrain.spec.specs import TrainingSettings, load_cluster
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 
 from test_runtime import asymmetric_plan
 
@@ -241,13 +241,14 @@ def test_uint16_file_read_as_uint32_is_caught(tmp_path: Path):
 MEMORY_TOLERANCE = 0.10
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_memory_estimate_vs_traced_peak(tmp_path: Path, precision: str):
+@pytest.mark.parametrize("arch,precision", [("gpt", "fp32"), ("gpt", "bf16"), ("llama", "fp32")])
+def test_memory_estimate_vs_traced_peak(tmp_path: Path, arch: str, precision: str):
     """The cost model's tensor memory (peak minus the framework reserve) against every allocation
     of each rank (``--trace-memory``), on a model whose activations outweigh its weights, within
     10 % (measured: 5 % under on the first stage, 3-9 % under on the last)."""
     cluster = load_cluster(EXAMPLES / "clusters" / "cpu-emulated.yaml")
-    model = TINY.model_copy(update={"seq_length": 256, "num_layers": 4})
+    base = TINY if arch == "gpt" else load_model(EXAMPLES / "models" / "llama-tiny.yaml")
+    model = base.model_copy(update={"seq_length": 256, "num_layers": 4})
     settings = TrainingSettings(global_batch_size=16, precision=precision, micro_batch_sizes=[4])
     p = Plan.model_validate({
         "schema": "hetrain.plan/v1", "model": model.model_dump(), "cluster": cluster.name, "global_batch_size": 16,

@@ -27,12 +27,12 @@ TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3
 
 
-def asymmetric_plan(tp: int, global_batch_size: int = 8, micro_batch_size: int = 2) -> Plan:
+def asymmetric_plan(tp: int, global_batch_size: int = 8, micro_batch_size: int = 2, model: Path = TINY) -> Plan:
     """Pipeline 0: two stages, 2 + 4 blocks, 3 micro-batches; pipeline 1: one stage, 1 micro-batch.
 
     Each stage recomputes differently (selective, none, full), as the planner may choose per stage.
     """
-    spec = load_model(TINY)
+    spec = load_model(model)
 
     def stage(node: str, first: int, layers: list[int], recompute: str) -> dict:
         return {"devices": [f"{node}/{first + j}" for j in range(tp)], "gpu": "cpu", "layers": layers,
@@ -78,12 +78,15 @@ def assert_close(got: dict, want: dict, what: str) -> None:
         assert rel < 1e-5, f"{what} {name}: relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_asymmetric_plan_matches_single_process(tmp_path: Path, tp: int):
-    plan = asymmetric_plan(tp)
+@pytest.mark.parametrize("model,tp", [("gpt-tiny", 1), ("gpt-tiny", 2), ("llama-tiny", 2)])
+def test_asymmetric_plan_matches_single_process(tmp_path: Path, model: str, tp: int):
+    """Llama's block too: grouped-query attention split by key/value heads, SwiGLU's gate and up
+    column-wise, rotary positions computed on every stage."""
+    spec_file = EXAMPLES / "models" / f"{model}.yaml"
+    plan = asymmetric_plan(tp, model=spec_file)
     plan.write(tmp_path / "plan.json")
     dump = tmp_path / "dump"
-    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--model", str(TINY), "--steps", str(STEPS),
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--model", str(spec_file), "--steps", str(STEPS),
                 "--optimizer", "sgd", "--lr", str(LR), "--max-grad-norm", str(CLIP),
                 "--run-dir", str(tmp_path / "run"), "--dump-dir", str(dump))
     assert r.returncode == 0, r.stdout + r.stderr

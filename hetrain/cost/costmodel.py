@@ -94,15 +94,19 @@ from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, RecomputeMode, Traini
 
 def block_params(model: ModelSpec) -> int:
     h, f = model.hidden_size, model.ffn_size
+    if model.arch == "llama":  # q and o h x h, k and v h x kv (grouped-query), SwiGLU's three, two RMSNorms
+        return 2 * h * h + 2 * h * model.kv_size + 3 * h * f + 2 * h
     return 4 * h * h + 2 * h * f + 9 * h + f
 
 
 def embed_params(model: ModelSpec) -> int:
-    return model.vocab_size * model.hidden_size + model.seq_length * model.hidden_size
+    positions = model.seq_length * model.hidden_size if model.arch == "gpt" else 0  # Llama's are rotary
+    return model.vocab_size * model.hidden_size + positions
 
 
 def head_params(model: ModelSpec) -> int:
-    return model.vocab_size * model.hidden_size + 2 * model.hidden_size
+    norm = 2 * model.hidden_size if model.arch == "gpt" else model.hidden_size  # LayerNorm / RMSNorm
+    return model.vocab_size * model.hidden_size + norm
 
 
 def total_params(model: ModelSpec) -> int:
@@ -111,7 +115,11 @@ def total_params(model: ModelSpec) -> int:
 
 def block_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
     h, f, s = model.hidden_size, model.ffn_size, model.seq_length
-    return micro_batch_size * (2 * s * (4 * h * h + 2 * h * f) + 4 * s * s * h)
+    if model.arch == "llama":
+        matmuls = 2 * h * h + 2 * h * model.kv_size + 3 * h * f
+    else:
+        matmuls = 4 * h * h + 2 * h * f
+    return micro_batch_size * (2 * s * matmuls + 4 * s * s * h)
 
 
 def head_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
@@ -141,7 +149,13 @@ def block_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int
     h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
     act = settings.activation_bytes
     whole = s * b * h * (2 * RESIDUAL_BYTES + 2 * act)
-    split = s * b * act * (4 * h + 2 * f) / t
+    # Llama: attention keeps the rotated q, k and v repeated to every query head (full width even
+    # under grouped-query attention: the runtime repeats them before SDPA) and its output; SwiGLU
+    # keeps the gate, the up projection, silu(gate) and their product
+    mlp = 4 * f if model.arch == "llama" else 2 * f
+    split = s * b * act * (4 * h + mlp) / t
+    if model.arch == "llama":  # RMSNorm (not fused) also keeps its normalized input before the weight, fp32
+        whole += s * b * h * 2 * RESIDUAL_BYTES
     weight_copies = 2 * block_params(model) / t if settings.precision != "fp32" else 0.0
     return whole + split + weight_copies
 
@@ -156,7 +170,11 @@ def selective_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp:
     """
     h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
     act = settings.activation_bytes
-    products = s * b * act * ((4 * h + f) / t + 2 * h * (2 if t > 1 else 1))
+    if model.arch == "llama":  # q, k, v (k and v kv-wide), the attention output, SwiGLU's gate and up products
+        first = 2 * h + 2 * model.kv_size + 2 * f
+    else:
+        first = 4 * h + f
+    products = s * b * act * (first / t + 2 * h * (2 if t > 1 else 1))
     return s * b * h * RESIDUAL_BYTES + products + s * b * (model.num_heads // t) * 4
 
 
@@ -366,7 +384,9 @@ class CostModel:
             head_compute = 3 * head_forward_flops(m, b) / flops  # every TP rank runs the whole head
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
 
-        widest_grad = 2 * s * b * f * act / t  # GELU backward: the MLP hidden gradients in and out, both alive
+        # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
+        # gate's, the up projection's and silu's
+        widest_grad = (4 if m.arch == "llama" else 2) * s * b * f * act / t
         overheads = self.overheads(gpu)
         # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
         head_work = s * b * V * (4 + 4)

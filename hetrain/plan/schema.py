@@ -108,7 +108,7 @@ def validate_plan_structure(plan: Plan) -> None:
     model, t = plan.model, plan.tp
     if not model.tp_divides(t):
         raise HetrainError(
-            f"tp {t} must divide hidden_size {model.hidden_size} and num_heads {model.num_heads} of {model.name}"
+            f"tp {t} must divide {model.split_sizes()} of {model.name}"
         )
     if plan.global_batch_size % plan.micro_batch_size:
         raise HetrainError(

@@ -54,7 +54,7 @@ from torch import nn
 from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry, RuntimeOverheads
-from hetrain.runtime.model import Block, init_parameter, lm_loss, run_block
+from hetrain.runtime.model import final_norm, init_parameter, lm_loss, make_block, run_block
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -69,7 +69,7 @@ def tp_valid(spec: ModelSpec, tp: int) -> bool:
     return spec.tp_divides(tp)
 
 
-def shard_block(spec: ModelSpec, tp: int) -> Block:
+def shard_block(spec: ModelSpec, tp: int) -> nn.Module:
     """The part of one transformer block that one rank of a ``tp``-way TP group holds.
 
     q/k/v project to ``hidden_size / tp`` (``num_heads / tp`` heads; ``Attention`` derives the
@@ -79,40 +79,45 @@ def shard_block(spec: ModelSpec, tp: int) -> Block:
     """
     if not tp_valid(spec, tp):
         raise HetrainError(
-            f"tp {tp} must divide hidden_size {spec.hidden_size} and num_heads {spec.num_heads} of {spec.name}"
+            f"tp {tp} must divide {spec.split_sizes()} of {spec.name}"
         )
-    block = Block(spec)
+    block = make_block(spec)
     if tp > 1:
         h = spec.hidden_size
-        hs, fs = h // tp, -(-spec.ffn_size // tp)
+        hs, ks, fs = h // tp, spec.kv_size // tp, -(-spec.ffn_size // tp)
         attn, mlp = block.attn, block.mlp
-        attn.wq, attn.wk, attn.wv = (nn.Linear(h, hs, bias=False) for _ in range(3))
+        attn.wq = nn.Linear(h, hs, bias=False)
+        attn.wk, attn.wv = (nn.Linear(h, ks, bias=False) for _ in range(2))  # kv_heads / tp heads (llama)
         attn.wo = nn.Linear(hs, h, bias=False)
         mlp.w1 = nn.Linear(h, fs, bias=False)
+        if spec.arch == "llama":
+            mlp.w3 = nn.Linear(h, fs, bias=False)
         mlp.w2 = nn.Linear(fs, h, bias=False)
     _init(block)
     return block
 
 
 class _Embedding(nn.Module):
-    """Token + learned position embedding, computed as ``GPT.forward`` does."""
+    """Token (+ learned position, GPT) embedding, computed as ``GPT.forward`` does."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size)
+        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size) if spec.arch == "gpt" else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        return self.tok_embedding(ids) + self.pos_embedding(positions)
+        x = self.tok_embedding(ids)
+        if self.pos_embedding is None:
+            return x
+        return x + self.pos_embedding(torch.arange(ids.shape[1], device=ids.device))
 
 
 class _Head(nn.Module):
-    """Final LayerNorm + untied LM head; the loss is applied by the caller with ``lm_loss``."""
+    """Final norm + untied LM head; the loss is applied by the caller with ``lm_loss``."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(spec.hidden_size)
+        self.norm = final_norm(spec)
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -509,8 +514,8 @@ def profile_model(
     tps = [t for t in requested if tp_valid(spec, t)]
     if not tps:
         raise HetrainError(
-            f"no TP degree among {', '.join(map(str, requested)) or '(none)'} divides hidden_size "
-            f"{spec.hidden_size} and num_heads {spec.num_heads} of {spec.name}"
+            f"no TP degree among {', '.join(map(str, requested)) or '(none)'} divides {spec.split_sizes()} of "
+            f"{spec.name}"
         )
     if warmup < 0 or repeats < 1:
         raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")

@@ -1,4 +1,10 @@
-"""A plain decoder-only GPT built from a ``ModelSpec``; parallelism is applied elsewhere.
+"""A plain decoder-only transformer built from a ``ModelSpec``; parallelism is applied elsewhere.
+
+Two block architectures: GPT-2 style (``arch: gpt``: LayerNorm, GELU MLP, learned positions,
+multi-head attention) and Llama style (``arch: llama``: RMSNorm, SwiGLU MLP, rotary positions
+computed in each block from the sequence positions, grouped-query attention). Projections
+read their head counts from their widths, so a tensor-parallel shard (``-1`` heads) runs the
+same code.
 
 Blocks live in a ``ModuleDict`` keyed by their global index, so a pipeline stage is the
 same class holding a contiguous range of blocks and parameter names (``layers.7.attn.wq.weight``)
@@ -116,8 +122,86 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` of the head dimension's two halves: the rotary convention of Hugging Face's Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, ``(seq_len, head_dim)``, in fp32.
+
+    Computed where they are used rather than stored: a few thousand multiply-adds per block,
+    nothing to checkpoint or shard, and the same values on every stage of every plan.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary positions: ``num_kv_heads`` key/value heads, each shared
+    by ``num_heads / num_kv_heads`` query heads (under TP each rank holds a slice of both)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.head_dim, self.theta = spec.head_dim, spec.rope_base
+        h = spec.hidden_size
+        self.wq = nn.Linear(h, spec.num_heads * spec.head_dim, bias=False)
+        self.wk = nn.Linear(h, spec.kv_size, bias=False)
+        self.wv = nn.Linear(h, spec.kv_size, bias=False)
+        self.wo = nn.Linear(spec.num_heads * spec.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        cos, sin = (c.to(q.dtype) for c in rope_tables(t, self.head_dim, self.theta, x.device))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # each key/value head serves `group` query heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: Llama's MLP (w1 the gate, w3 the up projection, w2 down)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w2 = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(spec.hidden_size, eps=spec.eps)
+        self.attn = LlamaAttention(spec)
+        self.mlp_norm = nn.RMSNorm(spec.hidden_size, eps=spec.eps)
+        self.mlp = SwiGLU(spec.hidden_size, spec.ffn_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def make_block(spec: ModelSpec) -> nn.Module:
+    """One transformer block of ``spec``'s architecture."""
+    return LlamaBlock(spec) if spec.arch == "llama" else Block(spec)
+
+
+def final_norm(spec: ModelSpec) -> nn.Module:
+    return nn.RMSNorm(spec.hidden_size, eps=spec.eps) if spec.arch == "llama" else nn.LayerNorm(spec.hidden_size)
+
+
 class GPT(nn.Module):
-    """The whole model, or one pipeline stage of it (blocks ``[first_layer, end_layer)``)."""
+    """The whole model, or one pipeline stage of it (blocks ``[first_layer, end_layer)``), of either architecture."""
 
     def __init__(
         self,
@@ -142,16 +226,19 @@ class GPT(nn.Module):
         first = lo == 0 if has_embedding is None else has_embedding
         last = hi == spec.num_layers if has_head is None else has_head
         self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
-        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(lo, hi)})
-        self.norm = nn.LayerNorm(spec.hidden_size) if last else None
+        # learned positions (GPT); Llama's are rotary, inside its attention
+        self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size) if first and spec.arch == "gpt" else None
+        self.layers = nn.ModuleDict({str(i): make_block(spec) for i in range(lo, hi)})
+        self.norm = final_norm(spec) if last else None
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states or logits out."""
         if self.tok_embedding is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_embedding(x) + self.pos_embedding(positions)
+            ids = x
+            x = self.tok_embedding(ids)
+            if self.pos_embedding is not None:
+                x = x + self.pos_embedding(torch.arange(ids.shape[1], device=ids.device))
         for block in self.layers.values():
             x = run_block(block, x, self.recompute)
         if self.head is not None:

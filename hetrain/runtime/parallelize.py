@@ -26,12 +26,19 @@ TP_PLAN = {
     "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
     "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(),
 }
+# SwiGLU's up projection is split like its gate: each rank multiplies its own slices
+LLAMA_TP_PLAN = {**TP_PLAN, "mlp.w3": ColwiseParallel()}
 
 
 def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP per block: column-wise into attention heads and the MLP, row-wise out."""
+    """Megatron-style TP per block: column-wise into attention heads and the MLP, row-wise out.
+
+    Under grouped-query attention the key/value projections split by their own heads
+    (``num_kv_heads / tp`` per rank), which keeps each query head with its key/value head.
+    """
+    plan = LLAMA_TP_PLAN if stage.spec.arch == "llama" else TP_PLAN
     for block in stage.layers.values():
-        parallelize_module(block, tp_mesh, TP_PLAN)
+        parallelize_module(block, tp_mesh, plan)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +49,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
     names = []
     if bucket.embedding and stage.tok_embedding is not None:
-        names += ["tok_embedding", "pos_embedding"]
+        names += ["tok_embedding"] + (["pos_embedding"] if stage.pos_embedding is not None else [])
     lo, hi = bucket.layers
     names += [f"layers.{i}" for i in range(lo, hi) if str(i) in stage.layers]
     if bucket.head and stage.head is not None:

@@ -329,8 +329,7 @@ def run(config: RunConfig) -> None:
             f"but {world} processes were launched"
         )
     if not plan.model.tp_divides(plan.tp):
-        raise HetrainError(f"{config.plan}: tp {plan.tp} must divide hidden_size {plan.model.hidden_size} "
-                           f"and num_heads {plan.model.num_heads}")
+        raise HetrainError(f"{config.plan}: tp {plan.tp} must divide {plan.model.split_sizes()}")
     emulate = None
     if config.cluster:
         cluster = load_cluster(config.cluster)

@@ -204,16 +204,33 @@ class ClusterSpec(_Spec):
 # --------------------------------------------------------------------------- model
 
 
+LLAMA_ONLY = ("num_kv_heads", "rope_theta", "norm_eps", "tie_embeddings")
+DEFAULT_ROPE_THETA = 10_000.0  # Llama 2's; Llama 3 files say 500000
+DEFAULT_NORM_EPS = 1e-5
+LLAMA_FFN_MULTIPLE = 256  # Llama rounds its default SwiGLU width (8/3 of hidden) up to a multiple of this
+
+
 class ModelSpec(_Spec):
-    """A decoder-only GPT: ``num_layers`` transformer blocks between an embedding and an LM head."""
+    """A decoder-only transformer: ``num_layers`` blocks between a token embedding and an LM head.
+
+    ``arch: gpt`` (the default, so files without it keep their meaning): LayerNorm, a GELU MLP
+    ``4 x hidden`` wide, learned positions, multi-head attention. ``arch: llama`` (Llama 2/3,
+    Mistral, Qwen): RMSNorm, a SwiGLU MLP, rotary positions (``rope_theta``), grouped-query
+    attention with ``num_kv_heads`` key/value heads (default ``num_heads``: plain multi-head).
+    """
 
     name: str
+    arch: Literal["gpt", "llama"] = "gpt"
     num_layers: PositiveInt = Field(le=MAX_LAYERS)
     hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
     num_heads: PositiveInt = Field(le=MAX_HEADS)
     seq_length: PositiveInt = Field(le=MAX_SEQ_LENGTH)
     vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
     ffn_hidden_size: PositiveInt | None = Field(default=None, le=4 * MAX_HIDDEN_SIZE)
+    num_kv_heads: PositiveInt | None = Field(default=None, le=MAX_HEADS)
+    rope_theta: PositiveFloat | None = None
+    norm_eps: PositiveFloat | None = Field(default=None, lt=1.0)
+    tie_embeddings: bool | None = None
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
@@ -221,15 +238,59 @@ class ModelSpec(_Spec):
             raise _FieldError(
                 "num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}"
             )
+        if self.arch == "gpt":
+            given = [f for f in LLAMA_ONLY if getattr(self, f) is not None]
+            if given:
+                raise _FieldError(given[0], "only for arch: llama (this model is arch: gpt)")
+            return self
+        if self.num_heads % self.kv_heads:
+            raise _FieldError("num_kv_heads", f"expected a divisor of num_heads {self.num_heads}, "
+                                              f"got {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise _FieldError("num_heads", f"rotary positions need an even head size: hidden_size "
+                                           f"{self.hidden_size} / num_heads {self.num_heads} = {self.head_dim}")
+        if self.tie_embeddings:  # the embedding and the LM head sit on different pipeline stages
+            raise _FieldError("tie_embeddings", "expected false: tied embeddings are not supported yet")
         return self
 
     def tp_divides(self, tp: int) -> bool:
-        """Whether ``tp`` ranks can split this model's heads and hidden size evenly (what TP needs)."""
-        return tp >= 1 and self.hidden_size % tp == 0 and self.num_heads % tp == 0
+        """Whether ``tp`` ranks can split this model's heads (query and key/value) and hidden size evenly."""
+        return tp >= 1 and self.hidden_size % tp == 0 and self.num_heads % tp == 0 and self.kv_heads % tp == 0
+
+    def split_sizes(self) -> str:
+        """What a TP degree must divide, for messages: ``hidden_size 4096, num_heads 32 and num_kv_heads 8``."""
+        kv = f" and num_kv_heads {self.kv_heads}" if self.kv_heads != self.num_heads else ""
+        return f"hidden_size {self.hidden_size}{',' if kv else ' and'} num_heads {self.num_heads}{kv}"
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.arch == "llama":
+            return -(-int(8 * self.hidden_size / 3) // LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads`` (grouped-query attention), else one per query head."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def rope_base(self) -> float:
+        return self.rope_theta or DEFAULT_ROPE_THETA
+
+    @property
+    def eps(self) -> float:
+        return self.norm_eps or DEFAULT_NORM_EPS
 
 
 # --------------------------------------------------------------------------- training settings

@@ -1,0 +1,167 @@
+"""A run's committed checkpoint as one consolidated ``model.safetensors``, whatever plan wrote it.
+
+Training leaves DCP shards spread over the nodes (and the bucket), cut by the plan that
+wrote them; what people do with a trained model is load it elsewhere (Hugging Face
+``transformers``, vLLM). ``export_run`` reassembles a committed step (verified, from the
+nodes' directories or peer servers, then the bucket), loads its model part into one whole
+single-process model (DCP reshards: any plan, any TP degree), and writes:
+
+* ``model.safetensors``: every weight, whole, in ``dtype``. Llama-family specs use the
+  ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...):
+  the runtime's rotary convention is ``transformers``' (``rotate_half``), so no weight is
+  permuted; GPT specs keep hetrain's names (GPT-2's own layout differs: fused, transposed,
+  with biases).
+* ``config.json`` in the ``transformers`` Llama layout (Llama-family specs only).
+* ``hetrain-model.json``: the model spec, so ``load_export`` (and hetrain) can rebuild it.
+
+Files are written under temporary names and renamed when whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetrain.errors import HetrainError
+from hetrain.spec.specs import ModelSpec
+
+WEIGHTS = "model.safetensors"
+HF_CONFIG = "config.json"
+SPEC_FILE = "hetrain-model.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# hetrain's parameter names -> transformers' LlamaForCausalLM names (per block, then the ends)
+_LLAMA_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+}
+_LLAMA_ENDS = {"tok_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "head.weight": "lm_head.weight"}
+
+
+def exported_name(spec: ModelSpec, name: str) -> str:
+    """The name ``name`` (a parameter of ``hetrain.runtime.model.GPT``) has in the export."""
+    if spec.arch != "llama":
+        return name
+    if name in _LLAMA_ENDS:
+        return _LLAMA_ENDS[name]
+    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    return f"model.layers.{index}.{_LLAMA_BLOCK[rest]}"
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict:
+    """``config.json`` for ``transformers``' ``LlamaForCausalLM``."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.seq_length, "rope_theta": spec.rope_base,
+        "rms_norm_eps": spec.eps, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    }
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    step: int
+    num_params: int
+    num_bytes: int
+    files: list[str]
+
+
+def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The model's weights, whole, from a reassembled (committed and verified) step directory."""
+    import torch.distributed.checkpoint as dcp
+
+    from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
+    from hetrain.runtime.model import GPT
+
+    model = GPT(spec)  # whole, on the CPU: DCP fills it from whatever shards the plan wrote
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner())
+    return state["model"]
+
+
+def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: str = "fp32",
+               timeout_s: float = 10.0) -> ExportResult:
+    """Export the run's newest committed step (or ``step``) into ``out_dir`` (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from hetrain.checkpoint.reassemble import NoCheckpoint, committed_by_source, reassemble, _manifest
+    from hetrain.plan.schema import load_plan
+    from hetrain.recovery.recover import sources_for
+    from hetrain.recovery.runs import load_run
+
+    if dtype not in DTYPES:
+        raise HetrainError(f"--dtype: expected one of {', '.join(DTYPES)}, got '{dtype}'")
+    config = load_run(run_dir)
+    if config.checkpoint is None:
+        raise HetrainError(f"--run {run_dir}: the run was started without checkpoints; nothing to export")
+    plan = load_plan(config.plan)
+    spec = plan.model
+    peers, remote = sources_for(config, plan, [])
+    holders, errors = committed_by_source(peers + ([remote] if remote else []), timeout_s)
+    if not holders:
+        raise NoCheckpoint(errors)
+    chosen = max(holders) if step is None else step
+    if chosen not in holders:
+        raise HetrainError(f"--step {step}: not a committed step of run {run_dir} (committed: "
+                           f"{', '.join(map(str, sorted(holders)))})")
+    manifest = _manifest(chosen, holders[chosen], spec, timeout_s)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir))
+    try:
+        restored = work / "checkpoint"
+        reassemble(manifest, peers, remote, str(restored), timeout_s=timeout_s)
+        weights = consolidate(str(restored), spec)
+        tensors = {exported_name(spec, name): t.detach().to(DTYPES[dtype]).contiguous() for name, t in weights.items()}
+        staged = {WEIGHTS: work / WEIGHTS, SPEC_FILE: work / SPEC_FILE}
+        save_file(tensors, str(staged[WEIGHTS]), metadata={"format": "pt", "hetrain_step": str(chosen),
+                                                            "hetrain_arch": spec.arch})
+        staged[SPEC_FILE].write_text(json.dumps(spec.model_dump(mode="json", exclude_none=True), indent=2) + "\n")
+        if spec.arch == "llama":
+            staged[HF_CONFIG] = work / HF_CONFIG
+            staged[HF_CONFIG].write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        for name, path in staged.items():  # whole files only, each renamed into place
+            os.replace(path, out_dir / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return ExportResult(out_dir, chosen, sum(t.numel() for t in tensors.values()),
+                        sum(t.numel() * t.element_size() for t in tensors.values()), sorted(staged))
+
+
+def load_export(out_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The spec and hetrain-named weights of an export (``GPT(spec).load_state_dict(weights)`` takes them)."""
+    from safetensors.torch import load_file
+
+    from hetrain.spec.specs import parse_spec
+
+    spec_path = out_dir / SPEC_FILE
+    try:
+        spec = parse_spec(ModelSpec, json.loads(spec_path.read_text()), str(spec_path))
+    except (OSError, ValueError) as e:
+        raise HetrainError(f"{spec_path}: {e}") from None
+    exported = load_file(str(out_dir / WEIGHTS))
+    from hetrain.runtime.model import GPT
+
+    names = {exported_name(spec, n): n for n in GPT(spec).state_dict()}
+    unknown = sorted(set(exported) - set(names))
+    missing = sorted(set(names) - set(exported))
+    if unknown or missing:
+        raise HetrainError(f"{out_dir / WEIGHTS}: not an export of {spec.name} "
+                           f"({'unknown ' + unknown[0] if unknown else 'missing ' + missing[0]})")
+    return spec, {names[k]: v for k, v in exported.items()}

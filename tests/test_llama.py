@@ -1,0 +1,175 @@
+"""The Llama architecture (RMSNorm, SwiGLU, rotary positions, grouped-query attention) through spec,
+cost model, planner and profiler; its runtime equivalence is in test_runtime.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EXAMPLES
+from hetrain.cost.costmodel import block_activation_bytes, block_params, total_params
+from hetrain.errors import HetrainError
+from hetrain.runtime.model import GPT
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+
+LLAMA_TINY = EXAMPLES / "models" / "llama-tiny.yaml"
+BASE = "name: m\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_length: 8\nvocab_size: 10\n"
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ("num_kv_heads: 2\n", "num_kv_heads: only for arch: llama"),
+    ("arch: llama\nnum_kv_heads: 3\n", "num_kv_heads: expected a divisor of num_heads 4, got 3"),
+    ("arch: llama\ntie_embeddings: true\n", "tie_embeddings: expected false"),
+    ("arch: mamba\n", "arch"),
+])
+def test_bad_llama_fields_name_the_field(tmp_path, extra, expected):
+    p = tmp_path / "m.yaml"
+    p.write_text(BASE + extra)
+    with pytest.raises(HetrainError, match=expected) as e:
+        load_model(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_odd_head_size_is_refused_for_rotary_positions(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text(BASE.replace("num_heads: 4", "num_heads: 64").replace("hidden_size: 64", "hidden_size: 192")
+                 + "arch: llama\n")
+    with pytest.raises(HetrainError, match="rotary positions need an even head size"):
+        load_model(p)
+
+
+def test_parameter_counts_match_the_module_and_llama_3_8b():
+    spec = load_model(LLAMA_TINY)
+    model = GPT(spec)
+    assert total_params(spec) == sum(p.numel() for p in model.parameters())
+    assert block_params(spec) == sum(p.numel() for p in model.layers["0"].parameters())
+    assert model.pos_embedding is None  # rotary positions: nothing learned
+    # Meta's Llama 3 8B: 8,030,261,248 parameters
+    assert total_params(load_model(EXAMPLES / "models" / "llama-3-8b.yaml")) == 8_030_261_248
+
+
+def test_tp_must_divide_the_key_value_heads():
+    spec = load_model(LLAMA_TINY)  # 4 query heads over 2 key/value heads
+    assert spec.tp_divides(2) and not spec.tp_divides(4)
+    assert spec.split_sizes() == "hidden_size 64, num_heads 4 and num_kv_heads 2"
+
+
+def test_stages_of_a_llama_compose_to_the_whole_model():
+    """Rotary positions are computed inside each block: any cut gives the whole model's logits."""
+    spec = load_model(LLAMA_TINY)
+    whole, first, second = GPT(spec), GPT(spec, (0, 2)), GPT(spec, (2, 6))
+    for m in (whole, first, second):
+        m.init_weights(3)
+    ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
+    assert torch.allclose(second(first(ids)), whole(ids), atol=1e-6)
+
+
+def test_llama_3_8b_plans_on_the_paper_cluster():
+    from solver.planner import make_plan
+
+    spec = load_model(EXAMPLES / "models" / "llama-3-8b.yaml")
+    cluster = load_cluster(EXAMPLES / "clusters" / "paper-3types.yaml")
+    result = make_plan("hetrain", cluster, spec, TrainingSettings(global_batch_size=256))
+    assert result.plan.model == spec and result.estimate.iteration_time_s > 0
+    assert result.plan.tp in (1, 2, 4, 8) and spec.tp_divides(result.plan.tp)
+
+
+def test_swiglu_keeps_more_activations_than_gelu():
+    """Same widths, the SwiGLU block saves two more ffn-wide tensors per token than the GELU one."""
+    gpt = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
+    llama = gpt.model_copy(update={"arch": "llama"})
+    settings = TrainingSettings(global_batch_size=8, precision="fp32")
+    extra = block_activation_bytes(llama, settings, 1, 1) - block_activation_bytes(gpt, settings, 1, 1)
+    rms_norm_copies = gpt.seq_length * 2 * gpt.hidden_size * 4  # RMSNorm keeps its normalized input (fp32)
+    assert extra == pytest.approx(gpt.seq_length * 2 * llama.ffn_size * settings.activation_bytes + rms_norm_copies)
+
+
+def test_export_of_a_trained_llama_round_trips_exactly(tmp_path):
+    """Trained under TP 2 in two pipeline stages, exported from the node directories' DCP shards into one
+    safetensors file in transformers' Llama layout: every weight equal to what the ranks held at the end,
+    and a fresh single-process model loaded from it gives the same logits."""
+    import json
+
+    from safetensors import safe_open
+
+    from ckpt_helpers import dumped_state, plan, run
+    from conftest import run_cli
+    from hetrain.checkpoint.export import HF_CONFIG, WEIGHTS, load_export
+    from hetrain.config import CheckpointConfig
+    from hetrain.plan.schema import Plan
+
+    spec = load_model(LLAMA_TINY)
+    base = plan(2, [(8, [("a/0", [0, 3]), ("b/0", [3, 6])])])
+    p = Plan.model_validate({**json.loads(base.to_json()), "model": spec.model_dump(mode="json", exclude_none=True)})
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1000)
+    run(p, tmp_path / "train", steps=2, checkpoint=cfg, dump=True)
+    out = tmp_path / "export"
+    r = run_cli("export", "--run", str(tmp_path / "train" / "run"), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "exported step 1" in r.stdout
+    got_spec, weights = load_export(out)
+    assert got_spec == spec
+    trained = {n: t for n, t in dumped_state(p, tmp_path / "train").items() if not n.startswith("optim/")}
+    assert weights.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(weights[name], tensor), name
+    with safe_open(str(out / WEIGHTS), "pt") as f:
+        names = set(f.keys())
+    assert {"model.embed_tokens.weight", "model.layers.5.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.norm.weight", "lm_head.weight"} <= names
+    config = json.loads((out / HF_CONFIG).read_text())
+    assert (config["num_key_value_heads"], config["intermediate_size"], config["model_type"]) == (2, 128, "llama")
+    fresh, held = GPT(spec), GPT(spec)
+    fresh.load_state_dict(weights)
+    held.load_state_dict(trained)
+    ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
+    assert torch.equal(fresh(ids), held(ids))
+    assert [x.name for x in out.iterdir() if x.name.startswith(".")] == []  # no staging left
+
+
+CLUSTER_YAML = """
+name: three-nodes
+inter_node_bandwidth_gbps: 1.0
+collective_latency_us: 2000
+gpu_types:
+  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 6, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+  - {name: a, gpu: cpu, count: 2, intra_node_bandwidth_gbps: 2.0}
+  - {name: b, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0}
+  - {name: c, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}
+"""
+
+
+def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
+    """Spot node c gets a notice at the start: every rank checkpoints step 0 and stops (buddy copies
+    keep c's shards on a); c goes with its disk; the survivors re-plan and resume at step 1."""
+    import json
+    import shutil
+
+    from ckpt_helpers import plan, run
+    from hetrain.config import CheckpointConfig, RunConfig
+    from hetrain.plan.schema import Plan
+    from hetrain.recovery.recover import recover
+    from hetrain.runtime.launch import write_config
+    from solver.planner import make_plan
+
+    spec = load_model(LLAMA_TINY)
+    base = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
+    p = Plan.model_validate({**json.loads(base.to_json()), "model": spec.model_dump(mode="json", exclude_none=True)})
+    request = tmp_path / "checkpoint.request"
+    request.write_text(json.dumps({"cloud": "aws", "action": "terminate", "stop": True}))
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1000, replicate=True)
+    records = run(p, tmp_path / "train", steps=6, checkpoint=cfg, request_file=str(request))
+    assert [r["step"] for r in records] == [0] and records[0]["stopped"] == "preemption notice"
+    shutil.rmtree(cfg.node_root("c"))  # gone, its disk with it
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER_YAML)
+    p.write(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    write_config(RunConfig(plan=str(tmp_path / "plan.json"), cluster=str(cluster), steps=3, lr=1e-2,
+                           checkpoint=cfg), run_dir)
+    result = recover(run_dir, ["c"], lambda cl, m, s: make_plan("hetrain", cl, m, s).plan, timeout_s=2)
+    assert result.step == 0 and result.plan.model == spec
+    assert "c" not in {d.split("/")[0] for d in result.plan.devices()}
+    assert [r["step"] for r in result.records] == [1, 2]
+    assert all(r["loss"] > 0 for r in result.records)
