@@ -173,3 +173,27 @@ def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
     assert "c" not in {d.split("/")[0] for d in result.plan.devices()}
     assert [r["step"] for r in result.records] == [1, 2]
     assert all(r["loss"] > 0 for r in result.records)
+
+
+def test_a_llama_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    """Where Hugging Face transformers is installed (an optional extra: `pip install transformers`):
+    LlamaForCausalLM built from the exported config.json and model.safetensors computes the logits
+    hetrain's model computes with the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from hetrain.checkpoint.export import HF_CONFIG, WEIGHTS, exported_name, hf_config
+
+    from safetensors.torch import save_file
+
+    spec = load_model(LLAMA_TINY)
+    model = GPT(spec)
+    model.init_weights(7)
+    tmp_path.joinpath(HF_CONFIG).write_text(__import__("json").dumps(hf_config(spec, "fp32")))
+    save_file({exported_name(spec, n): t.contiguous() for n, t in model.state_dict().items()},
+              str(tmp_path / WEIGHTS))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    hf.eval()
+    ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
+    with torch.no_grad():
+        want = model(ids)
+        got = hf(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
