@@ -16,6 +16,18 @@ from hetrain.spec.specs import load_model
 
 TINY = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 GLOBAL_BATCH = 8
+# the cluster of the hand-written three-node plans (a: 2 devices, b: 1, spot c: 1), for re-planning
+CLUSTER_YAML = """
+name: three-nodes
+inter_node_bandwidth_gbps: 1.0
+collective_latency_us: 2000
+gpu_types:
+  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 6, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+  - {name: a, gpu: cpu, count: 2, intra_node_bandwidth_gbps: 2.0}
+  - {name: b, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0}
+  - {name: c, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}
+"""
 
 
 def plan(tp: int, pipelines: list[tuple[int, list[tuple[str, list[int]]]]], micro_batch_size: int = 1) -> Plan:

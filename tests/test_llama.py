@@ -127,26 +127,13 @@ def test_export_of_a_trained_llama_round_trips_exactly(tmp_path):
     assert [x.name for x in out.iterdir() if x.name.startswith(".")] == []  # no staging left
 
 
-CLUSTER_YAML = """
-name: three-nodes
-inter_node_bandwidth_gbps: 1.0
-collective_latency_us: 2000
-gpu_types:
-  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 6, memory_bandwidth_gbps: 10, efficiency: 1.0}
-nodes:
-  - {name: a, gpu: cpu, count: 2, intra_node_bandwidth_gbps: 2.0}
-  - {name: b, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0}
-  - {name: c, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}
-"""
-
-
 def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
     """Spot node c gets a notice at the start: every rank checkpoints step 0 and stops (buddy copies
     keep c's shards on a); c goes with its disk; the survivors re-plan and resume at step 1."""
     import json
     import shutil
 
-    from ckpt_helpers import plan, run
+    from ckpt_helpers import CLUSTER_YAML, plan, run
     from hetrain.config import CheckpointConfig, RunConfig
     from hetrain.plan.schema import Plan
     from hetrain.recovery.recover import recover

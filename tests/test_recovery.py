@@ -19,7 +19,7 @@ import pytest
 import s3fs
 from moto.server import ThreadedMotoServer
 
-from ckpt_helpers import TINY, plan, run
+from ckpt_helpers import CLUSTER_YAML, TINY, plan, run
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name
 from hetrain.checkpoint.peer import PeerServer
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
@@ -31,19 +31,6 @@ from solver.planner import make_plan
 
 BUCKET = "hetrain-test"
 SAVE = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
-CLUSTER_YAML = """
-name: three-nodes
-inter_node_bandwidth_gbps: 1.0
-collective_latency_us: 2000
-gpu_types:
-  cpu: {tflops: 0.02, fp32_tflops: 0.01, memory_gb: 6, memory_bandwidth_gbps: 10, efficiency: 1.0}
-nodes:
-  - {name: a, gpu: cpu, count: 2, intra_node_bandwidth_gbps: 2.0}
-  - {name: b, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0}
-  - {name: c, gpu: cpu, count: 1, intra_node_bandwidth_gbps: 2.0, spot: true}
-"""
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 server on loopback; the credentials reach the training processes through the environment."""

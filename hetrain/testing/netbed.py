@@ -240,22 +240,12 @@ class NetBed:
         ``hetrain.testing.relay`` processes joined by a unix socket in ``sockets_dir``, so the
         host gets no address on the bed's network.
         """
-        import sys
-
         from hetrain.runtime.launch import free_port
 
-        sock = os.path.join(sockets_dir, f"{node}-{port}.sock")
         host_port = free_port()
-        relay = [sys.executable, "-m", "hetrain.testing.relay"]
-        for argv, track in ((self.exec_argv(node, [*relay, f"unix:{sock}", f"tcp:127.0.0.1:{port}"]), False),
-                            ([*relay, f"tcp:127.0.0.1:{host_port}", f"unix:{sock}"], True)):
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-            if track:
-                self._relays.append(proc)
-            if proc.stdout.readline().strip() != "ready":
-                raise NetBedError(f"the relay to {node}:{port} did not start")
+        self._relay_pair(node, os.path.join(sockets_dir, f"{node}-{port}.sock"), inside=f"tcp:127.0.0.1:{port}",
+                         outside=f"tcp:127.0.0.1:{host_port}", listen_inside=False, what=f"to {node}:{port}")
         return host_port
-
 
     def reach_host(self, node: str, host_port: int, sockets_dir: str) -> int:
         """A port on ``node``'s loopback that reaches ``host_port`` on the host's (returns the node's port).
@@ -263,21 +253,32 @@ class NetBed:
         For what is node-local on a real machine and lives in the test here: a cloud's metadata
         endpoint (169.254.169.254 answers each VM about itself). Relays as in ``forward``.
         """
-        import sys
-
         from hetrain.runtime.launch import free_port
 
-        sock = os.path.join(sockets_dir, f"host-{host_port}-{node}.sock")
         node_port = free_port()  # free on the host; the node's loopback has nothing on it either way
+        self._relay_pair(node, os.path.join(sockets_dir, f"host-{host_port}-{node}.sock"),
+                         inside=f"tcp:127.0.0.1:{node_port}", outside=f"tcp:127.0.0.1:{host_port}",
+                         listen_inside=True, what=f"from {node} to the host's port {host_port}")
+        return node_port
+
+    def _relay_pair(self, node: str, sock: str, *, inside: str, outside: str, listen_inside: bool, what: str) -> None:
+        """Two relays joined by ``sock``: one in ``node``'s namespace on ``inside``, one on the host on ``outside``.
+
+        The listening side of the pair is the one clients connect to (``inside`` when
+        ``listen_inside``); the side listening on the unix socket starts first.
+        """
+        import sys
+
         relay = [sys.executable, "-m", "hetrain.testing.relay"]
-        for argv, track in (([*relay, f"unix:{sock}", f"tcp:127.0.0.1:{host_port}"], True),
-                            (self.exec_argv(node, [*relay, f"tcp:127.0.0.1:{node_port}", f"unix:{sock}"]), False)):
+        in_node = self.exec_argv(node, [*relay, *((inside, f"unix:{sock}") if listen_inside else (f"unix:{sock}", inside))])
+        on_host = [*relay, *((f"unix:{sock}", outside) if listen_inside else (outside, f"unix:{sock}"))]
+        pair = ((on_host, True), (in_node, False)) if listen_inside else ((in_node, False), (on_host, True))
+        for argv, track in pair:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-            if track:
+            if track:  # those inside die with their namespace
                 self._relays.append(proc)
             if proc.stdout.readline().strip() != "ready":
-                raise NetBedError(f"the relay from {node} to the host's port {host_port} did not start")
-        return node_port
+                raise NetBedError(f"the relay {what} did not start")
 
 
 def measure_link_mb_s(bed: NetBed, sender: str, receiver: str, num_bytes: int = 32 << 20) -> float:
