@@ -184,3 +184,23 @@ def test_a_llama_export_loads_in_transformers_with_the_same_logits(tmp_path):
         want = model(ids)
         got = hf(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+def test_the_profiler_times_a_llama_block_and_its_memory_matches_the_cost_model():
+    """One rank's TP shard of a Llama block (q by query heads, k and v by key/value heads, SwiGLU's
+    three projections), measured under each recompute mode: what it keeps is what the cost model counts."""
+    from hetrain.cost.costmodel import selective_activation_bytes
+    from hetrain.profiling.profiler import profile_entry, shard_block
+
+    spec = load_model(LLAMA_TINY)
+    block = shard_block(spec, 2)
+    assert block.attn.wq.out_features == 32 and block.attn.wk.out_features == 16  # 2 of 4 heads, 1 of 2 kv heads
+    assert block.mlp.w3.out_features == block.mlp.w1.out_features == 64
+    cpu = torch.device("cpu")
+    settings = TrainingSettings(global_batch_size=8, precision="fp32")
+    entry = profile_entry(spec, 1, 2, activation_recompute=False, device=cpu, slowdown=1.0, warmup=0, repeats=1)
+    assert entry.block_forward_s > 0 and entry.block_backward_s > 0
+    kept = {mode: r.block_activation_bytes for mode, r in entry.recompute.items()}
+    assert kept["full"] < kept["selective"] < kept["none"]
+    assert kept["none"] == pytest.approx(block_activation_bytes(spec, settings, 1, 2), rel=0.05)
+    assert kept["selective"] == pytest.approx(selective_activation_bytes(spec, settings, 1, 2), rel=0.05)
