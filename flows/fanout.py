@@ -184,9 +184,9 @@ class NodesFailed(HetrainError):
 def stop_run(run_id: str, reason: str, log: Callable[[str], None]) -> list[str]:
     """Stop the run's training node runs still going (the nodes whose runs it stopped).
 
-    A recovery that starts while the run still trains (a notice came, the node is not gone
-    yet) stops it first: the survivors must not write newer checkpoints under the restore,
-    and what they would train until the node goes is lost with it anyway.
+    A recovery that starts while the run still trains (started by hand or from the UI; a
+    notice's own watcher stops the run at its emergency checkpoint) stops it first: the
+    survivors must not write newer checkpoints under the restore.
     """
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, \
         FlowRunFilterTags
@@ -197,7 +197,7 @@ def stop_run(run_id: str, reason: str, log: Callable[[str], None]) -> list[str]:
         going = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[run_tag(run_id)]),
             state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final))))
-        runs = {str(r.parameters.get("node", r.name)): r for r in going}
+        runs = dict(sorted(((str(r.parameters.get("node", r.name)), r) for r in going), key=lambda nr: nr[0]))
         if runs:
             log(f"stopping run {run_id} on {', '.join(runs)}: {reason}")
             _stop(client, runs, log, reason)

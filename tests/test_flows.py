@@ -145,6 +145,30 @@ def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
     assert "recover" in r.stdout
 
 
+def test_a_recovery_stops_only_its_runs_node_runs(deployed):
+    """``stop_run`` (what a recovery does first) cancels the node runs tagged with its run, and no other."""
+    from flows.fanout import run_tag, stop_run
+
+    from datetime import UTC, datetime, timedelta
+
+    def node_run(run_id: str, node: str):  # due in an hour: no worker takes them, they stay Scheduled
+        return run_deployment("hetrain-node/node", timeout=0, tags=[run_tag(run_id)],
+                              scheduled_time=datetime.now(UTC) + timedelta(hours=1),
+                              parameters={"run_id": run_id, "node": node, "plan": {}, "cluster": {},
+                                          "rendezvous": "a:29500", "steps": 1})
+
+    mine = [node_run("stopme", n) for n in ("a", "b")]
+    other = node_run("keepme", "a")
+    said = []
+    assert sorted(stop_run("stopme", "node b is lost", said.append)) == ["a", "b"]
+    with get_client(sync_client=True) as client:
+        states = [client.read_flow_run(r.id).state for r in mine]
+        assert all(s.is_cancelled() and s.message == "node b is lost" for s in states), states
+        assert client.read_flow_run(other.id).state.is_scheduled()
+    assert said == ["stopping run stopme on a, b: node b is lost"]
+    assert stop_run("stopme", "again", said.append) == []  # nothing left going
+
+
 def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, bucket, tmp_path: Path):
     import anyio
 
