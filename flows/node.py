@@ -179,9 +179,7 @@ def node_restore(
     Publishes what came from where (a table) and the run's plan (for the parent to re-plan
     from); a node without the run says so in its table ("no run here") and restores nothing.
     """
-    from hetrain.checkpoint.manifest import restore_dir
-    from hetrain.plan.schema import load_plan
-    from hetrain.recovery.recover import restore_on_node
+    from hetrain.recovery.recover import restore_run_on_node
 
     logger = get_run_logger()
     check_node(node)
@@ -189,10 +187,8 @@ def node_restore(
     if not (run_dir / "config.json").is_file():
         create_table_artifact([{"node": node, "status": "no run here"}], key=artifact_key(run_id, "restore", node))
         return
-    config = load_run(run_dir)
-    old_plan = load_plan(config.plan)
-    report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(restore_dir(run_dir, step)),
-                             timeout_s=timeout_s, still_up=still_up or [])
+    report, old_plan, config = restore_run_on_node(run_dir, node, lost_nodes, timeout_s=timeout_s,
+                                                   still_up=still_up or [])
     for warning in report.warnings():
         logger.warning("restore: %s", warning)
     kinds = report.by_kind(node)

@@ -23,6 +23,7 @@ from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
+from hetrain.recovery.preemption import parse_utc
 from hetrain.recovery.recover import recover as recover_run
 from hetrain.recovery.recover import surviving_cluster
 from hetrain.recovery.runs import existing_run
@@ -122,11 +123,9 @@ def recover(
             raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
                                "directories are on the nodes)")
         try:
-            until = datetime.fromisoformat(lost_until.replace("Z", "+00:00")) if lost_until else None
+            until = parse_utc(lost_until) if lost_until else None
         except ValueError:
             raise HetrainError(f"lost_until: expected an ISO 8601 time, got '{lost_until}'") from None
-        if until is not None and until.tzinfo is None:
-            until = until.replace(tzinfo=UTC)
         return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port, until)
     root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
     run_dir, config = existing_run(root, run_id)

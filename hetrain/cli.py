@@ -593,10 +593,9 @@ def export(
                                              help="seconds before a silent peer counts as gone")] = 10.0,
 ):
     """Write a run's committed checkpoint as one model.safetensors (+ a transformers config.json for Llama)."""
-    from hetrain.checkpoint.export import DTYPES, export_run
+    from hetrain.checkpoint.export import check_dtype, export_run
 
-    if dtype not in DTYPES:
-        raise HetrainError(f"--dtype: expected one of {', '.join(DTYPES)}, got '{dtype}'")
+    check_dtype(dtype)
     if not (run / "config.json").is_file():
         raise HetrainError(f"--run {run}: no config.json (not a run directory)")
     check_output_dir(out_dir, "--out")
@@ -628,21 +627,16 @@ def restore(
     import time
 
     from hetrain.checkpoint.manifest import restore_dir
-    from hetrain.plan.schema import load_plan
-    from hetrain.recovery.recover import restore_on_node
-    from hetrain.recovery.runs import load_run
+    from hetrain.recovery.recover import restore_run_on_node
 
     lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
     if not lost:
         raise HetrainError("--lost-nodes: expected at least one node name")
     if not (run / "config.json").is_file():
         raise HetrainError(f"--run {run}: no config.json (not a run directory of this node)")
-    config = load_run(run)
-    old_plan = load_plan(config.plan)
     started = time.perf_counter()
-    report = restore_on_node(config, old_plan, node, lost, lambda step: str(restore_dir(run, step)),
-                             timeout_s=timeout_s, still_up=[n.strip() for n in still_up.split(",") if n.strip()],
-                             use_peers=not no_peers)
+    report, _, _ = restore_run_on_node(run, node, lost, timeout_s=timeout_s, use_peers=not no_peers,
+                                       still_up=[n.strip() for n in still_up.split(",") if n.strip()])
     seconds = time.perf_counter() - started
     kinds = report.by_kind(node)
     for warning in report.warnings():

@@ -74,6 +74,11 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     }
 
 
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise HetrainError(f"--dtype: expected one of {', '.join(DTYPES)}, got '{dtype}'")
+
+
 @dataclass
 class ExportResult:
     out_dir: Path
@@ -106,8 +111,7 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
     from hetrain.recovery.recover import sources_for
     from hetrain.recovery.runs import load_run
 
-    if dtype not in DTYPES:
-        raise HetrainError(f"--dtype: expected one of {', '.join(DTYPES)}, got '{dtype}'")
+    check_dtype(dtype)
     config = load_run(run_dir)
     if config.checkpoint is None:
         raise HetrainError(f"--run {run_dir}: the run was started without checkpoints; nothing to export")

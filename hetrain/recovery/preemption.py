@@ -77,7 +77,7 @@ class UnreadableNotice(ValueError):
     """The endpoint answered something other than "no notice" that we cannot read."""
 
 
-def _utc(text: str) -> datetime:
+def parse_utc(text: str) -> datetime:
     """An ISO 8601 time; one without a zone is UTC (what the metadata services mean)."""
     when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     return when if when.tzinfo else when.replace(tzinfo=UTC)
@@ -138,7 +138,7 @@ class AwsSpot(_MetadataSource):
         if not isinstance(data, dict):
             raise UnreadableNotice(f"expected a JSON object, got {type(data).__name__}")
         action = data.get("action")
-        deadline = _utc(data["time"]) if isinstance(data.get("time"), str) else None
+        deadline = parse_utc(data["time"]) if isinstance(data.get("time"), str) else None
         if deadline is None or not isinstance(action, str):
             raise UnreadableNotice("expected 'action' and 'time'")
         return Notice("aws", action, deadline, data)

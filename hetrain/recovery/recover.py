@@ -99,6 +99,16 @@ def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: li
                              timeout_s=timeout_s, progress=progress, local=node)
 
 
+def restore_run_on_node(run_dir: Path, node: str, lost_nodes: list[str], *, timeout_s: float = 10.0,
+                        still_up: list[str] = (), use_peers: bool = True) -> tuple[FetchReport, Plan, RunConfig]:
+    """``restore_on_node`` for this node's copy of a run: into ``RUN/restore/step-N``; the report, old plan and config."""
+    config = load_run(run_dir)
+    old_plan = load_plan(config.plan)
+    report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(restore_dir(run_dir, step)),
+                             timeout_s=timeout_s, still_up=still_up, use_peers=use_peers)
+    return report, old_plan, config
+
+
 def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_file: Path | None = None,
             steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True, use_peers: bool = True,
             on_progress: Callable[[str, float], None] | None = None,
