@@ -355,6 +355,9 @@ def train(
     peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
                                                          "(hetrain serve); repeatable")] = None,
     run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
+    sync_checkpoints: Annotated[bool, typer.Option("--sync-checkpoints", help="write and commit each checkpoint "
+                                                   "before the next step (default: after a snapshot in host "
+                                                   "memory, in the background)")] = False,
 ):
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -395,7 +398,8 @@ def train(
     config = build_run_config(
         run_dir, plan_file, steps=steps, run_id=run_id, cluster=cluster, data=data, metrics=metrics,
         checkpoints=False, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
-        remote_endpoint=remote_endpoint, upload_retries=upload_retries, peers=_peer_urls(peer), optimizer=optimizer, lr=lr, lr_min=lr_min,
+        remote_endpoint=remote_endpoint, upload_retries=upload_retries, peers=_peer_urls(peer),
+        background_checkpoints=not sync_checkpoints, optimizer=optimizer, lr=lr, lr_min=lr_min,
         warmup_steps=warmup_steps, decay_steps=decay_steps, precision=precision, compile=compile_blocks,
         trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
         dump_dir=str(dump_dir.resolve()) if dump_dir else None)

@@ -40,6 +40,9 @@ class CheckpointConfig(BaseModel):
     upload_retries: NonNegativeInt = 5
     upload_timeout_s: float = 600.0  # how long the manifest upload waits for every node's files
     peers: dict[str, str] = Field(default_factory=dict)  # node -> URL its checkpoint root is served at
+    # Training waits only for a snapshot in host memory; write, hash, buddy copy, commit and upload
+    # run in the background (false: all before the next step, as before).
+    background: bool = True
 
     @staticmethod
     def endpoint_options(endpoint_url: str | None) -> dict[str, Any]:
@@ -118,7 +121,8 @@ def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str 
                      checkpoints: bool = True, checkpoint_dir: str | None = None,
                      checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
                      remote: str | None = None, remote_endpoint: str | None = None, upload_retries: int = 5,
-                     peers: dict[str, str] | None = None, **training) -> RunConfig:
+                     peers: dict[str, str] | None = None, background_checkpoints: bool = True,
+                     **training) -> RunConfig:
     """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
 
     Checkpoints go to ``checkpoint_dir`` (``{node}`` becomes each node's name; a path or fsspec
@@ -138,7 +142,8 @@ def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str 
                 checkpoint_dir = str(Path(checkpoint_dir).resolve())
             ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
                                     remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
-                                    upload_retries=upload_retries, peers=peers or {})
+                                    upload_retries=upload_retries, peers=peers or {},
+                                    background=background_checkpoints)
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps, data=str(Path(data).resolve()) if data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,

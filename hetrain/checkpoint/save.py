@@ -1,7 +1,12 @@
 """Save and load a training rank's state with torch.distributed.checkpoint (see hetrain.checkpoint).
 
 Every rank of the run calls ``save`` at the same step (it is collective) and ``load`` once
-before training. The state dict comes from ``get_state_dict`` with flattened optimizer
+before training. ``save`` stalls training only for a snapshot of the rank's state in host
+memory (pinned on a GPU, the buffers reused from one checkpoint to the next); writing,
+hashing, the buddy copy, the commit and the upload follow in a background thread that talks
+to the other ranks over a process group of its own, so its collectives never interleave with
+training's (``background: false`` keeps the old synchronous save). The commit protocol is the
+same either way: the manifest is written last, and nothing is loaded without it. The state dict comes from ``get_state_dict`` with flattened optimizer
 state: keys are parameter names (``layers.7.mlp.w1.weight``, ``state.layers.7.mlp.w1.weight.exp_avg``),
 values are DTensors under tensor parallelism, so DCP reshards on load into any other plan:
 another TP degree, other pipeline cuts, fewer or more pipelines.
@@ -12,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import PurePosixPath
 
@@ -20,7 +27,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch import nn
+# DCP's own staging for async_save (DefaultStager) is built on these two; they keep DTensors
+# DTensors (same mesh and placements, local shard on the CPU), which the save plan needs.
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hetrain.checkpoint.backup import Uploader
@@ -70,6 +81,49 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     return state.get(TRAIN_STATE)
 
 
+def _layout_of(state, prefix: str = "") -> list:
+    """What a state dict's snapshot buffers depend on: every tensor's key, shape and dtype."""
+    out = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out += _layout_of(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            out.append((prefix + str(key), tuple(value.shape), value.dtype))
+    return out
+
+
+class Snapshot:
+    """A rank's training state copied to host memory, into buffers kept for the next checkpoint.
+
+    Allocating (and, on a GPU, pinning) several GB per checkpoint would cost more than the copy;
+    the buffers are made again only when the state's tensors change (the optimizer's state
+    appears after the first step).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict | None = None
+        self._layout: list | None = None
+
+    def take(self, state: dict) -> dict:
+        layout = _layout_of(state)
+        on_gpu = any(t.is_cuda for t in _tensors(state))
+        if layout != self._layout:
+            self._buffers = _create_cpu_state_dict(state, pin_memory=on_gpu)
+            self._layout = layout
+        copied = _copy_state_dict(state, self._buffers, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies must land before training changes the weights
+        return copied
+
+
+def _tensors(state: dict):
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from _tensors(value)
+        elif isinstance(value, torch.Tensor):
+            yield value
+
+
 def _raise_if_failed(step: int, what: str, errors: list[str | None]) -> None:
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if failed:
@@ -98,18 +152,77 @@ class Checkpointer:
             # the plan's rank 0 coordinates, as it writes the metrics its failures go into (torchrun's rank 0
             # may be on any node)
             self.uploader = Uploader(config, role.node, coordinator=role.rank == 0, run_id=run_id)
+        # The background commit's collectives run on a group of their own (gloo: it gathers small
+        # objects on the CPU even under NCCL): on the training group they could interleave with
+        # a step's. Every rank makes its Checkpointer at the same point, so new_group lines up.
+        self.group = dist.new_group(backend="gloo") if config.background else None
+        self._snapshot = Snapshot()
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
+        self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
         return (requested or (step + 1) % self.config.every_steps == 0
                 or (step == last_step and self.config.save_at_end))
 
-    def save(self, step: int) -> None:
-        """Collective: write this rank's shard, commit with a manifest on every node, prune, upload."""
+    def save(self, step: int, wait: bool = False) -> None:
+        """Collective: checkpoint the state after ``step``; returns once training may change it.
+
+        In the background mode that is after the snapshot (and after the previous checkpoint's
+        commit, if it is still going: one at a time); ``wait`` also waits for this one's commit
+        (an emergency checkpoint: the node may go right after). A background failure raises
+        here or at the next ``take_committed``, as the synchronous save raises at once.
+        """
+        waiting = time.perf_counter()
+        self.wait()
+        self.waited_s = time.perf_counter() - waiting
+        state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
+        if self.group is None:
+            self._write_and_commit(step, state)
+            return
+        snapshot = self._snapshot.take(state)
+        self._thread = threading.Thread(target=self._commit_in_background, args=(step, snapshot), daemon=True,
+                                        name=f"hetrain-checkpoint-{step}")
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the checkpoint in flight is committed; raises what it failed with."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise HetrainError(error)
+
+    def take_committed(self) -> list[dict]:
+        """Background commits finished since the last call (step, seconds); raises a failed one's error."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+        done, self._committed = self._committed, []
+        return done
+
+    def _commit_in_background(self, step: int, snapshot: dict) -> None:
+        started = time.perf_counter()
+        try:
+            self._write_and_commit(step, snapshot)
+            self._committed.append({"step": step, "commit_s": round(time.perf_counter() - started, 4)})
+        except HetrainError as e:
+            self._error = str(e)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException; the training thread fails the run
+            self._error = f"checkpoint of step {step} not committed: {type(e).__name__}: {e}"
+
+    def _write_and_commit(self, step: int, state: dict) -> None:
+        """Write this rank's shard, commit with a manifest on every node, prune, upload (collective)."""
+        group = self.group
         directory = join(self.root, step_name(step))
         fs, path = url_to_fs(directory)
-        dcp.save(training_state(self.model, self.optimizer, self.train_state() if self.train_state else None),
-                 storage_writer=FsspecWriter(directory, sync_files=True, overwrite=True))
+        dcp.save(state, storage_writer=FsspecWriter(directory, sync_files=True, overwrite=True), process_group=group)
         rank = dist.get_rank()
         if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -124,13 +237,13 @@ class Checkpointer:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         statuses: list = [None] * dist.get_world_size()
-        dist.all_gather_object(statuses, (self.role.node, mine, error))
+        dist.all_gather_object(statuses, (self.role.node, mine, error), group=group)
         _raise_if_failed(step, "hashing its shard", [e for _, _, e in statuses])
         gathered = [(node, entries) for node, entries, _ in statuses]
         if self.config.replicate:
             copies = self._replicate(step, gathered, fs, path) if self.node_leader and self.buddy_of else []
             replicas: list = [None] * dist.get_world_size()
-            dist.all_gather_object(replicas, (self.role.node, copies))
+            dist.all_gather_object(replicas, (self.role.node, copies), group=group)
             gathered += replicas
         payload: list = [None, None, None]
         if rank == 0:
@@ -141,7 +254,7 @@ class Checkpointer:
                 payload = [metadata, manifest.to_json().encode(), None]
             except Exception as e:
                 payload = [None, None, f"{type(e).__name__}: {e}"]
-        dist.broadcast_object_list(payload)
+        dist.broadcast_object_list(payload, src=0, group=group)
         metadata, manifest_bytes, error = payload
         _raise_if_failed(step, "building the manifest", [error] + [None] * (dist.get_world_size() - 1))
         error = None
@@ -153,7 +266,7 @@ class Checkpointer:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         # committed on every node before anyone prunes or trains on (this gather is the barrier)
-        dist.all_gather_object(statuses, error)
+        dist.all_gather_object(statuses, error, group=group)
         _raise_if_failed(step, "writing the manifest", statuses)
         self.last_saved = step
         if self.node_leader:
@@ -182,7 +295,13 @@ class Checkpointer:
         return copied
 
     def close(self) -> dict | None:
-        """Wait (bounded) for the backup; rank 0 returns what reached the remote store (None without one)."""
+        """Wait (bounded) for the backup; rank 0 returns what reached the remote store (None without one).
+
+        A checkpoint still committing in the background is waited for first, bounded too: after
+        a failure elsewhere its collectives may never complete (the thread is a daemon).
+        """
+        if self._thread is not None:
+            self._thread.join(self.config.replicate_timeout_s + 60.0)
         if self.uploader is None:
             return None
         self.uploader.close()

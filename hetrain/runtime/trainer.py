@@ -262,10 +262,18 @@ class Trainer:
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
                 ckpt = self.checkpointer
+                if ckpt is not None:
+                    committed = ckpt.take_committed()  # raises a background commit's failure
+                    if committed:
+                        record["checkpoints_committed"] = committed
                 if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
                     saved = time.perf_counter()
-                    ckpt.save(step)
-                    record["checkpoint_s"] = time.perf_counter() - saved
+                    # a notice's checkpoint is committed before the watcher hears of it (and the
+                    # node may go); the others only stall training for the snapshot
+                    ckpt.save(step, wait=requested)
+                    record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
+                    if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
+                        record["checkpoint_waited_s"] = ckpt.waited_s
                     if config.request_file and ckpt.node_leader:
                         with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
                             os.replace(config.request_file, config.request_file + f".done-{step}")
@@ -286,6 +294,8 @@ class Trainer:
                     metrics.flush()
                 if "stopped" in record:
                     break
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # the last checkpoint is committed before the run counts as done
         finally:
             if metrics is not None:
                 metrics.close()
