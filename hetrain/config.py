@@ -87,6 +87,11 @@ class RunConfig(BaseModel):
     resume_from: str | None = None  # fsspec URL of a complete checkpoint step directory; start_step follows it
     resume_options: dict = {}  # fsspec options for resume_from
     request_file: str | None = None  # when this file appears (preemption notice), checkpoint at the next step
+    # A warm start (a notice's recovery): build everything, say so in STANDBY.ready, then wait for
+    # STANDBY to name the checkpoint and the step to train from ({"resume_from", "start_step"}) or
+    # to cancel ({"cancel": true}).
+    standby_file: str | None = None
+    standby_timeout_s: PositiveFloat = 900.0
     backup_status_file: str | None = None  # rank 0 writes what reached the remote store here when the run ends
 
     @classmethod

@@ -97,8 +97,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(config: RunConfig, run_dir: Path) -> Path:
-    path = run_dir / "config.json"
+CONFIG = "config.json"
+
+
+def write_config(config: RunConfig, run_dir: Path, name: str = CONFIG) -> Path:
+    path = run_dir / name
     write_text_atomic(path, config.model_dump_json(indent=2) + "\n", "run config")
     return path
 
@@ -144,7 +147,7 @@ def _worker_error(log: Path) -> str | None:
     return None
 
 
-def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0) -> None:
+def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0, config_name: str = CONFIG) -> None:
     """Interrupt the launchers (they stop their workers), all at once, then make sure no worker survives.
 
     Each signal goes to every launcher still running before any is waited for, so the nodes of
@@ -165,16 +168,16 @@ def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0) ->
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-    for pid in worker_pids(run_dir):
+    for pid in worker_pids(run_dir, config_name):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
 
-def worker_pids(run_dir: Path) -> list[int]:
+def worker_pids(run_dir: Path, config_name: str = CONFIG) -> list[int]:
     """PIDs of this run's workers that are still alive (checked against their command line)."""
-    config = str((run_dir / "config.json").resolve())
+    config = str((run_dir / config_name).resolve())
     alive = []
     for pid_file in (run_dir / "pids").glob("*.pid"):
         try:
@@ -226,7 +229,7 @@ class RunStopped(HetrainError):
 
 def launch(config: RunConfig, layout: Layout, run_dir: Path,
            on_record: Callable[[dict], None] | None = None, stop_event: threading.Event | None = None,
-           commands: Callable[[Path], list[NodeCommand]] | None = None) -> list[dict]:
+           commands: Callable[[Path], list[NodeCommand]] | None = None, config_name: str = CONFIG) -> list[dict]:
     """Run training; returns the metric records. Raises HetrainError on failure.
 
     By default every rank runs on this machine under one ``accelerate launch``. ``commands``
@@ -234,13 +237,20 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     wrapped to run where that node is (``hetrain.testing.netbed`` runs them in network
     namespaces); they are supervised as one run: the first that fails stops the others.
     Setting ``stop_event`` stops every process of the run and raises ``RunStopped``.
+
+    A warm start (``config.standby_file``) runs beside the run's current processes, under its
+    own ``config_name``: it leaves the metrics file to them and returns only its own records,
+    those from the step its switch names.
     """
     run_dir = run_dir.resolve()
     if config.metrics is None:
         config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
     metrics = Path(config.metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    if config.resume_from is None:
+    standby = Path(config.standby_file) if config.standby_file else None
+    if standby is not None:
+        pass  # the old plan's rank 0 still appends; the switch names the first step that is ours
+    elif config.resume_from is None:
         if metrics.exists():  # a previous attempt's records: kept beside, never deleted
             metrics.replace(metrics.with_name(f"{metrics.stem}-{time.strftime('%Y%m%dT%H%M%S')}{metrics.suffix}"))
     elif metrics.exists():
@@ -248,7 +258,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends
     if config.backup_status_file:
         Path(config.backup_status_file).unlink(missing_ok=True)  # this launch's account, not the last one's
-    config_path = write_config(config, run_dir)
+    config_path = write_config(config, run_dir, config_name)
     cmds = commands(config_path) if commands is not None else [local_command(layout, str(config_path), free_port())]
     logs = [run_dir / ("launch.log" if len(cmds) == 1 else f"launch-{c.node}.log") for c in cmds]
     records: list[dict] = []
@@ -260,22 +270,29 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
                 procs.append(subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
         watch = _FirstExit(procs)
+        first_step = None if standby is None else -1
         for record in follow_metrics(metrics, watch, pos=start_pos, stop=stop_event):
+            if first_step == -1:  # not switched yet: the old plan's records
+                first_step = _switch_step(standby)
+            if first_step is not None and (first_step == -1 or record["step"] < first_step):
+                continue
             records.append(record)
             if on_record:
                 on_record(record)
+            if record.get("stopped"):  # the run ended at its emergency checkpoint; later records are a new plan's
+                break
         if stop_event is not None and stop_event.is_set() and watch.poll() is None:
-            stop(procs, run_dir)
+            stop(procs, run_dir, config_name=config_name)
             raise RunStopped(records)
     except BaseException:
-        stop(procs, run_dir)
+        stop(procs, run_dir, config_name=config_name)
         raise
     failed = [(p, log) for p, log in zip(procs, logs) if p.poll() is not None and p.returncode != 0]
     if not failed:
         for p in procs:
             p.wait()
     else:  # one node failed: the others would wait for it forever
-        stop(procs, run_dir)
+        stop(procs, run_dir, config_name=config_name)
         proc, log = failed[0]
         # the cause may be in any node's log (the first launcher to exit may be a peer noticing the loss)
         ordered = dict.fromkeys([lg for _, lg in failed] + logs)  # the failed nodes' logs first
@@ -284,6 +301,14 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
             raise HetrainError(reason)
         raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
     return records
+
+
+def _switch_step(standby: Path) -> int:
+    """The first step a warm start trains (-1 before its switch is written)."""
+    try:
+        return int(json.loads(standby.read_text()).get("start_step", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
 
 
 def launch_node(config: RunConfig, layout: Layout, run_dir: Path, node: str, rendezvous: str,

@@ -126,14 +126,9 @@ class Trainer:
             self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
+        self._optimizer_impl = impl
         if config.resume_from:
-            loading = time.perf_counter()
-            train_state = load_training_state(config.resume_from, model, self.optimizer, config.resume_options)
-            self.load_s = time.perf_counter() - loading
-            if train_state is not None:
-                self._restore_train_state(train_state)
-            for group in self.optimizer.param_groups:  # the checkpoint's flags are the writer's device's
-                group.update(impl)
+            self.load(config.resume_from, config.start_step)
         self.checkpointer = None
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
@@ -151,6 +146,18 @@ class Trainer:
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
         # Replicated parameters (norms, embeddings, head) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+
+    def load(self, url: str, start_step: int, steps: int | None = None) -> None:
+        """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``)."""
+        self.config = self.config.model_copy(update={"resume_from": url, "start_step": start_step,
+                                                     "steps": steps or self.config.steps})
+        loading = time.perf_counter()
+        train_state = load_training_state(url, self.model, self.optimizer, self.config.resume_options)
+        self.load_s = time.perf_counter() - loading
+        if train_state is not None:
+            self._restore_train_state(train_state)
+        for group in self.optimizer.param_groups:  # the checkpoint's flags are the writer's device's
+            group.update(self._optimizer_impl)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Scaled so that the micro-batch losses of every pipeline sum to the global mean (times
@@ -274,6 +281,8 @@ class Trainer:
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                         record["checkpoint_waited_s"] = ckpt.waited_s
+                    if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
+                        self.release_device_memory()
                     if config.request_file and ckpt.node_leader:
                         with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
                             os.replace(config.request_file, config.request_file + f".done-{step}")
@@ -306,6 +315,22 @@ class Trainer:
 
                     write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")
 
+    def release_device_memory(self) -> None:
+        """Free this rank's GPU memory (weights, gradients, optimizer state) once it trains no more.
+
+        The run ends at this step; what is left (the bucket upload of the checkpoint) runs on the
+        host. A warm start of the next plan on the same GPUs then has their memory without
+        waiting for this process to exit.
+        """
+        if self.device.type != "cuda":
+            return
+        self.optimizer.state.clear()
+        for p in self.model.parameters():
+            p.grad = None
+            p.data = torch.empty(0, device=self.device, dtype=p.dtype)
+        self.schedule = None
+        torch.cuda.empty_cache()
+
     def _dump(self, what: str, tensors: dict[str, torch.Tensor | None]) -> None:
         full = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
                 for n, t in tensors.items() if t is not None}
@@ -327,6 +352,52 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- process setup
+
+STANDBY_POLL_S = 0.02  # how often waiting ranks look for the switch: a fraction of a step, and idle otherwise
+
+
+def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device) -> tuple[str, int, int | None] | None:
+    """A warm start's wait: communicators up, ready said, then the switch's checkpoint, step and end (None: cancelled).
+
+    Every group this rank uses runs one collective first, so NCCL builds its communicators
+    (lazily made, seconds on a large job) now rather than in the first step after the switch;
+    the world's barrier then means every rank is built, and plan rank 0 says so. The wait
+    polls a file and sleeps: on CPU the old plan's ranks still train on the same cores.
+    """
+    from hetrain.files import write_text_atomic
+
+    probe = torch.zeros(1, device=device)
+    for group in [groups.tp, groups.pp, *groups.sync.values()]:
+        if group is not None:
+            dist.all_reduce(probe, group=group)
+    dist.barrier()
+    standby = Path(config.standby_file)
+    if dist.get_rank() == 0:
+        write_text_atomic(standby.with_name(standby.name + ".ready"), json.dumps({"time": time.time()}) + "\n",
+                          "standby ready")
+    deadline = time.monotonic() + config.standby_timeout_s
+    while True:
+        try:
+            switch = json.loads(standby.read_text())
+        except FileNotFoundError:
+            switch = None
+        except ValueError as e:
+            raise HetrainError(f"{standby}: not a switch ({e})") from None
+        if switch is not None:
+            break
+        if time.monotonic() > deadline:
+            raise HetrainError(f"{standby}: no switch within {config.standby_timeout_s:g} s of standing by")
+        time.sleep(STANDBY_POLL_S)
+    if not isinstance(switch, dict):
+        raise HetrainError(f"{standby}: expected a JSON object")
+    if switch.get("cancel") is True:
+        return None
+    url, step, steps = switch.get("resume_from"), switch.get("start_step"), switch.get("steps")
+    if (not isinstance(url, str) or not isinstance(step, int) or isinstance(step, bool) or step < 0
+            or not (steps is None or (isinstance(steps, int) and steps > step))):
+        raise HetrainError(f"{standby}: expected resume_from (a checkpoint URL), start_step (a step) and "
+                           f"optionally steps (the end, after start_step), got {switch}")
+    return url, step, steps
 
 
 def run(config: RunConfig) -> None:
@@ -370,6 +441,12 @@ def run(config: RunConfig) -> None:
             torch.set_num_threads(config.threads_per_rank)
         groups = make_groups(layout, to_dist, my_layout_rank)
         trainer = Trainer(config, plan, layout, role, groups, emulate, device)
+        if config.standby_file:
+            switch = stand_by(config, groups, device)
+            if switch is None:  # cancelled: the recovery took another path
+                dist.barrier()
+                return
+            trainer.load(*switch)
         trainer.train()
         trainer.dump_params()
         dist.barrier()

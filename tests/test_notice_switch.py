@@ -1,0 +1,95 @@
+"""Recovery inside a notice window: warm start, emergency checkpoint, switch; and the deadline guard's fallback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from ckpt_helpers import CLUSTER_YAML, plan, run
+from hetrain.checkpoint.manifest import committed_steps
+from hetrain.config import CheckpointConfig
+from hetrain.errors import HetrainError
+from hetrain.plan.schema import load_plan
+from hetrain.recovery.proactive import STANDBY_CONFIG, recover_in_notice_window
+from hetrain.runtime.launch import worker_pids
+from solver.planner import make_plan
+from test_recovery import BUCKET, s3  # noqa: F401 - the moto server fixture
+
+# Nodes a (two devices), b and spot node c; c gets the notice.
+OLD = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
+OLD_STEPS = 10_000  # the old plan would train this long: it is switched away from long before
+AFTER = 3  # steps the new plan trains after the switch
+
+
+def planner(cluster, model, settings):
+    return make_plan("hetrain", cluster, model, settings).plan
+
+
+def start_old_run(tmp_path: Path, s3, name: str) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
+    endpoint, _ = s3
+    (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=100, keep=2,
+                           remote_url=f"s3://{BUCKET}/{name}", remote_options={"endpoint_url": endpoint})
+    run_dir = tmp_path / "old" / "run"
+    out: dict = {}
+
+    def train() -> None:
+        try:
+            out["records"] = run(OLD, tmp_path / "old", steps=OLD_STEPS, checkpoint=cfg,
+                                 cluster=str(tmp_path / "cluster.yaml"), request_file=str(run_dir / "checkpoint.request"))
+        except HetrainError as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training for a couple of steps
+        assert time.monotonic() < deadline and thread.is_alive(), "the old plan did not start training"
+        time.sleep(0.2)
+    return thread, out, cfg, run_dir
+
+
+def test_a_notice_with_time_switches_to_warm_ranks_fed_by_the_leaving_node(tmp_path: Path, s3):  # noqa: F811
+    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "switch")
+    result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
+                                      cluster_file=tmp_path / "cluster.yaml", timeout_s=5)
+    thread.join(60)
+    assert result.switched, result.why_not
+    step = result.step
+    print("timings", result.timings_s, [(f.path, f.source, round(f.seconds, 3)) for f in result.fetch.files])
+    # the old plan stopped at its emergency checkpoint (its only one), the new plan saved at its end
+    assert old["records"][-1]["step"] == step and old["records"][-1].get("stopped")
+    assert committed_steps(cfg.node_root("a")) == [step, step + AFTER]
+    # c's shard came from c itself, before its deadline: nothing from the bucket
+    sources = {f.path: f.source for f in result.fetch.files}
+    assert sources["__3_0.distcp"] == "c" and "remote" not in sources.values()
+    assert result.bytes_from()["leaving"] > 0 and result.bytes_from()["remote"] == 0
+    # the warm ranks trained from the step after the switch to the end, on a and b only
+    assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
+    assert "c" not in {d.split("/")[0] for d in result.plan.devices()}
+    assert result.timings_s["downtime_s"] is not None and result.timings_s["downtime_s"] > 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))  # one record per step, none repeated
+    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
+    # the same plan change as a cold restart from the same checkpoint trains the same losses
+    cold = run(load_plan(result.plan_path), tmp_path / "cold", steps=step + 1 + AFTER, start_step=step + 1,
+               resume_from=result.fetch.dest)
+    assert [r["loss"] for r in cold] == [r["loss"] for r in result.records]
+
+
+def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: Path, s3):  # noqa: F811
+    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "short")
+    # 5 s left: less than the switch's reserve, so the warm start is cancelled at once
+    result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 5, steps_after=AFTER,
+                                      cluster_file=tmp_path / "cluster.yaml", timeout_s=5, switch_reserve_s=20)
+    thread.join(60)  # its ranks were stopped at the deadline, still uploading: the old run may end failed
+    assert not result.switched and "not ready" in result.why_not
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = result.step  # the emergency checkpoint was still taken, and the restart resumed from it
+    assert metrics[step]["step"] == step and metrics[step].get("stopped")
+    assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
+    assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))
+    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
