@@ -32,6 +32,21 @@ bucket) against bucket only. Reports bytes per node and source and each node's f
 the recovery's fetch phase is as long as its slowest node. Needs root and ``ip netns``.
 
     python bench/recovery.py --bed [--repeats 2] [--bucket-mbit 200] [--node-mbit 1000]
+
+``--notice`` measures *downtime* (the wall time between the old plan's last step and the new
+plan's first) for one running run whose node n3 gets a preemption notice, three ways, each
+from a fresh run of the same model on the same four nodes (every node serving its checkpoint
+directory over HTTP, the bucket behind the ``--bucket-mb-s`` cap):
+
+* bucket-only restart (AutoHet's baseline): the old plan takes an emergency checkpoint and
+  stops; once it is backed up n3 is gone, and a restart reads everything from the bucket;
+* peers-first restart (hetrain before the notice-window switch): the same, but the survivors
+  serve their shards and only n3's comes from the bucket;
+* notice-window switch (``hetrain.recovery.proactive``): while the old plan trains, the new
+  plan's ranks start and wait; then the emergency checkpoint, n3's shard fetched from n3
+  itself, the switch.
+
+    python bench/recovery.py --notice [--repeats 2] [--bucket-mb-s 100]
 """
 
 from __future__ import annotations
@@ -87,6 +102,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--bucket-mb-s", type=float, default=100.0, help="bucket bandwidth cap in MB/s (0: none)")
     ap.add_argument("--bed", action="store_true", help="across network namespaces (root): per-node restores")
+    ap.add_argument("--notice", action="store_true", help="downtime: restarts vs the notice-window switch")
     ap.add_argument("--bucket-mbit", type=float, default=200.0, help="--bed: the bucket's link (Mbit/s)")
     ap.add_argument("--node-mbit", type=float, default=1000.0, help="--bed: each node's link (Mbit/s)")
     args = ap.parse_args()
@@ -95,6 +111,9 @@ def main() -> None:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     if args.bed:
         bed_main(args)
+        return
+    if args.notice:
+        notice_main(args)
         return
 
     procs: list[subprocess.Popen] = []
@@ -187,6 +206,130 @@ def main() -> None:
          ("fetch speed-up", "{fetch_ratio:.2f}x"), ("total speed-up", "{total_ratio:.2f}x")],
     )
     print(f"\nresults: {write_results('recovery', rows)}")
+
+
+NOTICE_MODES = ("bucket-only restart", "peers-first restart", "notice-window switch")
+STEPS_AFTER = 2  # steps the new plan trains after recovering
+
+
+def notice_main(args) -> None:
+    import threading
+
+    from hetrain.recovery.preemption import wait_for_checkpoint
+    from hetrain.recovery.proactive import downtime, recover_in_notice_window
+
+    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        return procs[-1]
+
+    port = free_port()
+    start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+    endpoint = f"http://127.0.0.1:{port}"
+    wait_for_port("127.0.0.1", port)
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
+    if args.bucket_mb_s > 0:
+        proxy = start([sys.executable, str(Path(__file__).with_name("_netem.py")), "127.0.0.1", str(port),
+                       str(args.bucket_mb_s)])
+        endpoint = proxy.stdout.readline().strip()
+    model = ModelSpec(name="gpt-bench-ckpt", num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
+                      seq_length=64, vocab_size=256)
+    settings = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_sizes=[1, 2], tp_degrees=[1])
+
+    def planner(cluster, m, s):
+        return make_plan("hetrain", cluster, m, s).plan
+
+    samples: dict[str, list[dict]] = {mode: [] for mode in NOTICE_MODES}
+    try:
+        with tempfile.TemporaryDirectory(prefix="hetrain-notice-") as tmp_str:
+            tmp = Path(tmp_str)
+            (tmp / "cluster.yaml").write_text(CLUSTER)
+            plan = planner(load_cluster(tmp / "cluster.yaml"), model, settings)
+            plan.write(tmp / "plan.json")
+            for rep in range(args.repeats):
+                for mode in NOTICE_MODES:
+                    name = f"{mode.split()[0]}-{rep}"
+                    root, run_dir = tmp / name, tmp / name / "run"
+                    servers = {}
+                    for i in range(4):
+                        node_root = root / "nodes" / f"n{i}"
+                        node_root.mkdir(parents=True)
+                        host, peer_port = f"127.0.0.{i + 2}", free_port()
+                        servers[f"n{i}"] = start([sys.executable, "-m", "hetrain", "serve", "--root", str(node_root),
+                                                  "--host", host, "--port", str(peer_port)])
+                        wait_for_port(host, peer_port)
+                    peers = {f"n{i}": f"http://127.0.0.{i + 2}:{servers[f'n{i}'].args[-1]}" for i in range(4)}
+                    ckpt = CheckpointConfig(local_dir=str(root / "nodes" / "{node}"), every_steps=100_000,
+                                            remote_url=f"s3://{BUCKET}/{name}", peers=peers,
+                                            remote_options={"endpoint_url": endpoint})
+                    base = RunConfig(plan=str(tmp / "plan.json"), cluster=str(tmp / "cluster.yaml"), steps=100_000,
+                                     checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"))
+                    old: dict = {}
+                    thread = threading.Thread(target=lambda: old.update(records=launch(base, build_layout(plan),
+                                                                                       run_dir)), daemon=True)
+                    thread.start()
+                    metrics = run_dir / "metrics.jsonl"
+                    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                        time.sleep(0.2)
+                    notice_at = time.time()
+                    if mode == "notice-window switch":
+                        result = recover_in_notice_window(run_dir, [LOST], planner, deadline=notice_at + 120,
+                                                          steps_after=STEPS_AFTER, timeout_s=5)
+                        assert result.switched, result.why_not
+                        thread.join()
+                        kinds = result.bytes_from()
+                        sample = {"downtime_s": result.timings_s["downtime_s"], "step": result.step,
+                                  "staying_mb": kinds["staying"] / 1e6, "leaving_mb": kinds["leaving"] / 1e6,
+                                  "bucket_mb": kinds["remote"] / 1e6, "warm_start_s": result.timings_s["warm_start_s"],
+                                  "checkpoint_s": result.timings_s["checkpoint_s"],
+                                  "fetch_s": result.timings_s["fetch_s"]}
+                    else:
+                        # today's notice: checkpoint, stop; the restart follows once the node is gone
+                        (run_dir / "checkpoint.request").write_text('{"stop": true}\n')
+                        step = wait_for_checkpoint(run_dir / "checkpoint.request", 120, poll_s=0.02)
+                        thread.join()  # the old ranks exit once the step is in the bucket
+                        servers[LOST].kill()
+                        shutil.rmtree(ckpt.node_root(LOST))
+                        started = time.perf_counter()
+                        result = recover(run_dir, [LOST], planner, use_peers=mode == "peers-first restart",
+                                         steps=step + 1 + STEPS_AFTER, timeout_s=5)
+                        old_records = [r for r in old["records"] if r["step"] <= step]
+                        kinds = result.bytes_by_kind()
+                        sample = {"downtime_s": downtime(old_records, result.records), "step": step,
+                                  "staying_mb": kinds["peers"] / 1e6, "leaving_mb": 0.0,
+                                  "bucket_mb": kinds["remote"] / 1e6, "checkpoint_s": None,
+                                  "fetch_s": result.timings_s["fetch_s"], "warm_start_s": None,
+                                  "start_s": result.timings_s.get("startup_s"),
+                                  "recover_call_s": time.perf_counter() - started}
+                    samples[mode].append(sample)
+                    for proc in servers.values():
+                        proc.kill()
+                    print(f"repeat {rep} {mode}: downtime {sample['downtime_s']:.2f} s (step {sample['step']}, "
+                          f"{sample['staying_mb']:.0f} MB staying nodes, {sample['leaving_mb']:.0f} MB leaving node, "
+                          f"{sample['bucket_mb']:.0f} MB bucket)", flush=True)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    rows = []
+    for mode, xs in samples.items():
+        med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
+                                                                  "fetch_s")}
+        rows.append({"mode": mode, **med, "runs": xs,
+                     "warm": "-" if xs[0]["warm_start_s"] is None else
+                     f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
+    base_row = rows[0]
+    for r in rows:
+        r["ratio"] = base_row["downtime_s"] / r["downtime_s"]
+    print_table(
+        f"Downtime after a notice for node {LOST} ({args.layers} layers x {args.hidden}, 4 one-device nodes, bucket "
+        f"capped at {args.bucket_mb_s:g} MB/s), medians of {args.repeats} alternating runs (seconds)", rows,
+        [("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
+         ("MB from bucket", "{bucket_mb:.0f}"), ("fetch s", "{fetch_s:.2f}"),
+         ("new ranks started ahead s", "warm"), ("downtime s", "{downtime_s:.2f}"),
+         ("downtime vs bucket-only", "{ratio:.2f}x shorter")])
+    print(f"\nresults: {write_results('recovery_notice', rows)}")
 
 
 def bed_main(args) -> None:

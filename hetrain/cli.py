@@ -588,6 +588,69 @@ def recover(
 
 @app.command()
 @user_errors
+def switch(
+    run: Annotated[Path, typer.Option(help="run directory of the running run (holds config.json)")],
+    leaving_nodes: Annotated[str, typer.Option(help="comma-separated nodes that got a preemption notice")],
+    deadline: Annotated[str, typer.Option(help="when they go: ISO 8601 (UTC without a zone) or seconds from now")],
+    cluster: Annotated[Path | None, typer.Option(help="new cluster file (e.g. with replacement nodes)")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="train until this step (default: as before)")] = None,
+    planner: Annotated[str, typer.Option(help="planner for the nodes that stay")] = "hetrain",
+    switch_reserve_s: Annotated[float, typer.Option(min=0.0, max=MAX_TIMEOUT_S, help=(
+        "fall back to a restart unless the new ranks are ready this long before the deadline"))] = 20.0,
+    timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
+                                             help="seconds before a silent peer counts as gone")] = 10.0,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+):
+    """Inside a notice window: start the new plan beside the running one, checkpoint, switch (training pauses for seconds)."""
+    import time as _time
+
+    from hetrain.recovery.preemption import parse_utc
+    from hetrain.recovery.proactive import recover_in_notice_window
+    from solver.planner import make_plan
+
+    leaving = [n.strip() for n in leaving_nodes.split(",") if n.strip()]
+    if not leaving:
+        raise HetrainError("--leaving-nodes: expected at least one node name")
+    try:
+        when = _time.time() + float(deadline)
+    except ValueError:
+        try:
+            when = parse_utc(deadline).timestamp()
+        except ValueError:
+            raise HetrainError(f"--deadline '{deadline}': expected an ISO 8601 time or seconds from now") from None
+
+    def plan_for(cl, model, settings):
+        return make_plan(planner, cl, model, settings).plan
+
+    result = recover_in_notice_window(run, leaving, plan_for, when, cluster_file=cluster, steps=steps,
+                                      timeout_s=timeout_s, switch_reserve_s=switch_reserve_s,
+                                      on_progress=lambda line: err.print(line, highlight=False))
+    summary = {"run": str(result.run_dir), "leaving_nodes": leaving, "switched": result.switched,
+               "why_not": result.why_not, "checkpoint_step": result.step, "resumed_at": result.step + 1,
+               "plan": str(result.plan_path), "timings_s": result.timings_s,
+               "bytes_from": result.bytes_from(), "steps_trained": len(result.records),
+               "warnings": result.fetch.warnings()}
+    for warning in result.fetch.warnings():
+        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
+    if json_out:
+        out.print_json(json.dumps(summary))
+        return
+    how = "switched" if result.switched else f"restarted ({result.why_not})"
+    table = Table(title=f"{run}: {how} at step {result.step} without {', '.join(leaving)}", title_justify="left")
+    table.add_column("phase")
+    table.add_column("seconds", justify="right")
+    for k, v in result.timings_s.items():
+        if v is not None:
+            table.add_row(k.removesuffix("_s"), f"{v:.2f}")
+    out.print(table)
+    b = result.bytes_from()
+    out.print(f"fetched {b['staying'] / 1e6:.1f} MB from the nodes that stay, {b['leaving'] / 1e6:.1f} MB from the "
+              f"leaving nodes, {b['remote'] / 1e6:.1f} MB from the remote store; new plan {result.plan_path}; "
+              f"trained {len(result.records)} steps", highlight=False)
+
+
+@app.command()
+@user_errors
 def export(
     run: Annotated[Path, typer.Option(help="run directory (holds config.json)")],
     out_dir: Annotated[Path, typer.Option("--out", help="directory for model.safetensors (+ config.json)")],

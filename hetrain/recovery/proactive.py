@@ -139,9 +139,13 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     metrics = Path(config.metrics) if config.metrics else run_dir / "metrics.jsonl"
     thread = threading.Thread(target=run_standby, name="hetrain-standby", daemon=True)
     started = time.perf_counter()
-    thread.start()
     why_not = None
-    while not ready.exists():
+    left_s = deadline - time.time()
+    if left_s <= switch_reserve_s:  # no time to start anything: checkpoint now, restart after
+        why_not = f"{max(0.0, left_s):.0f} s left, the switch needs more than {switch_reserve_s:g} s"
+    else:
+        thread.start()
+    while why_not is None and not ready.exists():
         if not thread.is_alive():
             why_not = f"the warm start failed: {outcome.get('error')}"
             break
@@ -164,8 +168,9 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     if why_not is not None:
         wait_for_workers_to_exit(run_dir, timeout_s=max(5.0, deadline - time.time()))
         old_records = _records(metrics)
-        write_text_atomic(standby, json.dumps({"cancel": True}) + "\n", "standby switch")
-        thread.join(60)
+        if thread.is_alive():
+            write_text_atomic(standby, json.dumps({"cancel": True}) + "\n", "standby switch")
+            thread.join(60)
         say(f"falling back to a restart: {why_not}")
         if step is not None and steps_after:
             steps = step + 1 + steps_after
