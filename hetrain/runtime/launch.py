@@ -260,7 +260,9 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
         Path(config.backup_status_file).unlink(missing_ok=True)  # this launch's account, not the last one's
     config_path = write_config(config, run_dir, config_name)
     cmds = commands(config_path) if commands is not None else [local_command(layout, str(config_path), free_port())]
-    logs = [run_dir / ("launch.log" if len(cmds) == 1 else f"launch-{c.node}.log") for c in cmds]
+    # a warm start's launcher writes beside the running plan's log, not over it
+    stem = "launch" if config_name == CONFIG else f"launch-{Path(config_name).stem.removeprefix('config-')}"
+    logs = [run_dir / (f"{stem}.log" if len(cmds) == 1 else f"{stem}-{c.node}.log") for c in cmds]
     records: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:
@@ -271,6 +273,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
                                               start_new_session=True))
         watch = _FirstExit(procs)
         first_step = None if standby is None else -1
+        stopped = False
         for record in follow_metrics(metrics, watch, pos=start_pos, stop=stop_event):
             if first_step == -1:  # not switched yet: the old plan's records
                 first_step = _switch_step(standby)
@@ -280,10 +283,14 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
             if on_record:
                 on_record(record)
             if record.get("stopped"):  # the run ended at its emergency checkpoint; later records are a new plan's
+                stopped = True
                 break
         if stop_event is not None and stop_event.is_set() and watch.poll() is None:
             stop(procs, run_dir, config_name=config_name)
             raise RunStopped(records)
+        if stopped:  # its ranks are finishing the checkpoint's upload: how they end still counts
+            for p in procs:
+                p.wait()
     except BaseException:
         stop(procs, run_dir, config_name=config_name)
         raise
