@@ -52,6 +52,7 @@ directory over HTTP, the bucket behind the ``--bucket-mb-s`` cap):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -302,6 +303,11 @@ def notice_main(args) -> None:
                                   "fetch_s": result.timings_s["fetch_s"], "warm_start_s": None,
                                   "start_s": result.timings_s.get("startup_s"),
                                   "recover_call_s": time.perf_counter() - started}
+                    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+                    by_step = {r["step"]: r for r in map(json.loads, lines)}
+                    sample["emergency_checkpoint_s"] = by_step[sample["step"]].get("checkpoint_s", 0.0)
+                    sample["load_s"] = result.records[0].get("resume_load_s", 0.0)
+                    sample["start_s"] = sample.get("start_s") or 0.0
                     samples[mode].append(sample)
                     for proc in servers.values():
                         proc.kill()
@@ -315,7 +321,8 @@ def notice_main(args) -> None:
     rows = []
     for mode, xs in samples.items():
         med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
-                                                                  "fetch_s")}
+                                                                  "fetch_s", "emergency_checkpoint_s", "load_s",
+                                                                  "start_s")}
         rows.append({"mode": mode, **med, "runs": xs,
                      "warm": "-" if xs[0]["warm_start_s"] is None else
                      f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
@@ -326,8 +333,9 @@ def notice_main(args) -> None:
         f"Downtime after a notice for node {LOST} ({args.layers} layers x {args.hidden}, 4 one-device nodes, bucket "
         f"capped at {args.bucket_mb_s:g} MB/s), medians of {args.repeats} alternating runs (seconds)", rows,
         [("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
-         ("MB from bucket", "{bucket_mb:.0f}"), ("fetch s", "{fetch_s:.2f}"),
-         ("new ranks started ahead s", "warm"), ("downtime s", "{downtime_s:.2f}"),
+         ("MB from bucket", "{bucket_mb:.0f}"), ("new ranks started ahead s", "warm"),
+         ("emergency checkpoint s", "{emergency_checkpoint_s:.2f}"), ("fetch s", "{fetch_s:.2f}"),
+         ("start processes s", "{start_s:.2f}"), ("load s", "{load_s:.2f}"), ("downtime s", "{downtime_s:.2f}"),
          ("downtime vs bucket-only", "{ratio:.2f}x shorter")])
     print(f"\nresults: {write_results('recovery_notice', rows)}")
 

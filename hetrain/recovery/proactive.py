@@ -72,13 +72,17 @@ class NoticeRecovery(RecoveryResult):
 
 
 def downtime(records_before: list[dict], records_after: list[dict]) -> float | None:
-    """Seconds between the end of the old plan's last step and the start of the new plan's first."""
+    """Seconds between the end of the old plan's last step and the start of the new plan's first.
+
+    A record is written after its step's checkpoint: the old plan's emergency checkpoint is
+    part of the downtime, the new plan's first step is not.
+    """
     if not records_before or not records_after:
         return None
     last, first = records_before[-1], records_after[0]
     if "time" not in last or "time" not in first:
         return None
-    return first["time"] - first["step_time_s"] - last["time"]
+    return first["time"] - first["step_time_s"] - (last["time"] - last.get("checkpoint_s", 0.0))
 
 
 def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: Planner, deadline: float, *,
