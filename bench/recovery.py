@@ -96,6 +96,29 @@ def wait_for_port(host: str, port: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on {host}:{port}")
 
 
+def starter(procs: list[subprocess.Popen]):
+    """A function that starts a helper process (output piped) and keeps it in ``procs`` to kill at the end."""
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        return procs[-1]
+
+    return start
+
+
+def start_bucket(start, cap_mb_s: float) -> tuple[str, str]:
+    """moto on loopback with the bench's bucket; its endpoint and the one behind the ``cap_mb_s`` link emulator."""
+    port = free_port()
+    start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
+    endpoint = f"http://127.0.0.1:{port}"
+    wait_for_port("127.0.0.1", port)
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
+    if cap_mb_s <= 0:
+        return endpoint, endpoint
+    proxy = start([sys.executable, str(Path(__file__).with_name("_netem.py")), "127.0.0.1", str(port), str(cap_mb_s)])
+    return endpoint, proxy.stdout.readline().strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
@@ -118,21 +141,8 @@ def main() -> None:
         return
 
     procs: list[subprocess.Popen] = []
-
-    def start(argv: list[str]) -> subprocess.Popen:
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-        return procs[-1]
-
-    port = free_port()
-    start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
-    endpoint = f"http://127.0.0.1:{port}"
-    wait_for_port("127.0.0.1", port)
-    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
-    bucket_endpoint = endpoint
-    if args.bucket_mb_s > 0:
-        proxy = start([sys.executable, str(Path(__file__).with_name("_netem.py")), "127.0.0.1", str(port),
-                       str(args.bucket_mb_s)])
-        bucket_endpoint = proxy.stdout.readline().strip()
+    start = starter(procs)
+    endpoint, bucket_endpoint = start_bucket(start, args.bucket_mb_s)
     model = ModelSpec(name="gpt-bench-ckpt", num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                       seq_length=64, vocab_size=256)
     settings = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_sizes=[1, 2], tp_degrees=[1])
@@ -220,20 +230,8 @@ def notice_main(args) -> None:
     from hetrain.recovery.proactive import downtime, recover_in_notice_window
 
     procs: list[subprocess.Popen] = []
-
-    def start(argv: list[str]) -> subprocess.Popen:
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-        return procs[-1]
-
-    port = free_port()
-    start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
-    endpoint = f"http://127.0.0.1:{port}"
-    wait_for_port("127.0.0.1", port)
-    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
-    if args.bucket_mb_s > 0:
-        proxy = start([sys.executable, str(Path(__file__).with_name("_netem.py")), "127.0.0.1", str(port),
-                       str(args.bucket_mb_s)])
-        endpoint = proxy.stdout.readline().strip()
+    start = starter(procs)
+    _, endpoint = start_bucket(start, args.bucket_mb_s)  # the runs upload through the cap too
     model = ModelSpec(name="gpt-bench-ckpt", num_layers=args.layers, hidden_size=args.hidden, num_heads=8,
                       seq_length=64, vocab_size=256)
     settings = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_sizes=[1, 2], tp_degrees=[1])
