@@ -24,6 +24,7 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.recovery.preemption import parse_utc
+from hetrain.recovery.proactive import can_switch, recover_in_notice_window
 from hetrain.recovery.recover import recover as recover_run
 from hetrain.recovery.recover import surviving_cluster
 from hetrain.recovery.runs import existing_run
@@ -103,6 +104,11 @@ def recover(
 ) -> dict:
     """Resume run ``run_id`` without ``lost_node`` on a new plan, from its newest committed checkpoint.
 
+    A run on this machine that still trains, with ``lost_until`` (the notice's deadline) far
+    enough ahead, is switched instead (``hetrain.recovery.proactive``): the new plan's ranks
+    start while it trains, it checkpoints and stops, they load and go on; training pauses only
+    for the switch.
+
     ``launch="per-node"`` (a run the train flow started per node; ``cluster`` required): every
     surviving node restores the checkpoint on its own disk at once (``hetrain-node-restore``:
     what it holds from its disk, the rest from peers, then the bucket), the plan is made for
@@ -118,14 +124,14 @@ def recover(
     cluster_file = None
     if cluster:
         cluster_file = Path(cluster) if Path(cluster).is_absolute() else ROOT / cluster
+    try:
+        until = parse_utc(lost_until) if lost_until else None
+    except ValueError:
+        raise HetrainError(f"lost_until: expected an ISO 8601 time, got '{lost_until}'") from None
     if launch == "per-node":
         if cluster_file is None:
             raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
                                "directories are on the nodes)")
-        try:
-            until = parse_utc(lost_until) if lost_until else None
-        except ValueError:
-            raise HetrainError(f"lost_until: expected an ISO 8601 time, got '{lost_until}'") from None
         return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port, until)
     root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
     run_dir, config = existing_run(root, run_id)
@@ -140,23 +146,36 @@ def recover(
         if r["step"] % 10 == 0:
             logger.info("step %d loss %.4f %.0f tokens/s", r["step"], r["loss"], r["tokens_per_s"])
 
-    result = recover_run(run_dir, lost, lambda cl, m, s: make_plan("hetrain", cl, m, s).plan,
-                         cluster_file=cluster_file, steps=steps, timeout_s=timeout_s, on_record=on_record)
+    def planner(cl, m, s):
+        return make_plan("hetrain", cl, m, s).plan
+
+    if until is not None and can_switch(run_dir, until.timestamp()):
+        logger.info("switching run %s to a plan without %s before %s", run_id, ", ".join(lost), lost_until)
+        result = recover_in_notice_window(run_dir, lost, planner, until.timestamp(), cluster_file=cluster_file,
+                                          steps=steps, timeout_s=timeout_s, on_progress=logger.info,
+                                          on_record=on_record)
+        if not result.switched:
+            logger.warning("no switch (%s): restarted instead", result.why_not)
+    else:
+        result = recover_run(run_dir, lost, planner, cluster_file=cluster_file, steps=steps, timeout_s=timeout_s,
+                             on_record=on_record)
     for warning in result.fetch.warnings():
         logger.warning("fetch: %s", warning)
     new_cluster = load_cluster(cluster_file or config.cluster)
     est = CostModel(new_cluster, result.plan.model, result.plan.settings()).estimate(result.plan)
     publish_plan(result.plan, est, run_id, f"recovered-from-step-{result.step}")
     kinds = result.bytes_by_kind()
-    rows = [{"phase": k.removesuffix("_s"), "seconds": round(v, 3)} for k, v in result.timings_s.items()]
+    rows = [{"phase": k.removesuffix("_s"), "seconds": round(v, 3)} for k, v in result.timings_s.items()
+            if v is not None]
     create_table_artifact(rows, key=artifact_key(run_id, "recovery"),
                           description=f"recovery of {run_id} from step {result.step}: "
                                       f"{kinds['peers'] / 1e6:.1f} MB from peers, {kinds['remote'] / 1e6:.1f} MB "
                                       f"from the remote store")
     logger.info("recovered from step %d: %s; %.1f MB from peers, %.1f MB from the remote store; trained to step %s",
-                result.step, ", ".join(f"{k} {v:.2f} s" for k, v in result.timings_s.items()), kinds["peers"] / 1e6,
+                result.step, ", ".join(f"{k} {v:.2f} s" for k, v in result.timings_s.items() if v is not None),
+                kinds["peers"] / 1e6,
                 kinds["remote"] / 1e6, result.records[-1]["step"] if result.records else None)
     return {"run_id": run_id, "lost_nodes": lost, "checkpoint_step": result.step, "resumed_at": result.step + 1,
             "last_step": result.records[-1]["step"] if result.records else None, "timings_s": result.timings_s,
             "bytes_from_peers": kinds["peers"], "bytes_from_remote": kinds["remote"],
-            "plan_devices": result.plan.devices()}
+            "plan_devices": result.plan.devices(), "switched": getattr(result, "switched", False)}

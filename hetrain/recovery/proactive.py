@@ -71,6 +71,13 @@ class NoticeRecovery(RecoveryResult):
         return out
 
 
+def can_switch(run_dir: Path, deadline: float, switch_reserve_s: float = DEFAULT_SWITCH_RESERVE_S) -> bool:
+    """Whether a notice for the run in ``run_dir`` is worth a switch: it still trains and the deadline leaves time."""
+    from hetrain.runtime.launch import worker_pids
+
+    return deadline - time.time() > switch_reserve_s and bool(worker_pids(run_dir.resolve()))
+
+
 def downtime(records_before: list[dict], records_after: list[dict]) -> float | None:
     """Seconds between the end of the old plan's last step and the start of the new plan's first.
 
@@ -88,7 +95,8 @@ def downtime(records_before: list[dict], records_after: list[dict]) -> float | N
 def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: Planner, deadline: float, *,
                              cluster_file: Path | None = None, steps: int | None = None, timeout_s: float = 10.0,
                              switch_reserve_s: float = DEFAULT_SWITCH_RESERVE_S, steps_after: int | None = None,
-                             on_progress: Callable[[str], None] | None = None) -> NoticeRecovery:
+                             on_progress: Callable[[str], None] | None = None,
+                             on_record: Callable[[dict], None] | None = None) -> NoticeRecovery:
     """Switch the running run in ``run_dir`` to a plan without ``leaving_nodes`` before ``deadline`` (epoch s).
 
     The old plan must be running (its ranks read the checkpoint request); it ends at the
@@ -136,7 +144,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
 
     def run_standby() -> None:
         try:
-            outcome["records"] = launch(standby_config, build_layout(plan), run_dir, config_name=STANDBY_CONFIG)
+            outcome["records"] = launch(standby_config, build_layout(plan), run_dir, config_name=STANDBY_CONFIG,
+                                        on_record=on_record)
         except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
             outcome["error"] = e
 
@@ -178,7 +187,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         say(f"falling back to a restart: {why_not}")
         if step is not None and steps_after:
             steps = step + 1 + steps_after
-        result = recover(run_dir, leaving_nodes, planner, cluster_file=cluster_file, steps=steps, timeout_s=timeout_s)
+        result = recover(run_dir, leaving_nodes, planner, cluster_file=cluster_file, steps=steps, timeout_s=timeout_s,
+                         on_record=on_record)
         out = NoticeRecovery(**vars(result), switched=False, why_not=why_not, leaving_nodes=list(leaving_nodes))
         out.timings_s.update(timings)
         out.timings_s["downtime_s"] = downtime(old_records, result.records)
