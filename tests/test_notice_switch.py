@@ -27,11 +27,13 @@ def planner(cluster, model, settings):
     return make_plan("hetrain", cluster, model, settings).plan
 
 
-def start_old_run(tmp_path: Path, s3, name: str) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
+def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None,
+                  ) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
     endpoint, _ = s3
     (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
     cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=100, keep=2,
-                           remote_url=f"s3://{BUCKET}/{name}", remote_options={"endpoint_url": endpoint})
+                           remote_url=f"s3://{BUCKET}/{name}", remote_options={"endpoint_url": endpoint},
+                           peers=peers or {})
     run_dir = tmp_path / "old" / "run"
     out: dict = {}
 
@@ -90,6 +92,22 @@ def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = result.step  # the emergency checkpoint was still taken, and the restart resumed from it
     assert metrics[step]["step"] == step and metrics[step].get("stopped")
+    assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
+    assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))
+    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
+
+
+def test_a_leaving_node_gone_before_the_fetch_leaves_its_shard_to_the_bucket(tmp_path: Path, s3):  # noqa: F811
+    """c's peer server is gone when the survivors ask: its shard comes from the bucket, nothing wrong is loaded."""
+    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "gone", peers={"c": "http://127.0.0.4:9"})
+    result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
+                                      cluster_file=tmp_path / "cluster.yaml", timeout_s=2)
+    thread.join(60)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = result.step
+    assert metrics[step].get("stopped")  # resumed from the emergency checkpoint, not an older step
+    # switched (the bucket had c's shard in time) or restarted once it had: either way from the bucket
+    assert {f.path: f.source for f in result.fetch.files}["__3_0.distcp"] == "remote", result.why_not
     assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
     assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))
     assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)

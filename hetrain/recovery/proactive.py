@@ -18,8 +18,10 @@ plan still trains. ``recover_in_notice_window``:
 5. writes the switch: the warm ranks load (DCP reshards) and train from the step after it.
 
 Deadline guard: if the warm start is not ready with ``switch_reserve_s`` left before the
-deadline, or dies, the checkpoint is asked for anyway, the warm start is cancelled and the
-run restarts the usual way (``recover``): the last committed step is never lost. The
+deadline, or dies, or the emergency step cannot be fetched whole (a leaving node gone before
+the bucket had its shards), the checkpoint is still asked for, the warm start is cancelled and
+the run restarts the usual way (``recover``, once the old ranks have ended and uploaded): the
+last committed step is never lost, and nothing partly fetched is loaded. The
 downtime (the wall time between the old plan's last step and the new plan's first) is read
 from the run's metrics.
 """
@@ -178,7 +180,20 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     timings["checkpoint_s"] = time.perf_counter() - started
     if step is None and why_not is None:
         why_not = "the old plan committed no checkpoint before the deadline"
-    if why_not is not None:
+    if why_not is None:
+        say(f"old plan checkpointed step {step} and stopped")
+        started = time.perf_counter()
+        peers, remote = sources_for(config, old_plan, leaving_nodes)
+        leaving = [Source(n, config.checkpoint.peer_url(n)) for n in leaving_nodes]
+        try:
+            report = reassemble_newest(peers + leaving, remote, lambda s: str(restore_dir(run_dir, s)),
+                                       model=old_plan.model, timeout_s=timeout_s)
+            if report.step != step:  # the bucket may have it once the old ranks finish their upload
+                why_not = f"step {step} could not be fetched whole ({'; '.join(report.passed_over)})"
+        except HetrainError as e:  # e.g. a leaving node gone mid-fetch before the bucket had its shards
+            why_not = f"the fetch failed ({e})"
+        timings["fetch_s"] = time.perf_counter() - started
+    if why_not is not None:  # the restart reads what the staying nodes and the bucket hold once the old ranks end
         wait_for_workers_to_exit(run_dir, timeout_s=max(5.0, deadline - time.time()))
         old_records = _records(metrics)
         if thread.is_alive():
@@ -193,22 +208,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         out.timings_s.update(timings)
         out.timings_s["downtime_s"] = downtime(old_records, result.records)
         return out
-    say(f"old plan checkpointed step {step} and stopped")
-
-    started = time.perf_counter()
-    peers, remote = sources_for(config, old_plan, leaving_nodes)
-    leaving = [Source(n, config.checkpoint.peer_url(n)) for n in leaving_nodes]
-    try:
-        report = reassemble_newest(peers + leaving, remote, lambda s: str(restore_dir(run_dir, s)),
-                                   model=old_plan.model, timeout_s=timeout_s)
-    except BaseException:
-        write_text_atomic(standby, json.dumps({"cancel": True}) + "\n", "standby switch")
-        raise
-    timings["fetch_s"] = time.perf_counter() - started
     # The old ranks freed their GPU memory before answering (Trainer.release_device_memory) and
     # now only finish the checkpoint's bucket upload: the switch does not wait for them.
-    if report.step != step:  # what is fetched is what the new ranks load; say if it is not the switch step
-        say(f"step {step} could not be fetched whole; resuming from step {report.step}")
     final_plan = run_dir / f"plan-from-step-{report.step}.json"
     plan.write(final_plan)
     end = report.step + 1 + steps_after if steps_after else standby_config.steps
