@@ -9,11 +9,12 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ckpt_helpers import dumped_state, metrics, plan, run
+from ckpt_helpers import dumped_state, plan, run
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, committed_steps, read_manifest, sha256_file, step_name
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
+from hetrain.runtime.schedule import LRSchedule
 
 # Four processes on three nodes: pipeline 0 = a/0 (blocks 0-2) + b/0 (2-6), pipeline 1 = a/1 (0-4) + c/0 (4-6).
 SAVE_PP = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
@@ -54,30 +55,39 @@ def test_every_node_commits_its_shards_with_a_manifest(tmp_path: Path):
 @pytest.mark.parametrize("save_plan,load_plan,lost", [(SAVE_PP, LOAD_PP, "c"), (SAVE_TP, LOAD_TP, "b")],
                          ids=["pp-4-to-3", "tp2-to-tp1"])
 def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_plan, load_plan, lost):
+    # One uninterrupted run of 5 steps commits at step 2 (every 3) and at its last step, 4: its state at
+    # the end is what the step-4 checkpoint must load as, its losses what a run resumed at step 3 must see.
     cfg = ckpt_config(tmp_path, every_steps=3)
-    run(save_plan, tmp_path / "save", steps=3, checkpoint=cfg, dump=True)
+    straight = run(save_plan, tmp_path / "save", steps=5, checkpoint=cfg, dump=True)
     saved = dumped_state(save_plan, tmp_path / "save")
     assert any(name.startswith("optim/") and name.endswith("exp_avg_sq") for name in saved)
+    schedule = LRSchedule(lr=1e-2, lr_min=1e-3, warmup_steps=1, decay_steps=8)  # ckpt_helpers.run's options
+    assert [r["lr"] for r in straight] == pytest.approx([schedule.lr_at(i) for i in range(5)])
 
     # Every node's files are read where they are (losing their data is the fault tests' business):
     # this is about loading into another layout on fewer devices.
-    source = str(tmp_path / "restore")
-    manifest, _ = find_latest([Source(n, cfg.node_root(n)) for n in "abc"], model=save_plan.model)
-    assert manifest.step == 2
-    reassemble(manifest, [Source(n, cfg.node_root(n)) for n in "abc"], None, source)
+    sources = [Source(n, cfg.node_root(n)) for n in "abc"]
+    manifest, _ = find_latest(sources, model=save_plan.model)
+    assert manifest.step == 4
+    reassemble(manifest, sources, None, str(tmp_path / "restore-4"))
     resumed = tmp_path / "load"
-    run(load_plan, resumed, steps=3, start_step=3, resume_from=source, dump=True)
+    run(load_plan, resumed, steps=5, start_step=5, resume_from=str(tmp_path / "restore-4"), dump=True)
     loaded = dumped_state(load_plan, resumed)
     assert loaded.keys() == saved.keys()
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
 
-    # Training goes on at step 3 with the same data: the loss matches an uninterrupted run's.
-    straight = tmp_path / "straight"
-    run(save_plan, straight, steps=5)
-    run(load_plan, tmp_path / "cont", steps=5, start_step=3, resume_from=source)
-    want = {r["step"]: r["loss"] for r in metrics(straight)}
-    got = {r["step"]: r["loss"] for r in metrics(tmp_path / "cont")}
+    # Training goes on at step 3 from the step-2 commit with the same data: the loss matches the
+    # uninterrupted run's. Other schedule options (that would diverge) are given: the checkpoint's
+    # schedule holds.
+    source = str(tmp_path / "restore-2")
+    reassemble(read_manifest(cfg.node_root("a"), 2), sources, None, source)
+    cont = run(load_plan, tmp_path / "cont", steps=5, start_step=3, resume_from=source,
+               warmup_steps=0, decay_steps=100, lr=5.0)
+    assert [r["lr"] for r in cont] == pytest.approx([schedule.lr_at(i) for i in (3, 4)])
+    assert cont[0]["lr_schedule"] == schedule.model_dump()
+    want = {r["step"]: r["loss"] for r in straight}
+    got = {r["step"]: r["loss"] for r in cont}
     assert sorted(got) == [3, 4]
     assert got[3] == pytest.approx(want[3], rel=1e-5)
     assert got[4] == pytest.approx(want[4], rel=1e-3)
