@@ -79,15 +79,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wire_worker(rank: int, world: int, port: int, plan_path: str, grad_reduce: str, out: str) -> None:
-    """One rank of a pp=2 x tp=2 bf16 plan, recording the dtype of every collective and send."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _wire_worker(rank: int, world: int, ports: list[int], plan_paths: list[str], out: str) -> None:
+    """One rank of a pp=2 x tp=2 bf16 plan, recording the dtype of every collective and send.
+
+    It runs each plan of ``plan_paths`` in turn (one process group each, on its port of ``ports``):
+    one set of processes for every plan, rather than starting (and importing torch in) a set per plan.
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed._functional_collectives as funcol
 
     from hetrain.config import RunConfig
     from hetrain.runtime.trainer import run as run_rank
 
-    seen: dict[str, set[str]] = {"p2p": set(), "tp": set(), "grad_sync": set()}
+    seen: dict[str, set[str]] = {}
     real_funcol = funcol.all_reduce
 
     def tp_all_reduce(tensor, *a, **kw):  # DTensor's Partial -> Replicate, forward and backward
@@ -109,21 +113,36 @@ def _wire_worker(rank: int, world: int, port: int, plan_path: str, grad_reduce: 
         return real_all_reduce(tensor, *a, group=group, **kw)
 
     dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
-    run_rank(RunConfig(plan=plan_path, steps=1, precision="bf16"))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({k: sorted(v) for k, v in seen.items()}))
+    for plan_path, port in zip(plan_paths, ports):
+        seen.update(p2p=set(), tp=set(), grad_sync=set())
+        os.environ["MASTER_PORT"] = str(port)
+        run_rank(RunConfig(plan=plan_path, steps=1, precision="bf16"))
+        Path(out, f"{Path(plan_path).stem}-rank{rank}.json").write_text(json.dumps({k: sorted(v) for k, v in seen.items()}))
 
 
-@pytest.mark.parametrize("grad_reduce", ["fp32", "bf16"])
-def test_pipeline_sends_and_tp_collectives_are_bf16_and_gradients_reduce_as_planned(tmp_path: Path, grad_reduce):
-    settings = TrainingSettings(global_batch_size=8, precision="bf16", grad_reduce=grad_reduce)
-    # two pipelines (so gradients are synced), the first with two TP-2 stages
-    p = plan(2, [(6, [("a/0", [0, 3]), ("b/0", [3, 6])]), (2, [("c/0", [0, 6])])])
-    p = p.model_copy(update={"training": settings})
-    p.write(tmp_path / "plan.json")
+GRAD_REDUCES = ["fp32", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory) -> dict[str, list[dict]]:
+    """What each rank sent, by the plan's grad_reduce: the plans run one after the other in one set of processes."""
+    out = tmp_path_factory.mktemp("wire")
+    paths = []
+    for grad_reduce in GRAD_REDUCES:
+        settings = TrainingSettings(global_batch_size=8, precision="bf16", grad_reduce=grad_reduce)
+        # two pipelines (so gradients are synced), the first with two TP-2 stages
+        p = plan(2, [(6, [("a/0", [0, 3]), ("b/0", [3, 6])]), (2, [("c/0", [0, 6])])])
+        p = p.model_copy(update={"training": settings})
+        p.write(out / f"plan-{grad_reduce}.json")
+        paths.append(str(out / f"plan-{grad_reduce}.json"))
     world = build_layout(p).world_size
-    mp.spawn(_wire_worker, args=(world, _free_port(), str(tmp_path / "plan.json"), grad_reduce, str(tmp_path)),
-             nprocs=world, join=True)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    mp.spawn(_wire_worker, args=(world, [_free_port() for _ in paths], paths, str(out)), nprocs=world, join=True)
+    return {g: [json.loads((out / f"plan-{g}-rank{r}.json").read_text()) for r in range(world)] for g in GRAD_REDUCES}
+
+
+@pytest.mark.parametrize("grad_reduce", GRAD_REDUCES)
+def test_pipeline_sends_and_tp_collectives_are_bf16_and_gradients_reduce_as_planned(wire, grad_reduce):
+    seen = wire[grad_reduce]
     assert {d for s in seen for d in s["p2p"]} == {"torch.bfloat16"}  # activations forward, gradients back
     assert {d for s in seen for d in s["tp"]} == {"torch.bfloat16"}  # forward and backward all-reduces
     want = "torch.float32" if grad_reduce == "fp32" else "torch.bfloat16"
