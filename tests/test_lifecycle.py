@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, run_cli
 from hetrain.runtime.launch import worker_pids
 from test_runtime import asymmetric_plan
@@ -23,7 +25,21 @@ def _train(tmp_path: Path, *extra: str):
                    "--lr", "3e-3", "--warmup-steps", "1", "--decay-steps", "10", *extra)
 
 
-def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path):
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, list[dict], str]:
+    """A finished run of 6 steps without checkpoints: its directory, records and metrics file.
+
+    Shared (one training run fewer): the first test below compares a resumed run's curve with
+    its records; the second re-runs it (refused, then ``--restart``, which archives it).
+    """
+    directory = tmp_path_factory.mktemp("finished")
+    asymmetric_plan(1).write(directory / "plan.json")
+    r = _train(directory, "--steps", "6")
+    assert r.returncode == 0, r.stderr
+    return directory, _records(directory / "run"), (directory / "run" / "metrics.jsonl").read_text()
+
+
+def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path, finished_run):
     asymmetric_plan(1).write(tmp_path / "plan.json")
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt" / "{node}"), "--checkpoint-every", "2"]
     r = _train(tmp_path, "--steps", "4", *ckpt)
@@ -33,28 +49,24 @@ def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path):
     assert "resuming after step 3" in r.stdout
     resumed = _records(tmp_path / "run")
     assert [x["step"] for x in resumed] == list(range(6))
-    # an uninterrupted run of 6 steps has the same losses
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    asymmetric_plan(1).write(straight / "plan.json")
-    assert _train(straight, "--steps", "6").returncode == 0
-    want = [x["loss"] for x in _records(straight / "run")]
+    # an uninterrupted run of 6 steps (without checkpoints) has the same losses
+    want = [x["loss"] for x in finished_run[1]]
+    assert len(want) == 6
     assert max(abs(a["loss"] - b) / b for a, b in zip(resumed, want)) < 1e-5
 
 
-def test_rerun_without_checkpoints_is_refused_and_restart_archives(tmp_path: Path):
-    asymmetric_plan(1).write(tmp_path / "plan.json")
-    assert _train(tmp_path, "--steps", "2").returncode == 0
-    before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    r = _train(tmp_path, "--steps", "2")
+def test_rerun_without_checkpoints_is_refused_and_restart_archives(finished_run):
+    run_root, _, before = finished_run
+    assert (run_root / "run" / "metrics.jsonl").read_text() == before
+    r = _train(run_root, "--steps", "6")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "holds a previous run (config.json, metrics.jsonl with 2 steps) with no committed checkpoint" in r.stderr
-    assert "--restart" in r.stderr and (tmp_path / "run" / "metrics.jsonl").read_text() == before
-    r = _train(tmp_path, "--steps", "3", "--restart")
+    assert "holds a previous run (config.json, metrics.jsonl with 6 steps) with no committed checkpoint" in r.stderr
+    assert "--restart" in r.stderr and (run_root / "run" / "metrics.jsonl").read_text() == before
+    r = _train(run_root, "--steps", "3", "--restart")
     assert r.returncode == 0, r.stderr
-    archived = list((tmp_path / "run" / "archive").iterdir())
+    archived = list((run_root / "run" / "archive").iterdir())
     assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == before
-    assert [x["step"] for x in _records(tmp_path / "run")] == [0, 1, 2]
+    assert [x["step"] for x in _records(run_root / "run")] == [0, 1, 2]
 
 
 def test_metrics_path_that_is_not_a_metrics_file_is_never_touched(tmp_path: Path):
