@@ -78,8 +78,10 @@ def deployed(server):
 def worker(deployed):
     api = deployed[0]
     log = open(Path(os.environ["PREFECT_HOME"]) / "worker.log", "w")
+    # it looks for runs every 2 s (Prefect's default 10, as flows/bed.py's workers): each recovery waits for one
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"], cwd=ROOT,
-                            env={**os.environ, "PREFECT_API_URL": api}, stdout=log, stderr=subprocess.STDOUT)
+                            env={**os.environ, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": "2"},
+                            stdout=log, stderr=subprocess.STDOUT)
     yield proc
     proc.terminate()
     try:
@@ -203,18 +205,32 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])
 
 
-@pytest.mark.parametrize("parameters,expected", [
+BAD_RECOVERIES = [
     ({"run_id": "nope", "lost_node": "slow"}, "unknown run 'nope'"),
     ({"run_id": "spot", "lost_node": "zz"}, "lost node 'zz' is not a node of cluster"),
     ({"run_id": "spot", "lost_node": "slow", "cluster": "no/such-cluster.yaml"}, "no/such-cluster.yaml: file not found"),
-])
-def test_bad_recovery_requests_fail_with_a_reason(deployed, worker, tmp_path: Path, parameters, expected):
-    runs_root = tmp_path / "runs"
+]
+
+
+@pytest.fixture(scope="module")
+def bad_recoveries(deployed, worker, tmp_path_factory) -> dict[str, object]:
+    """The bad recovery requests, all started at once (the worker runs them side by side): flow runs by reason."""
+    runs_root = tmp_path_factory.mktemp("bad") / "runs"
     (runs_root / "spot").mkdir(parents=True)
     (runs_root / "spot" / "config.json").write_text(json.dumps({
         "plan": str(ROOT / "missing-plan.json"), "cluster": str(ROOT / "examples" / "clusters" / "cpu-emulated.yaml")}))
-    run = run_deployment("hetrain-recover/recover", parameters={**parameters, "runs_root": str(runs_root)},
-                         timeout=240, poll_interval=1)
+    return {expected: run_deployment("hetrain-recover/recover", parameters={**parameters, "runs_root": str(runs_root)},
+                                     timeout=0)
+            for parameters, expected in BAD_RECOVERIES}
+
+
+@pytest.mark.parametrize("parameters,expected", BAD_RECOVERIES)
+def test_bad_recovery_requests_fail_with_a_reason(bad_recoveries, parameters, expected):
+    run = bad_recoveries[expected]
+    deadline = time.monotonic() + 240
+    with get_client(sync_client=True) as client:
+        while not (run := client.read_flow_run(run.id)).state.is_final() and time.monotonic() < deadline:
+            time.sleep(1)
     assert run.state.is_failed(), run.state
     assert expected in run.state.message, run.state.message
 
