@@ -7,20 +7,43 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+import s3fs
+from moto.server import ThreadedMotoServer
+
 from ckpt_helpers import CLUSTER_YAML, plan, run
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import load_plan
 from hetrain.recovery.proactive import STANDBY_CONFIG, recover_in_notice_window
-from hetrain.runtime.launch import worker_pids
+from hetrain.runtime.launch import free_port, worker_pids
 from solver.planner import make_plan
-from test_recovery import BUCKET, s3  # noqa: F401 - the moto server fixture
+
+BUCKET = "hetrain-notice"  # moto's state is one per process: not test_recovery's bucket
 
 # Nodes a (two devices), b and spot node c; c gets the notice.
 OLD = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
 OLD_STEPS = 10_000  # the old plan would train this long: it is switched away from long before
 AFTER = 3  # steps the new plan trains after the switch
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback with this module's bucket; credentials reach the ranks through the environment."""
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+    fs.mkdir(BUCKET)
+    yield endpoint, fs
+    server.stop()
+    mp.undo()
 
 
 def planner(cluster, model, settings):
@@ -54,7 +77,7 @@ def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None,
     return thread, out, cfg, run_dir
 
 
-def test_a_notice_with_time_switches_to_warm_ranks_fed_by_the_leaving_node(tmp_path: Path, s3):  # noqa: F811
+def test_a_notice_with_time_switches_to_warm_ranks_fed_by_the_leaving_node(tmp_path: Path, s3):
     thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "switch")
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=5)
@@ -82,7 +105,7 @@ def test_a_notice_with_time_switches_to_warm_ranks_fed_by_the_leaving_node(tmp_p
     assert [r["loss"] for r in cold] == [r["loss"] for r in result.records]
 
 
-def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: Path, s3):  # noqa: F811
+def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: Path, s3):
     thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "short")
     # 5 s left: less than the switch's reserve, so no warm start is tried
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 5, steps_after=AFTER,
@@ -97,7 +120,7 @@ def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: 
     assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
 
 
-def test_a_leaving_node_gone_before_the_fetch_leaves_its_shard_to_the_bucket(tmp_path: Path, s3):  # noqa: F811
+def test_a_leaving_node_gone_before_the_fetch_leaves_its_shard_to_the_bucket(tmp_path: Path, s3):
     """c's peer server is gone when the survivors ask: its shard comes from the bucket, nothing wrong is loaded."""
     thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "gone", peers={"c": "http://127.0.0.4:9"})
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
