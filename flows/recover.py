@@ -5,16 +5,24 @@
 Re-plans for the surviving nodes (or a new cluster file with replacements), reassembles the
 newest committed checkpoint peers first, and resumes training at the next step
 (``hetrain.recovery.recover``), then publishes the new plan and the time each phase took.
+
+One recovery of a run at a time: a global concurrency limit per run (``hetrain-recover-<run>``,
+one slot) is held until the new plan trains. Notices that come at once (several spot nodes
+reclaimed together) start one flow run each; the first to get the slot takes the others' nodes
+too (one re-plan, one switch or restart) and marks them merged; they end without touching the run.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import Artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field
 
 from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes, run_tag, stop_run
@@ -24,17 +32,106 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.recovery.preemption import parse_utc
-from hetrain.recovery.proactive import can_switch, recover_in_notice_window
+from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.recovery.recover import recover as recover_run
 from hetrain.recovery.recover import surviving_cluster
 from hetrain.recovery.runs import existing_run
+from hetrain.runtime.launch import worker_pids
 from hetrain.spec.specs import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RECOVERY_LEASE_S = 300.0  # the slot's lease, renewed while the flow run lives; a crashed one frees it then
+
+
+@contextmanager
+def one_recovery_at_a_time(run_id: str):
+    """Hold run ``run_id``'s recovery slot; yields ``hand_over``: call it once the new plan trains, to free the slot.
+
+    The slot (a Prefect global concurrency limit of one) is held on a thread of its own, so a
+    recovery frees it when it hands over and still follows its training to the end.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    name = f"hetrain-recover-{run_id}"
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, limit=1)
+    acquired, release, failed = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        try:
+            with concurrency(name, occupy=1, lease_duration=RECOVERY_LEASE_S, strict=True):
+                acquired.set()
+                release.wait()
+        except BaseException as e:  # noqa: BLE001 - raised on the flow's thread
+            failed.append(e)
+            acquired.set()
+
+    holder = threading.Thread(target=hold, name=f"{name}-slot", daemon=True)
+    holder.start()
+    acquired.wait()
+    if failed:
+        raise failed[0]
+    try:
+        yield release.set
+    finally:
+        release.set()
+        holder.join(30)
+
+
+def merge_notices(run_id: str, lost: list[str], until: datetime | None) -> tuple[list[str], datetime | None, list[str]]:
+    """Take over the nodes of the run's other recovery flow runs still waiting (notices that came at once).
+
+    Returns the nodes, the earliest deadline (None if one of them gave none: gone already) and
+    the merged flow runs' names; each gets a marker artifact that tells it it was merged.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import deployment as this_deployment
+    from prefect.runtime import flow_run
+
+    me, deployment = flow_run.id, this_deployment.id
+    if not me or not deployment:  # called directly, not from the deployment: no other notice to merge
+        return lost, until, []
+    with get_client(sync_client=True) as client:
+        waiting = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(not_any_=[me]), state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]))),
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment])))
+    nodes, merged = list(lost), []
+    for other in waiting:
+        if other.parameters.get("run_id") != run_id or _merged_into(run_id, str(other.id)):
+            continue
+        nodes += [n.strip() for n in str(other.parameters.get("lost_node", "")).split(",") if n.strip()]
+        text = str(other.parameters.get("lost_until") or "")
+        try:
+            theirs = parse_utc(text) if text else None
+        except ValueError:
+            continue  # its own run fails on it with the reason
+        until = None if until is None or theirs is None else min(until, theirs)
+        create_markdown_artifact(f"merged into recovery flow run {flow_run.name} ({me})",
+                                 key=_merge_key(run_id, str(other.id)),
+                                 description=f"this notice's nodes were recovered by flow run {me}")
+        merged.append(other.name)
+    return list(dict.fromkeys(nodes)), until, merged
+
+
+def _merge_key(run_id: str, flow_run_id: str) -> str:
+    return artifact_key(run_id, "merged", flow_run_id)
+
+
+def _merged_into(run_id: str, flow_run_id: str) -> str | None:
+    found = Artifact.get(_merge_key(run_id, flow_run_id))
+    return str(found.data) if found is not None else None
+
+
 def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: int | None, runs_root: str,
-                     timeout_s: float, rendezvous_port: int, lost_until: datetime | None = None) -> dict:
+                     timeout_s: float, rendezvous_port: int, lost_until: datetime | None = None,
+                     hand_over: Callable[[], None] = lambda: None) -> dict:
     """Stop what still runs of the run, restore on every survivor at once, re-plan for those that hold it, resume.
 
     ``lost_until``: when the lost nodes go (their notice's deadline); until then the restores
@@ -81,6 +178,7 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
     params, first = node_run_parameters(run_id, new_plan, new_cluster, str(cluster_file), total, runs_root,
                                         rendezvous_port, lost=[n.name for n in cl.nodes if n.name not in holders],
                                         resume_step=step)
+    hand_over()  # the next recovery of the run (a later notice) starts from this plan
     ran = run_on_nodes(params, logger.info, f"{run_id}-from-{step}", stream_from=first, tags=[run_tag(run_id)])
     summaries = {n: first_row(a) for n, a in ran.items()}
     lead = summaries[first]
@@ -117,8 +215,6 @@ def recover(
     (ISO 8601, the notice's deadline) lets the restores fetch from the lost node until then.
     The preemption event's automation fills every parameter (empty ``cluster``: none).
     """
-    from solver.planner import make_plan
-
     logger = get_run_logger()
     lost = [n.strip() for n in lost_node.split(",") if n.strip()]
     cluster_file = None
@@ -128,18 +224,42 @@ def recover(
         until = parse_utc(lost_until) if lost_until else None
     except ValueError:
         raise HetrainError(f"lost_until: expected an ISO 8601 time, got '{lost_until}'") from None
-    if launch == "per-node":
-        if cluster_file is None:
-            raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
-                               "directories are on the nodes)")
-        return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port, until)
+    if launch == "per-node" and cluster_file is None:
+        raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
+                           "directories are on the nodes)")
     root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
+    if launch == "local":
+        existing_run(root, run_id)  # an unknown run fails before it waits for anything
+    with one_recovery_at_a_time(run_id) as hand_over:
+        from prefect.runtime import flow_run
+
+        into = _merged_into(run_id, str(flow_run.id)) if flow_run.id else None
+        if into:  # a notice that came at once with another: that recovery took this one's nodes
+            logger.info("run %s: %s", run_id, into)
+            return {"run_id": run_id, "lost_nodes": lost, "status": "merged", "merged_into": into}
+        lost, until, merged = merge_notices(run_id, lost, until)
+        if merged:
+            logger.info("notices that came at once: recovering without %s (flow runs %s merged into this one)",
+                        ", ".join(lost), ", ".join(merged))
+        if launch == "per-node":
+            return recover_on_nodes(run_id, lost, cluster_file, steps, runs_root, timeout_s, rendezvous_port, until,
+                                    hand_over=hand_over)
+        return recover_local(root, run_id, lost, cluster_file, steps, timeout_s, until, hand_over)
+
+
+def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path | None, steps: int | None,
+                  timeout_s: float, until: datetime | None, hand_over: Callable[[], None]) -> dict:
+    """Recover a run whose ranks all run on this machine: a switch inside the notice if it still trains, else a restart."""
+    from solver.planner import make_plan
+
+    logger = get_run_logger()
     run_dir, config = existing_run(root, run_id)
     logger.info("recovering run %s without %s", run_id, ", ".join(lost))
     progress: dict = {}
 
     def on_record(r: dict) -> None:
         if "bar" not in progress:
+            hand_over()  # the new plan trains: a later notice's recovery starts from it
             progress["bar"] = Progress(run_id, r["step"], steps or config.steps)
             logger.info("resumed at step %d (load %.2f s)", r["step"], r.get("resume_load_s", 0.0))
         progress["bar"].update(r["step"])
@@ -149,8 +269,8 @@ def recover(
     def planner(cl, m, s):
         return make_plan("hetrain", cl, m, s).plan
 
-    if until is not None and can_switch(run_dir, until.timestamp()):
-        logger.info("switching run %s to a plan without %s before %s", run_id, ", ".join(lost), lost_until)
+    if until is not None and worker_pids(run_dir, None):  # it still trains: switch, or checkpoint and restart
+        logger.info("switching run %s to a plan without %s before %s", run_id, ", ".join(lost), f"{until:%H:%M:%S}")
         result = recover_in_notice_window(run_dir, lost, planner, until.timestamp(), cluster_file=cluster_file,
                                           steps=steps, timeout_s=timeout_s, on_progress=logger.info,
                                           on_record=on_record)

@@ -27,7 +27,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import PROFILER_MEASURES, Profile
-from hetrain.recovery.preemption import SOURCES
+from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
 from hetrain.recovery.runs import backup_problem, check_run_paths, run_dir_of, start_or_resume
 from hetrain.runtime.launch import RunStopped, launch
 from hetrain.runtime.schedule import DEFAULT_LR
@@ -109,11 +109,13 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
 
     def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
         emit_preempted(run_id, node, notice.to_dict(), checkpoint_step, str(run_dir.parent))
-        logger.warning("node %s preempted (%s); emergency checkpoint at step %s; event emitted", node,
-                       notice.action, checkpoint_step)
+        logger.warning("node %s preempted (%s); %s; event emitted", node, notice.action,
+                       f"emergency checkpoint at step {checkpoint_step}" if checkpoint_step is not None else
+                       "the checkpoint is left to the recovery's switch")
 
-    with LocalSpotRun(spot, Path(config.request_file), on_preempted, poll_s=0.5,
-                      log=logger.info) as watch:
+    # a notice long enough for a switch goes to the recovery at once: the switch takes the checkpoint
+    with LocalSpotRun(spot, Path(config.request_file), on_preempted, poll_s=0.5, log=logger.info,
+                      defer_checkpoint_s=SWITCH_NOTICE_S) as watch:
         try:
             records = launch(config, build_layout(the_plan), run_dir, on_record=on_record,
                              stop_event=watch.stop_event)
@@ -127,6 +129,11 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             logger.warning("node %s is gone: run %s stopped (%s); recovery takes over", node, run_id, e)
             return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
                     "last_step": last}
+    if records and records[-1].get("stopped"):  # a recovery switched the run to a new plan at this step
+        logger.info("run %s: switched to a new plan after step %d; the recovery flow follows it from there",
+                    run_id, records[-1]["step"])
+        return {"status": "switched", "run_id": run_id, "first_step": config.start_step,
+                "last_step": records[-1]["step"], "checkpoint_step": records[-1]["step"]}
     problem = backup_problem(config)
     if problem:
         logger.error("backup: %s", problem)

@@ -741,6 +741,10 @@ def watch(
     stop_after_checkpoint: Annotated[bool, typer.Option(
         "--stop-after-checkpoint", help="the runs end at the emergency checkpoint (the recovery resumes them "
                                         "from it) instead of training until the node goes")] = False,
+    defer_checkpoint_s: Annotated[float | None, typer.Option(
+        min=0.0, help="a notice leaving more seconds than this calls the hook at once and leaves the checkpoint to "
+                      "the recovery it starts (a notice-window switch asks for it when its new ranks are ready); "
+                      "asked for here --min-checkpoint-s before the deadline if nobody has")] = None,
     hook_command: Annotated[str | None, typer.Option(
         help="shell command run on a notice (once per active run with --runs-root); gets HETRAIN_NOTICE (JSON), "
              "HETRAIN_NODE, HETRAIN_CHECKPOINT_STEP, and HETRAIN_RUN_DIR, HETRAIN_RUN_ID, HETRAIN_RUN_INFO (JSON)")]
@@ -791,7 +795,7 @@ def watch(
                                 (runs[0][0] / "checkpoint.request" if runs else None),
                                 min_checkpoint_s=min_checkpoint_s, on_notice=on_notice, poll_s=poll_s,
                                 log=lambda msg: err.print(msg, highlight=False),
-                                stop_after_checkpoint=stop_after_checkpoint)
+                                stop_after_checkpoint=stop_after_checkpoint, defer_checkpoint_s=defer_checkpoint_s)
     watcher.install_sigterm()
     # SIGINT stops the watcher (how `hetrain node start` stops it), even when this process was started
     # with SIGINT ignored (a background job of a non-interactive shell, nohup scripts)
@@ -800,6 +804,8 @@ def watch(
               + (f" (runs under {runs_root})" if runs_root else ""), highlight=False)
     try:
         notice = watcher.run()
+        if watcher.deferred is not None:  # the fallback request, if no recovery asks before it
+            watcher.deferred.join()
     except KeyboardInterrupt:  # stopped (`hetrain node start` stops its watcher so): not a notice
         raise typer.Exit(130) from None
     raise typer.Exit(0 if notice is not None else 1)

@@ -205,6 +205,73 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])
 
 
+def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, worker, bucket, tmp_path: Path):
+    """Spot nodes b and c get notices at once while the run trains: two events, two recovery flow runs.
+
+    The first to take the run's recovery slot takes both nodes (the other ends as merged) and
+    switches the run to a plan on node a inside the notice window: warm ranks, emergency
+    checkpoint, switch; every step trained once.
+    """
+    import threading
+    from datetime import UTC, datetime, timedelta
+
+    import anyio
+    from prefect.artifacts import Artifact
+
+    from ckpt_helpers import CLUSTER_YAML, plan, run
+    from flows.recover import _merge_key
+    from hetrain.config import CheckpointConfig
+    from hetrain.runtime.launch import worker_pids
+
+    dep = anyio.run(_deployment, "hetrain-recover/recover")
+    (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
+    run_dir = tmp_path / "run"  # the run "run" under runs root tmp_path
+    old = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1000, keep=2,
+                           remote_url="s3://flows/twice", remote_options={"endpoint_url": bucket})
+    trained = threading.Thread(target=run, args=(old, tmp_path, 100_000), daemon=True,
+                               kwargs={"checkpoint": cfg, "cluster": str(tmp_path / "cluster.yaml"),
+                                       "request_file": str(run_dir / "checkpoint.request")})
+    trained.start()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and trained.is_alive(), "the run did not start training"
+        time.sleep(0.2)
+    until = (datetime.now(UTC) + timedelta(seconds=150)).isoformat()
+    for node in ("b", "c"):
+        emit_preempted("run", node, {"cloud": "aws", "action": "terminate", "deadline": until}, None, str(tmp_path))
+    # the new plan trains once the run's config names it; a few steps after, the operator stops it
+    deadline = time.monotonic() + 240
+    while "plan-from-step" not in json.loads((run_dir / "config.json").read_text())["plan"]:
+        assert time.monotonic() < deadline, "no switch"
+        time.sleep(0.5)
+    switch_step = json.loads((run_dir / "config.json").read_text())["start_step"] - 1
+    while json.loads(metrics.read_text().splitlines()[-1])["step"] < switch_step + 3:
+        assert time.monotonic() < deadline, "the new plan does not train"
+        time.sleep(0.5)
+    (run_dir / "checkpoint.request").write_text(json.dumps({"stop": True}))
+    trained.join(60)
+
+    deadline = time.monotonic() + 120
+    while True:
+        ours = [r for r in anyio.run(_runs_of, dep.id) if r.parameters.get("runs_root") == str(tmp_path)]
+        if len(ours) == 2 and all(r.state and r.state.is_final() for r in ours):
+            break
+        assert time.monotonic() < deadline, [(r.name, r.state) for r in ours]
+        time.sleep(1)
+    assert all(r.state.is_completed() for r in ours), [r.state.message for r in ours]
+    merged = [r for r in ours if Artifact.get(_merge_key("run", str(r.id))) is not None]
+    assert len(merged) == 1  # one notice's recovery took the other's node
+    (report,) = [json.loads(p.read_text()) for p in run_dir.glob("recovery-from-step-*.json")]
+    assert sorted(report["lost_nodes"]) == ["b", "c"] and report["checkpoint_step"] == switch_step
+    assert {d.split("/")[0] for d in report["plan_devices"]} == {"a"}
+    assert report["bytes_from_remote"] == 0  # b's and c's shards came from b and c, inside their notice
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(len(steps))) and steps[-1] > switch_step  # every step once, across the switch
+    assert not worker_pids(run_dir, None)
+
+
 BAD_RECOVERIES = [
     ({"run_id": "nope", "lost_node": "slow"}, "unknown run 'nope'"),
     ({"run_id": "spot", "lost_node": "zz"}, "lost node 'zz' is not a node of cluster"),

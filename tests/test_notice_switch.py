@@ -16,7 +16,7 @@ from hetrain.checkpoint.manifest import committed_steps
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import load_plan
-from hetrain.recovery.proactive import STANDBY_CONFIG, recover_in_notice_window
+from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.runtime.launch import free_port, worker_pids
 from solver.planner import make_plan
 
@@ -98,7 +98,7 @@ def test_a_notice_with_time_switches_to_warm_ranks_fed_by_the_leaving_node(tmp_p
     assert result.timings_s["downtime_s"] is not None and result.timings_s["downtime_s"] > 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))  # one record per step, none repeated
-    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
+    assert not worker_pids(run_dir, None)  # no rank of either launch is left
     # the same plan change as a cold restart from the same checkpoint trains the same losses
     cold = run(load_plan(result.plan_path), tmp_path / "cold", steps=step + 1 + AFTER, start_step=step + 1,
                resume_from=result.fetch.dest)
@@ -117,20 +117,30 @@ def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: 
     assert metrics[step]["step"] == step and metrics[step].get("stopped")
     assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
     assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))
-    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
+    assert not worker_pids(run_dir, None)  # no rank of either launch is left
 
 
-def test_a_leaving_node_gone_before_the_fetch_leaves_its_shard_to_the_bucket(tmp_path: Path, s3):
-    """c's peer server is gone when the survivors ask: its shard comes from the bucket, nothing wrong is loaded."""
+def test_two_notices_at_once_and_a_leaving_node_gone_before_the_fetch(tmp_path: Path, s3):
+    """b and c get notices at once; c's peer server is already gone when the survivors ask.
+
+    One switch takes both out: b's shards come from b (still up), c's from the bucket; nothing
+    wrong is loaded, and the new plan trains on a alone.
+    """
     thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "gone", peers={"c": "http://127.0.0.4:9"})
-    result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
+    result = recover_in_notice_window(run_dir, ["b", "c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=2)
     thread.join(60)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = result.step
     assert metrics[step].get("stopped")  # resumed from the emergency checkpoint, not an older step
-    # switched (the bucket had c's shard in time) or restarted once it had: either way from the bucket
-    assert {f.path: f.source for f in result.fetch.files}["__3_0.distcp"] == "remote", result.why_not
+    # switched (the bucket had c's shard in time) or restarted once it had: either way c's from the bucket
+    sources = {f.path: f.source for f in result.fetch.files}
+    assert sources["__3_0.distcp"] == "remote", result.why_not
+    if result.switched:  # b was still up and asked before the bucket
+        assert sources["__2_0.distcp"] == "b" and result.bytes_from()["leaving"] > 0
+    assert {d.split("/")[0] for d in result.plan.devices()} == {"a"}
     assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
     assert [r["step"] for r in metrics] == list(range(step + 1 + AFTER))
-    assert not worker_pids(run_dir) and not worker_pids(run_dir, STANDBY_CONFIG)
+    assert not worker_pids(run_dir, None)
+    # the run's config is the new plan's: a later notice or resume starts from it
+    assert json.loads((run_dir / "config.json").read_text())["plan"] == str(result.plan_path)

@@ -77,6 +77,32 @@ def test_watcher_requests_a_checkpoint_when_the_deadline_allows(fake, tmp_path: 
     assert not watcher.handle(calls[0][0])  # fires once
 
 
+@pytest.mark.parametrize("recovery_asks", [False, True])
+def test_a_deferred_checkpoint_goes_to_the_hook_at_once_and_is_asked_for_if_nobody_did(fake, tmp_path: Path,
+                                                                                     recovery_asks):
+    """A notice long enough for a switch: the hook runs at once, no checkpoint asked; the watcher asks
+    ``min_checkpoint_s`` before the deadline only when the recovery (here: the test) has not."""
+    calls = []
+    request = tmp_path / "checkpoint.request"
+    (tmp_path / "checkpoint.request.done-3").write_text("")  # an earlier notice's answer: not this one's
+    watcher = PreemptionWatcher(AwsSpot(fake.url("spot-1")), "spot-1", request_file=request, min_checkpoint_s=10,
+                                on_notice=lambda n, c: calls.append((time.monotonic(), c)), poll_s=0.05,
+                                log=lambda m: None, defer_checkpoint_s=5)
+    fake.preempt("spot-1", 12)
+    asked = time.monotonic()
+    thread = threading.Thread(target=watcher.run)
+    thread.start()
+    thread.join(5)
+    assert len(calls) == 1 and calls[0][1] is False and calls[0][0] - asked < 2  # at once, no checkpoint
+    assert not request.exists() and not list(tmp_path.glob("*.done-*"))
+    if recovery_asks:  # the switch asked and the ranks answered at step 7
+        (tmp_path / "checkpoint.request.done-7").write_text("")
+    watcher.deferred.join(10)
+    assert request.exists() is not recovery_asks
+    if not recovery_asks:
+        assert time.monotonic() - asked > 1  # at the deadline less min_checkpoint_s, not at once
+
+
 def test_sigterm_counts_as_a_notice_and_runs_the_hook(fake, tmp_path: Path):
     hook_out = tmp_path / "hook.json"
     proc = subprocess.Popen(

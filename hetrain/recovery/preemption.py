@@ -6,6 +6,13 @@ ranks agree on it through their per-step all-reduce and checkpoint at the next s
 calls a hook (``hetrain watch --hook-command``, or the Prefect event the orchestration
 layer plugs in). It fires once.
 
+With ``defer_checkpoint_s``, a notice that leaves more time than that goes to the hook at once
+and the checkpoint is left to the recovery it starts: a switch inside the notice window
+(``hetrain.recovery.proactive``) asks for the checkpoint itself once its new ranks are ready,
+and a checkpoint taken before would only spend the window. If nobody has asked by
+``min_checkpoint_s`` before the deadline, the watcher asks then: nothing is lost when the
+recovery never comes.
+
 Documented endpoints (the base URL is configurable so tests point it at a local fake):
 
 * AWS (IMDSv2): ``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds``, then
@@ -41,6 +48,9 @@ DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.
 GCP_SPOT_NOTICE_S = 30.0
 SIGTERM_GRACE_S = 30.0
 MIN_POLL_S = 0.5  # the metadata endpoint is shared by everything on the VM and rate-limited (AWS: ~10 req/s)
+# A notice at least this long leaves time for a switch inside it (the recovery flow's start, a
+# warm start of the new plan, the switch's reserve): AWS's two minutes do, GCP's and Azure's 30 s not.
+SWITCH_NOTICE_S = 60.0
 
 
 @dataclass
@@ -196,12 +206,15 @@ class PreemptionWatcher:
 
     def __init__(self, source, node: str, *, request_file: Path | Callable[[], list[Path]] | None = None,
                  min_checkpoint_s: float = 10.0, on_notice: Callable[[Notice, bool], None] | None = None,
-                 poll_s: float = 5.0, log: Callable[[str], None] = print, stop_after_checkpoint: bool = False) -> None:
+                 poll_s: float = 5.0, log: Callable[[str], None] = print, stop_after_checkpoint: bool = False,
+                 defer_checkpoint_s: float | None = None) -> None:
         """``request_file``: the run's checkpoint request file, or a function giving those of the runs
         active at the notice (a node's watcher: see ``active_runs``). ``stop_after_checkpoint``: the
         runs end at the emergency checkpoint (a recovery resumes them from it elsewhere) rather than
-        train on until the node goes."""
+        train on until the node goes. ``defer_checkpoint_s``: see the module's docstring."""
         self.stop_after_checkpoint = stop_after_checkpoint
+        self.defer_checkpoint_s = defer_checkpoint_s
+        self.deferred: threading.Timer | None = None  # the fallback request of a deferred checkpoint
         self.source, self.node = source, node
         self.request_file, self.min_checkpoint_s = request_file, min_checkpoint_s
         self.on_notice, self.poll_s, self.log = on_notice, poll_s, log
@@ -221,6 +234,22 @@ class PreemptionWatcher:
         files = self._request_files()
         why_not = "no time for a checkpoint" if files else "no run to checkpoint"
         problems = []
+        if files and left is not None and self.defer_checkpoint_s is not None and left > self.defer_checkpoint_s:
+            for request in files:  # answers to earlier notices must not count as a request for this one
+                for old in request.parent.glob(request.name + ".done-*"):
+                    old.unlink(missing_ok=True)
+            self.deferred = threading.Timer(left - self.min_checkpoint_s, self._request_if_nobody_did, args=(files,))
+            self.deferred.daemon = True
+            self.deferred.start()
+            self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({left:.0f} s left); the emergency "
+                     f"checkpoint is left to the recovery (asked for here {self.min_checkpoint_s:g} s before the "
+                     f"deadline if it has not been)")
+            try:
+                if self.on_notice is not None:
+                    self.on_notice(notice, False)
+            finally:
+                self.handled.set()
+            return True
         if files and (left is None or left >= self.min_checkpoint_s):
             for request in files:
                 try:
@@ -244,6 +273,20 @@ class PreemptionWatcher:
         finally:
             self.handled.set()
         return True
+
+    def _request_if_nobody_did(self, files: list[Path]) -> None:
+        """A deferred checkpoint's fallback: request it for each run no recovery has asked yet."""
+        for request in files:
+            if request.exists() or any(request.parent.glob(request.name + ".done-*")):
+                continue  # asked (a switch's request, pending or answered)
+            try:
+                request.write_text(json.dumps({**(self.notice.to_dict() if self.notice else {}),
+                                               "stop": self.stop_after_checkpoint}))
+                self.requested.append(request)
+                self.log(f"node {self.node}: no recovery asked for the emergency checkpoint of {request.parent.name}; "
+                         f"requested it {self.min_checkpoint_s:g} s before the deadline")
+            except OSError as e:
+                self.log(f"node {self.node}: cannot request a checkpoint ({request}: {e.strerror or e})")
 
     def _request_files(self) -> list[Path]:
         if self.request_file is None:
@@ -281,6 +324,8 @@ class PreemptionWatcher:
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.deferred is not None:
+            self.deferred.cancel()
 
 
 def wait_for_checkpoint(request_file: Path, timeout_s: float, poll_s: float = 0.2) -> int | None:

@@ -49,7 +49,7 @@ from hetrain.recovery.runs import load_run
 from hetrain.spec.specs import load_cluster
 
 STANDBY = "standby.json"  # in the run directory: the switch the warm start waits for
-STANDBY_CONFIG = "config-standby.json"  # the warm start's run config (its workers are found by it)
+STANDBY_CONFIG = "config-standby.json"  # a warm start's run config (its workers are found by it)
 # Kept free before the deadline for what follows the warm start's readiness: the emergency
 # checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
 DEFAULT_SWITCH_RESERVE_S = 20.0
@@ -77,7 +77,18 @@ def can_switch(run_dir: Path, deadline: float, switch_reserve_s: float = DEFAULT
     """Whether a notice for the run in ``run_dir`` is worth a switch: it still trains and the deadline leaves time."""
     from hetrain.runtime.launch import worker_pids
 
-    return deadline - time.time() > switch_reserve_s and bool(worker_pids(run_dir.resolve()))
+    return deadline - time.time() > switch_reserve_s and bool(worker_pids(run_dir.resolve(), None))
+
+
+def standby_config_name(run_dir: Path) -> str:
+    """A config name no running launch of the run uses: a switched run trains under its warm start's
+    config, and the next notice's warm start must not take its name."""
+    from hetrain.runtime.launch import worker_pids
+
+    k = 1
+    while worker_pids(run_dir, name := STANDBY_CONFIG if k == 1 else f"config-standby-{k}.json"):
+        k += 1
+    return name
 
 
 def downtime(records_before: list[dict], records_after: list[dict]) -> float | None:
@@ -101,8 +112,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
                              on_record: Callable[[dict], None] | None = None) -> NoticeRecovery:
     """Switch the running run in ``run_dir`` to a plan without ``leaving_nodes`` before ``deadline`` (epoch s).
 
-    The old plan must be running (its ranks read the checkpoint request); it ends at the
-    emergency checkpoint. Returns the switch's (or the fallback restart's) result, with the
+    The running plan (the run's, or an earlier switch's) ends at the emergency checkpoint; a
+    run that is not training is restarted the usual way. Returns the switch's (or the fallback restart's) result, with the
     new plan's metric records and the timings: ``replan_s``, ``warm_start_s`` (until the new
     ranks were ready), ``checkpoint_s`` (request to commit), ``fetch_s``, ``downtime_s``.
     ``steps``: where the new plan ends (default the run's); ``steps_after``: instead, this many
@@ -111,9 +122,12 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     from hetrain.plan.layout import build_layout
     from hetrain.runtime.launch import launch, wait_for_workers_to_exit
 
+    from hetrain.runtime.launch import worker_pids, write_config
+
     say = on_progress or (lambda _: None)
     run_dir = run_dir.resolve()
     config = load_run(run_dir)
+    old_pids = worker_pids(run_dir, None)  # the running plan's ranks (the run's, or an earlier switch's)
     if config.checkpoint is None:
         raise HetrainError(f"--run {run_dir}: the run keeps no checkpoints; nothing to switch from")
     if config.request_file is None:
@@ -144,9 +158,11 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         "start_step": 0, "resume_from": None, "resume_options": {}, "standby_file": str(standby)})
     outcome: dict = {}
 
+    standby_name = standby_config_name(run_dir)
+
     def run_standby() -> None:
         try:
-            outcome["records"] = launch(standby_config, build_layout(plan), run_dir, config_name=STANDBY_CONFIG,
+            outcome["records"] = launch(standby_config, build_layout(plan), run_dir, config_name=standby_name,
                                         on_record=on_record)
         except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
             outcome["error"] = e
@@ -156,7 +172,9 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     started = time.perf_counter()
     why_not = None
     left_s = deadline - time.time()
-    if left_s <= switch_reserve_s:  # no time to start anything: checkpoint now, restart after
+    if not old_pids:  # nothing trains: nothing to checkpoint or to switch from
+        why_not = "the run is not training"
+    elif left_s <= switch_reserve_s:  # no time to start anything: checkpoint now, restart after
         why_not = f"{max(0.0, left_s):.0f} s left, the switch needs more than {switch_reserve_s:g} s"
     else:
         thread.start()
@@ -173,11 +191,13 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         say(f"new plan's ranks ready in {timings['warm_start_s']:.1f} s")
 
     # The emergency checkpoint, whether or not the switch goes ahead: never lose the last step.
-    started = time.perf_counter()
-    write_text_atomic(request, json.dumps({"stop": True, "reason": "notice-window switch"}) + "\n",
-                      "checkpoint request")
-    step = wait_for_checkpoint(request, max(0.0, deadline - time.time()), poll_s=0.02)
-    timings["checkpoint_s"] = time.perf_counter() - started
+    step = None
+    if old_pids:
+        started = time.perf_counter()
+        write_text_atomic(request, json.dumps({"stop": True, "reason": "notice-window switch"}) + "\n",
+                          "checkpoint request")
+        step = wait_for_checkpoint(request, max(0.0, deadline - time.time()), poll_s=0.02)
+        timings["checkpoint_s"] = time.perf_counter() - started
     if step is None and why_not is None:
         why_not = "the old plan committed no checkpoint before the deadline"
     if why_not is None:
@@ -194,7 +214,7 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
             why_not = f"the fetch failed ({e})"
         timings["fetch_s"] = time.perf_counter() - started
     if why_not is not None:  # the restart reads what the staying nodes and the bucket hold once the old ranks end
-        wait_for_workers_to_exit(run_dir, timeout_s=max(5.0, deadline - time.time()))
+        wait_for_workers_to_exit(run_dir, timeout_s=max(5.0, deadline - time.time()), pids=old_pids)
         old_records = _records(metrics)
         if thread.is_alive():
             write_text_atomic(standby, json.dumps({"cancel": True}) + "\n", "standby switch")
@@ -215,17 +235,17 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     end = report.step + 1 + steps_after if steps_after else standby_config.steps
     write_text_atomic(standby, json.dumps({"resume_from": report.dest, "start_step": report.step + 1, "steps": end})
                       + "\n", "standby switch")
+    # From now on the run is the new plan's: later recoveries and resumes (another notice while it
+    # trains) read the run's config, and find its ranks under the warm start's config name.
+    write_config(standby_config.model_copy(update={"plan": str(final_plan), "start_step": report.step + 1, "steps": end,
+                                                   "resume_from": report.dest, "standby_file": None}), run_dir)
+    say(f"switched: the new plan trains from step {report.step + 1}")
+    wait_for_workers_to_exit(run_dir, timeout_s=max(OLD_EXIT_S, deadline - time.time()), pids=old_pids)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
     records = outcome["records"]
     old_records = [r for r in _records(metrics) if r["step"] <= step]
-    wait_for_workers_to_exit(run_dir, timeout_s=max(OLD_EXIT_S, deadline - time.time()))
-    # later recoveries and resumes read the run's config: it is now the new plan's
-    from hetrain.runtime.launch import write_config
-
-    write_config(standby_config.model_copy(update={"plan": str(final_plan), "start_step": report.step + 1, "steps": end,
-                                                   "resume_from": report.dest, "standby_file": None}), run_dir)
     timings["downtime_s"] = downtime(old_records, records)
     result = NoticeRecovery(run_dir, list(leaving_nodes), report.step, plan, final_plan, report, timings, records,
                             switched=True, leaving_nodes=list(leaving_nodes))

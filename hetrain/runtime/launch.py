@@ -175,28 +175,45 @@ def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0, co
             pass
 
 
-def worker_pids(run_dir: Path, config_name: str = CONFIG) -> list[int]:
-    """PIDs of this run's workers that are still alive (checked against their command line)."""
-    config = str((run_dir / config_name).resolve())
+def worker_pids(run_dir: Path, config_name: str | None = CONFIG) -> list[int]:
+    """PIDs of this run's workers that are still alive (checked against their command line).
+
+    ``config_name``: those of one launch (the run's, or a warm start's); None: of every launch
+    of the run (a switched run trains under its warm start's config until it is switched again).
+    """
+    run_dir = run_dir.resolve()
     alive = []
     for pid_file in (run_dir / "pids").glob("*.pid"):
         try:
             pid = int(pid_file.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, ValueError):
             continue
-        if config in cmdline:
+        if any(_is_config_of(arg, run_dir, config_name) for arg in argv):
             alive.append(pid)
     return alive
 
 
-def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> int:
+def _is_config_of(arg: str, run_dir: Path, config_name: str | None) -> bool:
+    if config_name is not None:
+        return str(run_dir / config_name) in arg
+    path = Path(arg)
+    return path.parent == run_dir and path.name.startswith("config") and path.suffix == ".json"
+
+
+def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.2,
+                             pids: list[int] | None = None) -> int:
     """Wait until no worker of the run in ``run_dir`` is alive (a run that is winding down); kill stragglers.
 
+    ``pids``: only these of its workers (a switch waits for the old plan's, not the new one's).
     Returns how many had to be killed. Two launches of one run must never overlap.
     """
+    def alive_now() -> list[int]:
+        now = worker_pids(run_dir, None)
+        return now if pids is None else [p for p in now if p in pids]
+
     deadline = time.monotonic() + timeout_s
-    while (alive := worker_pids(run_dir.resolve())) and time.monotonic() < deadline:
+    while (alive := alive_now()) and time.monotonic() < deadline:
         time.sleep(poll_s)
     for pid in alive:
         try:

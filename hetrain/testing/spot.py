@@ -25,7 +25,8 @@ class LocalSpotRun:
 
     def __init__(self, sources: dict[str, object], request_file: Path,
                  on_preempted: Callable[[str, Notice, int | None], None] | None = None, *, poll_s: float = 1.0,
-                 min_checkpoint_s: float = 10.0, log: Callable[[str], None] = print) -> None:
+                 min_checkpoint_s: float = 10.0, log: Callable[[str], None] = print,
+                 defer_checkpoint_s: float | None = None) -> None:
         self.stop_event = threading.Event()
         self.preempted: list[tuple[str, Notice, int | None]] = []
         self._timers: list[threading.Timer] = []
@@ -46,7 +47,8 @@ class LocalSpotRun:
             return on_notice
 
         self.watchers = [PreemptionWatcher(src, node, request_file=request_file, min_checkpoint_s=min_checkpoint_s,
-                                           on_notice=handler(node), poll_s=poll_s, log=log)
+                                           on_notice=handler(node), poll_s=poll_s, log=log,
+                                           defer_checkpoint_s=defer_checkpoint_s)
                          for node, src in sources.items()]
         self._threads = [threading.Thread(target=w.run, daemon=True, name=f"hetrain-watch-{w.node}")
                          for w in self.watchers]
