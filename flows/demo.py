@@ -308,10 +308,13 @@ def main() -> None:
     console.print(f"[bold]running on one machine[/] (no test bed: {why})", highlight=False)
     args.steps = args.steps or 50
     args.notice_s = args.notice_s if args.notice_s is not None else 5.0
+    from flows.bed import WORKER_QUERY_S
+
     api_port, s3_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}",
+           "PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_S,  # the recovery starts within 2 s of the event
            "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "demo"),
            "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "demo"),
            "AWS_DEFAULT_REGION": "us-east-1", "PWD": str(ROOT)}
