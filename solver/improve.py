@@ -53,6 +53,11 @@ class _Neighbourhood:
                         for c in space.classes]
         self._post: dict[tuple[int, int], float] = {}
         self.scored: dict[tuple[int, ...], tuple[Plan, Estimate] | None] = {}
+        # per template, the terms lower_bound sums (computed once: it runs for every neighbour)
+        self.depth = [len(t.classes) for t in self.T]
+        self.first = [t.tau_s + t.fill_s for t in self.T]
+        self.fill_per_tau = [t.fill_s / t.tau_s for t in self.T]
+        self.rate = [1 / t.tau_s for t in self.T]
 
     def post_lo(self, j: int, D: int) -> float:
         key = (j, D)
@@ -67,12 +72,12 @@ class _Neighbourhood:
 
     def lower_bound(self, combo: tuple[int, ...]) -> float:
         D = len(combo)
-        if D == 0 or sum(len(self.T[j].classes) for j in combo) > self.M:  # 1F1B: a micro-batch per stage
+        depth = self.depth
+        if D == 0 or sum([depth[j] for j in combo]) > self.M:  # 1F1B: a micro-batch per stage
             return float("inf")
-        ts = [self.T[j] for j in combo]
-        first = max(t.tau_s + t.fill_s for t in ts)
-        fluid = (self.M + sum(t.fill_s / t.tau_s for t in ts)) / sum(1 / t.tau_s for t in ts)
-        return max(first, fluid) + max(self.post_lo(j, D) for j in combo)
+        first = max([self.first[j] for j in combo])
+        fluid = (self.M + sum([self.fill_per_tau[j] for j in combo])) / sum([self.rate[j] for j in combo])
+        return max(first, fluid) + max([self.post_lo(j, D) for j in combo])
 
     def exact(self, combo: tuple[int, ...]) -> tuple[Plan, Estimate] | None:
         if combo not in self.scored:

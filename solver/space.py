@@ -29,6 +29,9 @@ from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
 DEPTH_SLACK = 3
+# re-estimates of split_layers_modes' bulk threshold (each re-reads the per-block seconds at the
+# block counts the last one implies): on the benchmark templates two leave ~4 of ~34 blocks to the heap
+BULK_REFINES = 2
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,21 @@ def split_layers(
     return None if found is None else found[0]
 
 
+def _stage_table(opts: list[tuple[float, int]], limit: int) -> tuple[list[float], list[tuple[float, int]]]:
+    """One stage's modes with their block limits capped at ``limit``, and per block count n the
+    seconds per block of the fastest mode holding n (inf where none does)."""
+    modes = [(b, min(max(c, 0), limit)) for b, c in opts]
+    per_block, filled = [math.inf] * (limit + 2), 0
+    for b, c in sorted(modes):  # fastest first: it serves every count it holds that no faster mode does
+        if c > filled:
+            per_block[filled + 1:c + 1] = [b] * (c - filled)
+            filled = c
+    return per_block, modes
+
+
 def split_layers_modes(
-    num_layers: int, options: list[list[tuple[float, int]]], extra_s: list[float]
+    num_layers: int, options: list[list[tuple[float, int]]], extra_s: list[float],
+    tables: dict | None = None,
 ) -> tuple[list[int], list[int]] | None:
     """Blocks and a mode per stage minimising the slowest stage, each stage within its mode's memory.
 
@@ -125,53 +141,93 @@ def split_layers_modes(
     back from the slowest stages (least total work), and each stage runs the fastest mode that
     holds what it kept. Returns (blocks, mode index per stage), or None when the stages cannot
     hold the model.
+
+    The hand-out goes in two steps with the same result as one block at a time: every value
+    below a threshold ``v0`` (the continuous balance point, one block lower) is taken at
+    once when they number at most the blocks to hand out, since one at a time takes them all
+    before any other value; a heap hands out the few left. ``tables``: a cache of the
+    per-stage tables (``_stage_table``) across calls with the same options.
     """
     S = len(options)
+    L = num_layers
+    if S == 0 or S > L:
+        return None
     most = [max(c for _, c in opts) for opts in options]
-    if any(c < 1 for c in most) or sum(most) < num_layers or S > num_layers:
+    if min(most) < 1 or sum(most) < L:
         return None
     # No stage holds more than L - (S - 1) blocks (every other holds one).
-    limit = num_layers - S + 1
-    modes = [[(b, min(max(c, 0), limit)) for b, c in opts] for opts in options]
-    fastest = []  # fastest[k][n]: seconds per block of stage k's fastest mode holding n blocks
-    for opts in modes:
-        per_block, filled = [math.inf] * (limit + 2), 0
-        for b, c in sorted(opts):  # fastest first: it serves every count it holds that no faster mode does
-            if c > filled:
-                per_block[filled + 1:c + 1] = [b] * (c - filled)
-                filled = c
-        fastest.append(per_block)
+    limit = L - S + 1
+    fastest, modes = [], []  # fastest[k][n]: seconds per block of stage k's fastest mode holding n blocks
+    for opts in options:
+        if tables is None:
+            found = _stage_table(opts, limit)
+        else:
+            key = (tuple(opts), limit)
+            found = tables.get(key)
+            if found is None:
+                found = tables[key] = _stage_table(opts, limit)
+        fastest.append(found[0])
+        modes.append(found[1])
+    e = extra_s
 
-    def stage_s(k: int, n: int) -> float:
-        return n * fastest[k][n] + extra_s[k]
-
-    tau = max(stage_s(k, 1) for k in range(S))
+    tau = max(fastest[k][1] + e[k] for k in range(S))  # every stage holds a block
     if tau == math.inf:
         return None
+    need = L - S  # blocks left to hand out
     held = [1] * S
-    offers = [(stage_s(k, 2), k) for k in range(S)]
-    heapq.heapify(offers)
-    for _ in range(num_layers - S):
-        value, k = heapq.heappop(offers)
-        if value == math.inf:
-            return None
-        held[k] += 1
-        tau = max(tau, value)
-        heapq.heappush(offers, (stage_s(k, held[k] + 1), k))
+    if need > S and min(f[1] for f in fastest) > 0:
+        # A stage holding about n blocks at b seconds each takes (v - e_k) / b - 1 more blocks
+        # below v: the v where they add up to ``need``, with b re-read at the counts it implies.
+        per_block = [f[1] for f in fastest]
+        for _ in range(BULK_REFINES + 1):
+            v0 = (need + sum(1 + ek / b for ek, b in zip(e, per_block))) / sum(1 / b for b in per_block)
+            guess = [min(limit, max(1, int((v0 - ek) / b))) for ek, b in zip(e, per_block)]
+            per_block = [fastest[k][n] if fastest[k][n] < math.inf else per_block[k] for k, n in enumerate(guess)]
+        bulk = []
+        for k in range(S):  # largest n with f_k(n) < v0 (at least 1), walking from the guess
+            pb, ek, n = fastest[k], e[k], guess[k]
+            while n > 1 and n * pb[n] + ek >= v0:
+                n -= 1
+            while n < limit and (n + 1) * pb[n + 1] + ek < v0:
+                n += 1
+            bulk.append(n)
+        if sum(bulk) - S <= need:
+            for k in range(S):
+                if bulk[k] > 1:
+                    tau = max(tau, bulk[k] * fastest[k][bulk[k]] + e[k])
+            need -= sum(bulk) - S
+            held = bulk
+    if need:
+        offers = [((held[k] + 1) * fastest[k][held[k] + 1] + e[k], k) for k in range(S)]
+        heapq.heapify(offers)
+        for _ in range(need):
+            value, k = heapq.heappop(offers)
+            if value == math.inf:
+                return None
+            held[k] += 1
+            tau = max(tau, value)
+            n = held[k] + 1
+            heapq.heappush(offers, (n * fastest[k][n] + e[k], k))
     at_tau = []  # per stage: the most blocks a mode holds within tau (ties to the least recompute), its per-block s
     for k in range(S):
-        takes = [c if b <= 0 else min(c, math.floor((tau - extra_s[k]) / b + 1e-9)) for b, c in modes[k]]
-        i = max(range(len(takes)), key=lambda i: (takes[i], -i))
+        ek = e[k]
+        takes = [c if b <= 0 else min(c, math.floor((tau - ek) / b + 1e-9)) for b, c in modes[k]]
+        i = takes.index(max(takes))
         # never fewer than the greedy pass handed out (it fits within tau; rounding may say one less)
         at_tau.append((max(takes[i], held[k]), modes[k][i][0]))
     n = [blocks for blocks, _ in at_tau]
-    surplus = sum(n) - num_layers
+    surplus = sum(n) - L
     for k in sorted(range(S), key=lambda k: -at_tau[k][1]):
         give = min(surplus, n[k] - 1)
         n[k] -= give
         surplus -= give
-    chosen = [min((i for i, (_, c) in enumerate(options[k]) if c >= n[k]), key=lambda i: options[k][i][0])
-              for k in range(S)]
+    chosen = []
+    for k in range(S):
+        best_i, best_b = -1, math.inf
+        for i, (b, c) in enumerate(options[k]):
+            if c >= n[k] and b < best_b:
+                best_i, best_b = i, b
+        chosen.append(best_i)
     return n, chosen
 
 
@@ -227,6 +283,92 @@ def stage_order(classes: list[GroupClass], members: tuple[int, ...]) -> tuple[in
     return tuple(sorted(members, key=lambda c: (-classes[c].units.capacity_bytes, classes[c].units.block_s, c)))
 
 
+class _TemplateBuilder:
+    """Builds the templates of one space: what they share (the send between each pair of classes,
+    each stage's per-block table) is computed once.
+
+    A template is built in three steps: every candidate stage order with its sends and each
+    stage's modes and fixed time (``_orders``), a split per order (``split_layers_modes``, or
+    ``split_layers_batch`` for many templates at once), and the order with the faster steady
+    state kept (``_finish``).
+    """
+
+    def __init__(self, cluster: ClusterSpec, cost: CostModel, classes: list[GroupClass], tp: int,
+                 micro_batch_size: int):
+        self.cluster, self.cost, self.classes = cluster, cost, classes
+        self.tp, self.micro_batch_size = tp, micro_batch_size
+        self.L = cost.model.num_layers
+        self.links: dict[tuple[int, int], float] = {}
+        self.tables: dict = {}
+
+    def _send(self, a: int, b: int) -> float:
+        s = self.links.get((a, b))
+        if s is None:
+            ca, cb = self.classes[a], self.classes[b]
+            bw, between_nodes = class_link(self.cluster, ca, cb)
+            senders = self.cost.concurrent_senders(ca.nodes + cb.nodes, self.tp) if between_nodes else 1
+            s = self.links[(a, b)] = self.cost.send_s(bw, self.micro_batch_size, senders)
+        return s
+
+    def _orders(self, members: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[float, ...], list, list[float]]]:
+        """Per candidate stage order: (order, sends, each stage's modes as split_layers_modes takes them, fixed time).
+
+        Most memory first suits the in-flight activations of the first stages, but the last
+        stage holds the LM head, its logits and their gradients (whole on every TP rank): with a
+        large vocabulary the roomiest group may serve better there, or the order may be best
+        reversed. A stage's sends block it (``pipeline_terms``), so they count as its fixed time:
+        a middle stage, which sends both ways, takes fewer blocks than an end stage of the same class.
+        """
+        classes = self.classes
+        canonical = stage_order(classes, members)
+        S = len(canonical)
+        out = []
+        for order in dict.fromkeys((canonical, canonical[1:] + canonical[:1], canonical[::-1])):
+            e = tuple(self._send(order[k], order[k + 1]) for k in range(S - 1))
+            options = [classes[c].options(k == 0, k == S - 1, S - k) for k, c in enumerate(order)]
+            extra = [classes[c].modes[0].stage_time_s(0, k == 0, k == S - 1) + (e[k - 1] if k > 0 else 0.0)
+                     + (e[k] if k < S - 1 else 0.0) for k, c in enumerate(order)]
+            out.append((order, e, options, extra))
+        return out
+
+    def _finish(self, orders: list, splits: list) -> Template | None:
+        """The template of the order with the faster steady state (then the smaller fill), None if no order splits."""
+        classes, cost, tp = self.classes, self.cost, self.tp
+        best = None
+        for (order, p2p, _, _), found in zip(orders, splits):
+            if found is None:
+                continue
+            blocks, chosen = found
+            S = len(order)
+            units = [classes[c].modes[i] for c, i in zip(order, chosen)]
+            stage_s = tuple(units[k].stage_time_s(blocks[k], k == 0, k == S - 1) for k in range(S))
+            key = pipeline_terms(stage_s, p2p)
+            if best is None or key < best[0]:
+                best = (key, order, blocks, units, stage_s, p2p)
+        if best is None:
+            return None
+        _, order, blocks, units, stage_s, p2p = best
+        S = len(order)
+        grads = tuple(cost.grad_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S))
+        opts = tuple(cost.stage_params(blocks[k], k == 0, k == S - 1, tp) * units[k].opt_s_per_param for k in range(S))
+        return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
+                        tuple(u.recompute for u in units))
+
+    def build(self, members: tuple[int, ...]) -> Template | None:
+        orders = self._orders(members)
+        return self._finish(orders, [split_layers_modes(self.L, o, x, self.tables) for _, _, o, x in orders])
+
+    def build_many(self, many: list[tuple[int, ...]]) -> list[Template | None]:
+        """``build`` for each, with every split done at once (``split_layers_batch``)."""
+        orders = [self._orders(members) for members in many]
+        splits = split_layers_batch(self.L, [(o, x) for each in orders for _, _, o, x in each])
+        out, at = [], 0
+        for each in orders:
+            out.append(self._finish(each, splits[at:at + len(each)]))
+            at += len(each)
+        return out
+
+
 def build_template(
     cluster: ClusterSpec,
     cost: CostModel,
@@ -235,58 +377,76 @@ def build_template(
     tp: int,
     micro_batch_size: int,
 ) -> Template | None:
-    canonical = stage_order(classes, members)
-    S = len(canonical)
-    L = cost.model.num_layers
-    first = [k == 0 for k in range(S)]
-    last = [k == S - 1 for k in range(S)]
+    """The template of a multiset of classes, or None when no stage order holds the model."""
+    return _TemplateBuilder(cluster, cost, classes, tp, micro_batch_size).build(members)
 
-    def send(a: GroupClass, b: GroupClass) -> float:
-        bw, between_nodes = class_link(cluster, a, b)
-        senders = cost.concurrent_senders(a.nodes + b.nodes, tp) if between_nodes else 1
-        return cost.send_s(bw, micro_batch_size, senders)
 
-    def sends(order: tuple[int, ...]) -> tuple[float, ...]:
-        return tuple(send(classes[order[k]], classes[order[k + 1]]) for k in range(S - 1))
+def split_layers_batch(
+    num_layers: int, jobs: list[tuple[list[list[tuple[float, int]]], list[float]]]
+) -> list[tuple[list[int], list[int]] | None]:
+    """``split_layers_modes(num_layers, options, extra_s)`` for each (options, extra_s), in numpy, same answers.
 
-    def split(order: tuple[int, ...], e: tuple[float, ...]) -> tuple[list[int], list[UnitCosts]] | None:
-        """Blocks per stage and the recompute mode each stage runs (its unit costs).
-
-        A stage's sends block it (``pipeline_terms``), so they count as its fixed time: a middle
-        stage, which sends both ways, takes fewer blocks than an end stage of the same class.
-        """
-        modes = [classes[c].modes for c in order]
-        options = [classes[c].options(first[k], last[k], S - k) for k, c in enumerate(order)]
-        extra = [modes[k][0].stage_time_s(0, first[k], last[k]) + (e[k - 1] if k > 0 else 0.0)
-                 + (e[k] if k < S - 1 else 0.0) for k in range(S)]
-        found = split_layers_modes(L, options, extra)
-        if found is None:
-            return None
-        blocks, chosen = found
-        return blocks, [modes[k][i] for k, i in enumerate(chosen)]
-
-    # Most memory first suits the in-flight activations of the first stages, but the last stage
-    # holds the LM head, its logits and their gradients (whole on every TP rank): with a large
-    # vocabulary the roomiest group may serve better there, or the order may be best reversed.
-    # Each order is split; the one with the faster steady state (then the smaller fill) is kept.
-    best = None
-    for order in dict.fromkeys((canonical, canonical[1:] + canonical[:1], canonical[::-1])):
-        p2p = sends(order)
-        found = split(order, p2p)
-        if found is None:
+    Jobs of the same depth (and modes per stage) are solved together. The one-block-at-a-time
+    hand-out takes the ``need = L - S`` smallest values f_k(n), n >= 2, in (value, stage) order;
+    at once: the need-th smallest value t (a partition) bounds them, every value below t is
+    taken, and of the values equal to t the first stages take what is left (the heap pops
+    equal values stage by stage). The rest is split_layers_modes' arithmetic elementwise, in
+    the same order, so the same floats.
+    """
+    L = num_layers
+    out: list = [None] * len(jobs)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (options, _) in enumerate(jobs):
+        widths = {len(o) for o in options}
+        if len(widths) != 1 or not options:  # stages with different numbers of modes: one by one
+            out[i] = split_layers_modes(L, options, jobs[i][1])
             continue
-        blocks, units = found
-        stage_s = tuple(units[k].stage_time_s(blocks[k], first[k], last[k]) for k in range(S))
-        key = pipeline_terms(stage_s, p2p)
-        if best is None or key < best[0]:
-            best = (key, order, blocks, units, stage_s, p2p)
-    if best is None:
-        return None
-    _, order, blocks, units, stage_s, p2p = best
-    grads = tuple(cost.grad_bytes(blocks[k], first[k], last[k], tp) for k in range(S))
-    opts = tuple(cost.stage_params(blocks[k], first[k], last[k], tp) * units[k].opt_s_per_param for k in range(S))
-    return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
-                    tuple(u.recompute for u in units))
+        groups.setdefault((len(options), widths.pop()), []).append(i)
+    for (S, _), idx in groups.items():
+        if S > L:
+            continue
+        opt = np.array([jobs[i][0] for i in idx], dtype=float)  # (N, S, modes, 2)
+        B, C = opt[..., 0], opt[..., 1]
+        e = np.array([jobs[i][1] for i in idx], dtype=float)  # (N, S)
+        ok = (C.max(axis=2) >= 1).all(axis=1) & (C.max(axis=2).sum(axis=1) >= L)
+        limit = L - S + 1
+        cap = np.minimum(np.maximum(C, 0), limit)
+        n = np.arange(1, limit + 2, dtype=float)
+        # per_block[n]: the least seconds per block of the modes holding n blocks (inf if none)
+        per_block = np.where(cap[..., None] >= n, B[..., None], np.inf).min(axis=2)  # (N, S, limit + 1)
+        f = n * per_block + e[..., None]
+        tau = f[:, :, 0].max(axis=1)
+        need = L - S
+        held = np.ones((len(idx), S))
+        if need > 0:
+            V = f[:, :, 1:limit]  # n = 2 .. limit
+            t = np.partition(V.reshape(len(idx), -1), need - 1, axis=1)[:, need - 1]
+            ok &= np.isfinite(t)
+            less = (V < t[:, None, None]).sum(axis=2)
+            eq = (V == t[:, None, None]).sum(axis=2)
+            left = need - less.sum(axis=1)
+            take_eq = np.clip(left[:, None] - (np.cumsum(eq, axis=1) - eq), 0, eq)
+            held = 1 + less + take_eq
+            tau = np.maximum(tau, t)
+        ok &= np.isfinite(tau)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fit = np.floor((tau[:, None, None] - e[..., None]) / B + 1e-9)
+        takes = np.where(B <= 0, cap, np.minimum(cap, fit))
+        mode = takes.argmax(axis=2)[..., None]
+        blocks = np.maximum(np.take_along_axis(takes, mode, axis=2)[..., 0], held)
+        per = np.take_along_axis(B, mode, axis=2)[..., 0]
+        # surplus blocks go back from the slowest stages first (stable: ties in stage order)
+        surplus = blocks.sum(axis=1) - L
+        order = np.argsort(-per, axis=1, kind="stable")
+        spare = np.take_along_axis(blocks, order, axis=1) - 1
+        give = np.clip(surplus[:, None] - (np.cumsum(spare, axis=1) - spare), 0, spare)
+        np.put_along_axis(blocks, order, np.take_along_axis(blocks, order, axis=1) - give, axis=1)
+        chosen = np.where(C >= blocks[..., None], B, np.inf).argmin(axis=2)
+        blocks_l, chosen_l = blocks.astype(int).tolist(), chosen.tolist()
+        for r, i in enumerate(idx):
+            if ok[r]:
+                out[i] = (blocks_l[r], chosen_l[r])
+    return out
 
 
 @dataclass
@@ -326,26 +486,44 @@ def build_space(
     M = cost.settings.global_batch_size // micro_batch_size
     depth_cap = min(L, sum(avail), M)  # 1F1B needs a micro-batch per stage: no pipeline is deeper than M
     scarce_depth = -(-sum(avail) // M)  # with fewer micro-batches than groups, pipelines must be this deep
-    templates: list[Template] = []
     fits = _MemoryCheck(classes, L)
-    for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
-        for chosen in itertools.combinations(range(len(classes)), kinds):
-            shallowest = None
-            for depth in range(kinds, depth_cap + 1):
-                if shallowest is not None and depth > max(shallowest + depth_slack, scarce_depth):
-                    break
-                found = False
-                check = fits.checker(chosen, depth)
-                for counts in _compositions(depth, [avail[c] for c in chosen]):
-                    if not check(counts):
-                        continue  # some stage cannot hold its share of the blocks: no template
-                    members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
-                    t = build_template(cluster, cost, classes, members, tp, micro_batch_size)
-                    if t is not None:
-                        templates.append(t)
-                        found = True
-                if found and shallowest is None:
-                    shallowest = depth
+    builder = _TemplateBuilder(cluster, cost, classes, tp, micro_batch_size)
+
+    def shapes(exists):
+        """The pipeline shapes the enumeration visits, in order; ``exists(shape)``: whether it has a
+        template (the deeper shapes visited depend on the shallowest that has one)."""
+        visit = []
+        for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
+            for chosen in itertools.combinations(range(len(classes)), kinds):
+                shallowest = None
+                for depth in range(kinds, depth_cap + 1):
+                    if shallowest is not None and depth > max(shallowest + depth_slack, scarce_depth):
+                        break
+                    found = False
+                    check = fits.checker(chosen, depth)
+                    for counts in _compositions(depth, [avail[c] for c in chosen]):
+                        if not check(counts):
+                            continue  # some stage cannot hold its share of the blocks: no template
+                        members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
+                        visit.append(members)
+                        if exists(members):
+                            found = True
+                    if found and shallowest is None:
+                        shallowest = depth
+        return visit
+
+    # The memory check passes exactly the shapes that split (``_MemoryCheck``), so the shapes
+    # are listed first and their templates built at once; the listing is then repeated with
+    # what was built, and any shape it visits that was not built is built one by one.
+    visit = shapes(lambda members: True)
+    built = dict(zip(visit, builder.build_many(visit)))
+
+    def get(members: tuple[int, ...]) -> Template | None:
+        if members not in built:
+            built[members] = builder.build(members)
+        return built[members]
+
+    templates = [t for t in (get(members) for members in shapes(lambda members: get(members) is not None)) if t is not None]
     return Space(tp, micro_batch_size, L, classes, _undominated(templates))
 
 
