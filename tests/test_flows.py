@@ -221,6 +221,7 @@ def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, 
     from ckpt_helpers import CLUSTER_YAML, plan, run
     from flows.recover import _merge_key
     from hetrain.config import CheckpointConfig
+    from hetrain.plan.schema import Plan
     from hetrain.runtime.launch import worker_pids
 
     dep = anyio.run(_deployment, "hetrain-recover/recover")
@@ -270,6 +271,14 @@ def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, 
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(len(steps))) and steps[-1] > switch_step  # every step once, across the switch
     assert not worker_pids(run_dir, None)
+    # the old plan ended at its emergency checkpoint; the same plan change as a cold restart from
+    # that checkpoint trains the same losses as the warm ranks did
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[switch_step].get("stopped")
+    new_plan = Plan.model_validate_json(Path(report["plan"]).read_text())
+    cold = run(new_plan, tmp_path / "cold", steps=switch_step + 4, start_step=switch_step + 1,
+               resume_from=str(run_dir / "restore" / f"step-{switch_step}"))
+    assert [r["loss"] for r in cold] == [r["loss"] for r in records[switch_step + 1:switch_step + 4]]
 
 
 BAD_RECOVERIES = [
