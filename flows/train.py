@@ -129,11 +129,13 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
             logger.warning("node %s is gone: run %s stopped (%s); recovery takes over", node, run_id, e)
             return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
                     "last_step": last}
-    if records and records[-1].get("stopped"):  # a recovery switched the run to a new plan at this step
-        logger.info("run %s: switched to a new plan after step %d; the recovery flow follows it from there",
-                    run_id, records[-1]["step"])
-        return {"status": "switched", "run_id": run_id, "first_step": config.start_step,
-                "last_step": records[-1]["step"], "checkpoint_step": records[-1]["step"]}
+    if records and records[-1].get("stopped"):  # a checkpoint request with stop ended it
+        last = records[-1]["step"]
+        switched = Path(json.loads((run_dir / "config.json").read_text())["plan"]).name != plan_path.name
+        logger.info("run %s: stopped at its checkpoint of step %d%s", run_id, last,
+                    "; a recovery switched it to a new plan and follows it from there" if switched else "")
+        return {"status": "switched" if switched else "stopped", "run_id": run_id, "first_step": config.start_step,
+                "last_step": last, "checkpoint_step": last}
     problem = backup_problem(config)
     if problem:
         logger.error("backup: %s", problem)
