@@ -18,7 +18,7 @@ demo: setup
 # suite waits on process starts, servers and polls, so two files at once halve its wall time
 # even on two cores.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: setup
 	$(PY) bench/plan_quality.py

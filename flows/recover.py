@@ -14,6 +14,7 @@ too (one re-plan, one switch or restart) and marks them merged; they end without
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -102,9 +103,12 @@ def merge_notices(run_id: str, lost: list[str], until: datetime | None) -> tuple
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(not_any_=[me]), state=FlowRunFilterState(
                 type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]))),
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment])))
+    # the same recovery but for its nodes and deadline (another cluster file or launch is another request)
+    same = {k: v for k, v in (flow_run.parameters or {}).items() if k not in ("lost_node", "lost_until")}
     nodes, merged = list(lost), []
     for other in waiting:
-        if other.parameters.get("run_id") != run_id or _merged_into(run_id, str(other.id)):
+        theirs = {k: v for k, v in other.parameters.items() if k not in ("lost_node", "lost_until")}
+        if theirs != same or other.parameters.get("run_id") != run_id or _merged_into(run_id, str(other.id)):
             continue
         nodes += [n.strip() for n in str(other.parameters.get("lost_node", "")).split(",") if n.strip()]
         text = str(other.parameters.get("lost_until") or "")
@@ -127,6 +131,19 @@ def _merge_key(run_id: str, flow_run_id: str) -> str:
 def _merged_into(run_id: str, flow_run_id: str) -> str | None:
     found = Artifact.get(_merge_key(run_id, flow_run_id))
     return str(found.data) if found is not None else None
+
+
+def _merge_failed(marker: str) -> str | None:
+    """The final state of the recovery a notice was merged into, if that one failed (then recover on one's own)."""
+    from prefect.client.orchestration import get_client
+
+    found = re.search(r"\(([0-9a-f-]{36})\)$", marker)
+    if not found:
+        return None
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(found.group(1)).state
+    return state.name if state is not None and (state.is_failed() or state.is_crashed() or state.is_cancelled()) \
+        else None
 
 
 def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: int | None, runs_root: str,
@@ -234,9 +251,12 @@ def recover(
         from prefect.runtime import flow_run
 
         into = _merged_into(run_id, str(flow_run.id)) if flow_run.id else None
-        if into:  # a notice that came at once with another: that recovery took this one's nodes
+        ended = _merge_failed(into) if into else None
+        if into and not ended:  # a notice that came at once with another: that recovery took this one's nodes
             logger.info("run %s: %s", run_id, into)
             return {"run_id": run_id, "lost_nodes": lost, "status": "merged", "merged_into": into}
+        if ended:
+            logger.warning("run %s: this notice was %s, which ended %s: recovering on its own", run_id, into, ended)
         lost, until, merged = merge_notices(run_id, lost, until)
         if merged:
             logger.info("notices that came at once: recovering without %s (flow runs %s merged into this one)",

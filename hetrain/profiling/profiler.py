@@ -302,7 +302,9 @@ def _measure(
     del block
     own = "full" if activation_recompute else "none"
     block_fwd_s = per_mode["none"][0]  # the forward every mode runs (selective's policy adds its own dispatch)
-    recompute = {mode: RecomputeEntry(block_backward_s=max(f + b_ - block_fwd_s, 0.0), block_activation_bytes=kept)
+    # a mode's extra forward cost (selective's dispatch) is charged to its backward; never less than
+    # the backward itself (on a loaded machine the modes' forwards may time in the wrong order)
+    recompute = {mode: RecomputeEntry(block_backward_s=max(f + b_ - block_fwd_s, b_), block_activation_bytes=kept)
                  for mode, (f, b_, kept) in per_mode.items()}
     block_bwd_s = recompute[own].block_backward_s
     act_bytes = recompute[own].block_activation_bytes
