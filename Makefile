@@ -14,11 +14,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m flows.demo
 
-# Two workers, a test file each at a time (module fixtures stay one per file): most of the
-# suite waits on process starts, servers and polls, so two files at once halve its wall time
-# even on two cores.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) bench/plan_quality.py

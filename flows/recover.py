@@ -103,8 +103,10 @@ def merge_notices(run_id: str, lost: list[str], until: datetime | None) -> tuple
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(not_any_=[me]), state=FlowRunFilterState(
                 type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]))),
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment])))
-    # the same recovery but for its nodes and deadline (another cluster file or launch is another request)
-    same = {k: v for k, v in (flow_run.parameters or {}).items() if k not in ("lost_node", "lost_until")}
+        # the same recovery but for its nodes and deadline (another cluster file or launch is another
+        # request), compared as the server holds both runs' parameters (the runtime's have defaults filled in)
+        mine = client.read_flow_run(me).parameters
+    same = {k: v for k, v in mine.items() if k not in ("lost_node", "lost_until")}
     nodes, merged = list(lost), []
     for other in waiting:
         theirs = {k: v for k, v in other.parameters.items() if k not in ("lost_node", "lost_until")}

@@ -9,18 +9,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(Path(__file__).parent))
 
-# The longest files first (wall seconds on 2 cores: demo ~200, bed flows ~280, flows ~250, ...):
-# under two xdist workers taking a file at a time (`make test`), the short ones then fill in at
-# the end instead of one long file running alone last.
-LONGEST_FIRST = ["test_demo", "test_netbed_flows", "test_flows", "test_runtime", "test_checkpoint", "test_recovery",
-                 "test_precision", "test_notice_switch", "test_lifecycle", "test_netbed", "test_llama",
-                 "test_async_checkpoint", "test_preemption"]
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's own order is kept
-
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real `hetrain` command line in a subprocess."""
