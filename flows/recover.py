@@ -14,7 +14,7 @@ too (one re-plan, one switch or restart) and marks them merged; they end without
 
 from __future__ import annotations
 
-import re
+import json
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import Artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import Artifact, create_table_artifact
 from pydantic import Field
 
 from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes, run_tag, stop_run
@@ -110,7 +110,7 @@ def merge_notices(run_id: str, lost: list[str], until: datetime | None) -> tuple
     nodes, merged = list(lost), []
     for other in waiting:
         theirs = {k: v for k, v in other.parameters.items() if k not in ("lost_node", "lost_until")}
-        if theirs != same or other.parameters.get("run_id") != run_id or _merged_into(run_id, str(other.id)):
+        if theirs != same or _merged_into(run_id, str(other.id)):
             continue
         nodes += [n.strip() for n in str(other.parameters.get("lost_node", "")).split(",") if n.strip()]
         text = str(other.parameters.get("lost_until") or "")
@@ -119,9 +119,8 @@ def merge_notices(run_id: str, lost: list[str], until: datetime | None) -> tuple
         except ValueError:
             continue  # its own run fails on it with the reason
         until = None if until is None or theirs is None else min(until, theirs)
-        create_markdown_artifact(f"merged into recovery flow run {flow_run.name} ({me})",
-                                 key=_merge_key(run_id, str(other.id)),
-                                 description=f"this notice's nodes were recovered by flow run {me}")
+        create_table_artifact([{"merged_into": str(me), "flow_run": flow_run.name}], key=_merge_key(run_id, str(other.id)),
+                              description=f"this notice's nodes were recovered by flow run {flow_run.name}")
         merged.append(other.name)
     return list(dict.fromkeys(nodes)), until, merged
 
@@ -131,19 +130,20 @@ def _merge_key(run_id: str, flow_run_id: str) -> str:
 
 
 def _merged_into(run_id: str, flow_run_id: str) -> str | None:
+    """The id of the recovery flow run a notice's flow run was merged into, if it was."""
     found = Artifact.get(_merge_key(run_id, flow_run_id))
-    return str(found.data) if found is not None else None
+    if found is None:
+        return None
+    rows = json.loads(found.data) if isinstance(found.data, str) else found.data  # a table artifact's rows
+    return rows[0]["merged_into"]
 
 
-def _merge_failed(marker: str) -> str | None:
-    """The final state of the recovery a notice was merged into, if that one failed (then recover on one's own)."""
+def _ended_badly(flow_run_id: str) -> str | None:
+    """The final state of a recovery a notice was merged into, if that one failed (then recover on one's own)."""
     from prefect.client.orchestration import get_client
 
-    found = re.search(r"\(([0-9a-f-]{36})\)$", marker)
-    if not found:
-        return None
     with get_client(sync_client=True) as client:
-        state = client.read_flow_run(found.group(1)).state
+        state = client.read_flow_run(flow_run_id).state
     return state.name if state is not None and (state.is_failed() or state.is_crashed() or state.is_cancelled()) \
         else None
 
@@ -253,12 +253,13 @@ def recover(
         from prefect.runtime import flow_run
 
         into = _merged_into(run_id, str(flow_run.id)) if flow_run.id else None
-        ended = _merge_failed(into) if into else None
+        ended = _ended_badly(into) if into else None
         if into and not ended:  # a notice that came at once with another: that recovery took this one's nodes
-            logger.info("run %s: %s", run_id, into)
+            logger.info("run %s: merged into recovery flow run %s", run_id, into)
             return {"run_id": run_id, "lost_nodes": lost, "status": "merged", "merged_into": into}
         if ended:
-            logger.warning("run %s: this notice was %s, which ended %s: recovering on its own", run_id, into, ended)
+            logger.warning("run %s: merged into recovery flow run %s, which ended %s: recovering on its own",
+                           run_id, into, ended)
         lost, until, merged = merge_notices(run_id, lost, until)
         if merged:
             logger.info("notices that came at once: recovering without %s (flow runs %s merged into this one)",

@@ -28,7 +28,7 @@ from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
-from hetrain.recovery.runs import backup_problem, check_run_paths, run_dir_of, start_or_resume
+from hetrain.recovery.runs import backup_problem, check_run_paths, load_run, run_dir_of, start_or_resume
 from hetrain.runtime.launch import RunStopped, launch
 from hetrain.runtime.schedule import DEFAULT_LR
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
@@ -131,7 +131,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
                     "last_step": last}
     if records and records[-1].get("stopped"):  # a checkpoint request with stop ended it
         last = records[-1]["step"]
-        switched = Path(json.loads((run_dir / "config.json").read_text())["plan"]).name != plan_path.name
+        switched = Path(load_run(run_dir).plan).name != plan_path.name
         logger.info("run %s: stopped at its checkpoint of step %d%s", run_id, last,
                     "; a recovery switched it to a new plan and follows it from there" if switched else "")
         return {"status": "switched" if switched else "stopped", "run_id": run_id, "first_step": config.start_step,

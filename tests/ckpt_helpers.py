@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -75,3 +77,33 @@ def dumped_state(p: Plan, directory: Path) -> dict[str, torch.Tensor]:
 
 def metrics(directory: Path) -> list[dict]:
     return [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextmanager
+def moto_bucket(bucket: str) -> Iterator[tuple[str, object]]:
+    """A moto S3 server on loopback with ``bucket``: (endpoint, s3fs filesystem).
+
+    Its credentials reach the training processes through the environment. moto keeps one state
+    per process: test modules sharing a process need bucket names of their own.
+    """
+    import pytest
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from hetrain.runtime.launch import free_port
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+        fs.mkdir(bucket)
+        yield endpoint, fs
+    finally:
+        server.stop()
+        mp.undo()

@@ -12,14 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-import s3fs
-from moto.server import ThreadedMotoServer
 
-from ckpt_helpers import CLUSTER_YAML, plan, run
+from ckpt_helpers import CLUSTER_YAML, moto_bucket, plan, run
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.recovery.proactive import recover_in_notice_window
-from hetrain.runtime.launch import free_port, worker_pids
+from hetrain.runtime.launch import worker_pids
 from solver.planner import make_plan
 
 BUCKET = "hetrain-notice"  # moto's state is one per process: not test_recovery's bucket
@@ -32,20 +30,9 @@ AFTER = 3  # steps the new plan trains after the switch
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on loopback with this module's bucket; credentials reach the ranks through the environment."""
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        mp.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
-    fs.mkdir(BUCKET)
-    yield endpoint, fs
-    server.stop()
-    mp.undo()
+    """A moto S3 server on loopback with this module's bucket: (endpoint, filesystem)."""
+    with moto_bucket(BUCKET) as found:
+        yield found
 
 
 def planner(cluster, model, settings):

@@ -16,10 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import s3fs
 from moto.server import ThreadedMotoServer
 
-from ckpt_helpers import CLUSTER_YAML, TINY, plan, run
+from ckpt_helpers import CLUSTER_YAML, TINY, moto_bucket, plan, run
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name
 from hetrain.checkpoint.peer import PeerServer
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
@@ -32,21 +31,10 @@ from solver.planner import make_plan
 BUCKET = "hetrain-test"
 SAVE = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on loopback; the credentials reach the training processes through the environment."""
-    mp = pytest.MonkeyPatch()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        mp.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
-    fs.mkdir(BUCKET)
-    yield endpoint, fs
-    server.stop()
-    mp.undo()
+def s3():
+    """A moto S3 server on loopback with this module's bucket: (endpoint, filesystem)."""
+    with moto_bucket(BUCKET) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")

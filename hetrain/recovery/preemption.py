@@ -234,38 +234,26 @@ class PreemptionWatcher:
         files = self._request_files()
         why_not = "no time for a checkpoint" if files else "no run to checkpoint"
         problems = []
-        if files and left is not None and self.defer_checkpoint_s is not None and left > self.defer_checkpoint_s:
+        defer = (bool(files) and left is not None and self.defer_checkpoint_s is not None
+                 and left > self.defer_checkpoint_s)
+        if defer:  # the recovery asks; the watcher only if nobody has, min_checkpoint_s before the deadline
             for request in files:  # answers to earlier notices must not count as a request for this one
                 for old in request.parent.glob(request.name + ".done-*"):
                     old.unlink(missing_ok=True)
             self.deferred = threading.Timer(left - self.min_checkpoint_s, self._request_if_nobody_did, args=(files,))
             self.deferred.daemon = True
             self.deferred.start()
-            self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({left:.0f} s left); the emergency "
-                     f"checkpoint is left to the recovery (asked for here {self.min_checkpoint_s:g} s before the "
-                     f"deadline if it has not been)")
-            try:
-                if self.on_notice is not None:
-                    self.on_notice(notice, False)
-            finally:
-                self.handled.set()
-            return True
-        if files and (left is None or left >= self.min_checkpoint_s):
-            for request in files:
-                try:
-                    request.parent.mkdir(parents=True, exist_ok=True)
-                    for old in request.parent.glob(request.name + ".done-*"):
-                        old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
-                    request.write_text(json.dumps({**notice.to_dict(), "stop": self.stop_after_checkpoint}))
-                    self.requested.append(request)
-                except OSError as e:  # the notice still goes to the hook: it matters more than the checkpoint
-                    problems.append(f"cannot request a checkpoint ({request}: {e.strerror or e})")
+        elif files and (left is None or left >= self.min_checkpoint_s):
+            problems = [p for p in map(self._request, files) if p]
         checkpoint = bool(self.requested)
         when = f"{left:.0f} s left" if left is not None else "no deadline given"
         unreadable = f" (unreadable answer: {notice.detail.get('error')})" if notice.action == "unreadable" else ""
         asked = ("emergency checkpoint requested" + (f" in {len(self.requested)} runs" if len(self.requested) > 1 else "")
                  + (", then the run stops" if self.stop_after_checkpoint else ""))
         said = ([asked] if checkpoint else []) + (problems or ([] if checkpoint else [why_not]))
+        if defer:
+            said = [f"the emergency checkpoint is left to the recovery (asked for here {self.min_checkpoint_s:g} s "
+                    f"before the deadline if it has not been)"]
         self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}){unreadable}; " + "; ".join(said))
         try:
             if self.on_notice is not None:
@@ -274,19 +262,27 @@ class PreemptionWatcher:
             self.handled.set()
         return True
 
+    def _request(self, request: Path) -> str | None:
+        """Ask the run of ``request`` for the emergency checkpoint; the problem, if it could not be asked."""
+        try:
+            request.parent.mkdir(parents=True, exist_ok=True)
+            for old in request.parent.glob(request.name + ".done-*"):
+                old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
+            request.write_text(json.dumps({**self.notice.to_dict(), "stop": self.stop_after_checkpoint}))
+            self.requested.append(request)
+            return None
+        except OSError as e:  # the notice still goes to the hook: it matters more than the checkpoint
+            return f"cannot request a checkpoint ({request}: {e.strerror or e})"
+
     def _request_if_nobody_did(self, files: list[Path]) -> None:
         """A deferred checkpoint's fallback: request it for each run no recovery has asked yet."""
         for request in files:
             if request.exists() or any(request.parent.glob(request.name + ".done-*")):
                 continue  # asked (a switch's request, pending or answered)
-            try:
-                request.write_text(json.dumps({**(self.notice.to_dict() if self.notice else {}),
-                                               "stop": self.stop_after_checkpoint}))
-                self.requested.append(request)
-                self.log(f"node {self.node}: no recovery asked for the emergency checkpoint of {request.parent.name}; "
-                         f"requested it {self.min_checkpoint_s:g} s before the deadline")
-            except OSError as e:
-                self.log(f"node {self.node}: cannot request a checkpoint ({request}: {e.strerror or e})")
+            problem = self._request(request)
+            self.log(f"node {self.node}: " + (problem or f"no recovery asked for the emergency checkpoint of "
+                                              f"{request.parent.name}; requested it {self.min_checkpoint_s:g} s "
+                                              f"before the deadline"))
 
     def _request_files(self) -> list[Path]:
         if self.request_file is None:

@@ -73,13 +73,6 @@ class NoticeRecovery(RecoveryResult):
         return out
 
 
-def can_switch(run_dir: Path, deadline: float, switch_reserve_s: float = DEFAULT_SWITCH_RESERVE_S) -> bool:
-    """Whether a notice for the run in ``run_dir`` is worth a switch: it still trains and the deadline leaves time."""
-    from hetrain.runtime.launch import worker_pids
-
-    return deadline - time.time() > switch_reserve_s and bool(worker_pids(run_dir.resolve(), None))
-
-
 def standby_config_name(run_dir: Path) -> str:
     """A config name no running launch of the run uses: a switched run trains under its warm start's
     config, and the next notice's warm start must not take its name."""
@@ -120,9 +113,7 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     steps after the switch (benchmarks and tests, which cannot know the switch step ahead).
     """
     from hetrain.plan.layout import build_layout
-    from hetrain.runtime.launch import launch, wait_for_workers_to_exit
-
-    from hetrain.runtime.launch import worker_pids, write_config
+    from hetrain.runtime.launch import launch, wait_for_workers_to_exit, worker_pids, write_config
 
     say = on_progress or (lambda _: None)
     run_dir = run_dir.resolve()
