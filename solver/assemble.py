@@ -54,12 +54,19 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
     return counts
 
 
-def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template]) -> Plan | None:
+def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template],
+             stage_major: bool = False) -> Plan | None:
     """Concrete plan for one copy of each template in ``templates`` (repeats allowed).
 
     Groups of a class are handed out node by node, so consecutive stages of one class land
     on one node where they can and copies of a template line up on the same nodes, which
     keeps their layers' gradient all-reduces inside nodes where possible.
+
+    Pipeline-major (default): each copy takes all its stages before the next copy starts, so a
+    pipeline's stages share a node and its sends stay inside it. ``stage_major``: the copies of
+    a template take stage 0 each, then stage 1 each, ..., each stage's copies on one node where
+    they fit: every block's gradient all-reduce then stays inside a node, and the sends cross
+    nodes instead. Which is faster depends on sync volume against send volume: ``score`` tries both.
     """
     settings, model = cost.settings, cost.model
     M = settings.global_batch_size // space.micro_batch_size
@@ -71,26 +78,35 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     # free groups per class: node -> group numbers, nodes in cluster order
     free = [{node: list(range(n)) for node, n in zip(c.nodes, c.groups_per_node) if n} for c in space.classes]
     order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, i))
-    built: dict[int, PipelinePlan] = {}
+    # pipeline-major: one copy at a time; stage-major: the copies of one template together
+    batches: list[list[int]] = []
     for i in order:
-        tpl = templates[i]
-        stages, start, prev_node = [], 0, None
+        if stage_major and batches and templates[batches[-1][0]] is templates[i]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    stages_of: dict[int, list[StagePlan]] = {i: [] for i in order}
+    for batch in batches:
+        tpl = templates[batch[0]]
         recompute = tpl.recompute or (None,) * len(tpl.classes)
+        prev_node: dict[int, str | None] = dict.fromkeys(batch)
+        start = 0
         for cls_idx, blocks, mode in zip(tpl.classes, tpl.blocks, recompute):
             pool = free[cls_idx]
-            if not pool:
-                raise ValueError("templates use more groups than the cluster has")
-            node = prev_node if prev_node in pool else next(iter(pool))
-            g = pool[node].pop(0)
-            if not pool[node]:
-                del pool[node]
-            gpu = space.classes[cls_idx].gpu
-            stages.append(StagePlan(devices=[f"{node}/{k}" for k in range(g * t, (g + 1) * t)], gpu=gpu,
-                                    layers=(start, start + blocks), recompute=mode))
+            stage_node = None  # where this stage's previous copy went
+            for i in batch:
+                if not pool:
+                    raise ValueError("templates use more groups than the cluster has")
+                node = next((n for n in (stage_node, prev_node[i]) if n in pool), None) or next(iter(pool))
+                g = pool[node].pop(0)
+                if not pool[node]:
+                    del pool[node]
+                stages_of[i].append(StagePlan(devices=[f"{node}/{k}" for k in range(g * t, (g + 1) * t)],
+                                              gpu=space.classes[cls_idx].gpu, layers=(start, start + blocks),
+                                              recompute=mode))
+                prev_node[i] = stage_node = node
             start += blocks
-            prev_node = node
-        built[i] = PipelinePlan(num_microbatches=counts[i], stages=stages)
-    pipelines = [built[i] for i in range(len(templates))]
+    pipelines = [PipelinePlan(num_microbatches=counts[i], stages=stages_of[i]) for i in range(len(templates))]
     return Plan(
         model=model,
         cluster=cluster.name,
@@ -111,9 +127,18 @@ def finish(plan: Plan, cost: CostModel, solver_info: dict) -> tuple[Plan, Estima
 
 def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template]
           ) -> tuple[Plan, Estimate] | None:
-    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory."""
-    plan = assemble(cluster, cost, space, templates)
-    if plan is None:
-        return None
-    est = cost.estimate(plan)
-    return None if est.over_capacity() else (plan, est)
+    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory.
+
+    Where a template repeats, its copies are placed both pipeline-major and stage-major
+    (``assemble``) and the faster that fits is kept.
+    """
+    best = None
+    repeats = len({id(t) for t in templates}) < len(templates)
+    for stage_major in (False, True) if repeats else (False,):
+        plan = assemble(cluster, cost, space, templates, stage_major)
+        if plan is None:
+            return None
+        est = cost.estimate(plan)
+        if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
+            best = (plan, est)
+    return best

@@ -83,6 +83,23 @@ def test_one_nic_per_node_is_shared_by_the_tp_ranks_sending_at_once():
     assert CostModel(CLUSTER, MODEL, SETTINGS).estimate(p).pipelines[0].p2p_s == [pytest.approx(2 * e)]  # default: one
 
 
+def test_pipelines_crossing_one_nic_together_split_it_but_not_sends_the_other_way():
+    """1F1B runs every pipeline's stages in step: two pipelines sending a -> b at once share a's NIC;
+    a pipeline a -> b beside one b -> a uses each NIC once per direction (out of a, into b; out of b, into a)."""
+    def two_stage(first: str, second: str):
+        gpu = {"a": "A100-80G", "b": "V100-32G"}
+        return PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=[first], gpu=gpu[first[0]], layers=(0, 2)),
+                                                        StagePlan(devices=[second], gpu=gpu[second[0]], layers=(2, 4))])
+    e = 512 * 1024 * 2 / (10 * GB)
+    same_way = plan([two_stage("a/0", "b/0"), two_stage("a/1", "b/1")])
+    both_ways = plan([two_stage("a/0", "b/0"), two_stage("b/1", "a/1")])
+    shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS)
+    own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS)
+    assert [p.p2p_s for p in shared.estimate(same_way).pipelines] == [[pytest.approx(2 * e)]] * 2
+    assert [p.p2p_s for p in own.estimate(same_way).pipelines] == [[pytest.approx(e)]] * 2
+    assert [p.p2p_s for p in shared.estimate(both_ways).pipelines] == [[pytest.approx(e)]] * 2
+
+
 def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
     one = [StagePlan(devices=["a/0", "a/1"], gpu="A100-80G", layers=(0, 4))]
     two = [StagePlan(devices=["b/0", "b/1"], gpu="V100-32G", layers=(0, 4))]

@@ -7,10 +7,10 @@ from randomclusters import SMALL_MODEL, random_cluster, small_settings
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
-from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.assemble import allocate_microbatches
+from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
+from solver.assemble import allocate_microbatches, assemble, score
 from solver.planner import make_plan
-from solver.space import split_layers, split_layers_modes
+from solver.space import build_space, split_layers, split_layers_modes
 
 
 def assert_valid(result, cluster, model, settings):
@@ -267,3 +267,27 @@ def test_the_cover_lp_has_the_same_value_with_highs_and_the_numpy_simplex():
         cap, use, available, most = random_cover_lp(rng)
         a, b = lp_capacity(cap, use, available, most), lp_capacity_highs(cap, use, available, most)
         assert abs(a - b) <= 1e-7 * max(1.0, a), (a, b)
+
+
+def test_copies_of_a_template_are_placed_stage_major_when_that_keeps_gradient_rings_inside_nodes():
+    """Two 4-stage copies on two 4-GPU nodes: pipeline-major puts a copy on each node, so every block's
+    gradient all-reduce crosses nodes; stage-major puts stages 0-1 of both copies on one node and
+    2-3 on the other, so every ring stays inside a node and only the sends cross. ``score`` keeps the faster."""
+    cluster = ClusterSpec.model_validate({"name": "two-v100", "inter_node_bandwidth_gbps": 1, "nodes": [
+        {"name": "n0", "gpu": "V100-32G", "count": 4, "intra_node_bandwidth_gbps": 150},
+        {"name": "n1", "gpu": "V100-32G", "count": 4, "intra_node_bandwidth_gbps": 150}]})
+    model = ModelSpec(name="m", num_layers=8, hidden_size=1024, num_heads=8, seq_length=512, vocab_size=1000)
+    cost = CostModel(cluster, model, TrainingSettings(global_batch_size=16))
+    space = build_space(cluster, cost, 1, 1)
+    tpl = next(t for t in space.templates if len(t.classes) == 4)
+    node = lambda dev: dev.split("/")[0]  # noqa: E731
+    by_pipeline = assemble(cluster, cost, space, [tpl, tpl])
+    by_stage = assemble(cluster, cost, space, [tpl, tpl], stage_major=True)
+    assert [{node(s.devices[0]) for s in p.stages} for p in by_pipeline.pipelines] == [{"n0"}, {"n1"}]
+    for k in range(4):
+        assert len({node(p.stages[k].devices[0]) for p in by_stage.pipelines}) == 1
+    slow, fast = cost.estimate(by_pipeline), cost.estimate(by_stage)
+    assert max(fast.sync_s.values()) < max(slow.sync_s.values()) / 10
+    plan, est = score(cluster, cost, space, [tpl, tpl])
+    assert est.iteration_time_s == pytest.approx(min(slow.iteration_time_s, fast.iteration_time_s))
+    assert est.iteration_time_s == pytest.approx(fast.iteration_time_s)

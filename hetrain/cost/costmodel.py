@@ -31,8 +31,11 @@ Pipeline, per stage k of pipeline p and micro-batch:
           stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured),
     e_k = n_k b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the
           gradient comes back the same size). Every TP rank of a stage sends the whole
-          activation to its peer in the next stage at once: across nodes whose GPUs share one
-          NIC (``nics: one``) the t sends split the link, n_k = t; else n_k = 1.
+          activation to its peer in the next stage at once, and in 1F1B's steady state every
+          stage of every pipeline sends once per tau: across nodes whose GPUs share one NIC
+          (``nics: one``) the sends that leave (or enter) a node together split its NIC, n_k =
+          the TP degree x the stage boundaries of any pipeline that leave the sending node or
+          enter the receiving one, the busier of the two; else n_k = 1.
     1F1B as torch.distributed.pipelining runs it: a stage waits for its sends (each is fused
     with the receive the next compute needs, and waited on with it), so sends do not overlap
     compute, as in Megatron:
@@ -438,11 +441,6 @@ class CostModel:
         m = self.model
         return micro_batch_size * m.seq_length * m.hidden_size * self.settings.activation_bytes
 
-    def p2p_s(self, node_a: str, node_b: str, micro_batch_size: int, tp: int = 1) -> float:
-        """One stage-to-stage send: the ``tp`` ranks of a stage send at once; across a shared NIC they split it."""
-        senders = 1 if node_a == node_b else self.concurrent_senders((node_a, node_b), tp)
-        return self.send_s(self.cluster.bandwidth_gbps(node_a, node_b), micro_batch_size, senders)
-
     def concurrent_senders(self, nodes: Iterable[str], tp: int) -> int:
         """How many of a stage's sends between nodes share a link: its ``tp`` ranks where a NIC is shared."""
         by_name = self.cluster.node_by_name
@@ -475,6 +473,7 @@ class CostModel:
         peak: dict[str, float] = {}
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
+        crossing = self._crossing_sends(plan, node_of)
         for pipe in plan.pipelines:
             S = len(pipe.stages)
             stage_s, p2p = [], []
@@ -491,7 +490,9 @@ class CostModel:
                     cap[d] = u.capacity_bytes / GB
                     opt[d] = params * u.opt_s_per_param
                 if k + 1 < S:
-                    p2p.append(self.p2p_s(node, node_of[pipe.stages[k + 1].devices[0]], b, t))
+                    nxt = node_of[pipe.stages[k + 1].devices[0]]
+                    senders = 1 if node == nxt else max(crossing.get((node, "out"), 1), crossing.get((nxt, "in"), 1))
+                    p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
 
@@ -502,6 +503,25 @@ class CostModel:
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    def _crossing_sends(self, plan: Plan, node_of: dict[str, str]) -> dict[tuple[str, str], int]:
+        """Sends that cross each shared NIC at once, per (node, "out" | "in") (see the module doc).
+
+        In 1F1B's steady state every stage runs its forward, then its backward, about when the
+        others do: the activations every pipeline sends on leave their nodes together, and the
+        gradients come back together the other way. A node's NIC carries, each way, the TP
+        degree x the stage boundaries crossing it in that direction.
+        """
+        by_name = self.cluster.node_by_name
+        count: dict[tuple[str, str], int] = {}
+        for pipe in plan.pipelines:
+            for a, b in zip(pipe.stages, pipe.stages[1:]):
+                src, dst = node_of[a.devices[0]], node_of[b.devices[0]]
+                if src != dst:
+                    for key in ((src, "out"), (dst, "in")):
+                        if by_name[key[0]].shares_nic:
+                            count[key] = count.get(key, 0) + plan.tp
+        return count
 
     def _sync_s(self, plan: Plan, node_of: dict[str, str]) -> dict[str, float]:
         """Seconds each GPU spends in data-parallel gradient all-reduces after backward."""
