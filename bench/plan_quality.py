@@ -5,8 +5,9 @@ model's efficiency (no memory limit, no communication, no bubble), counting forw
 backward only (the useful-work bound): recompute is a cost, not work. hetrain picks each
 stage's activation recompute (none, selective, full); beside it, the same planner with full
 recompute on every stage (what every plan was before per-stage recompute), and the modes the
-chosen plan's stages run. Megatron and whale get the best single mode for all stages. Prints a
-table, writes bench/results/plan_quality.json.
+chosen plan's stages run. Megatron and whale get the best single mode for all stages. A second
+table says where each hetrain plan's share of the bound goes (``hetrain.cost.report.where_time_goes``):
+the plan-space limits. Prints the tables, writes bench/results/plan_quality.json.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import Counter
 from _common import ROOT, print_table, write_results
 
 from hetrain.cost.costmodel import CostModel
+from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
 from hetrain.errors import NoPlanError
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.planner import make_plan
@@ -54,6 +56,7 @@ def main() -> None:
                     row["layout"] = f"tp{r.plan.tp} mb{r.plan.micro_batch_size} x{len(r.plan.pipelines)}"
                     modes = Counter(st.recompute for p in r.plan.pipelines for st in p.stages)
                     row["recompute"] = " ".join(f"{m}:{n}" for m, n in sorted(modes.items()))
+                    row["capacity"] = where_time_goes(cost, r.plan, r.estimate)
             except NoPlanError:
                 row[planner] = 0.0
         full = settings.model_copy(update={"activation_recompute": "full"})
@@ -78,6 +81,17 @@ def main() -> None:
          ("full recompute", "{hetrain_full:,.0f}"), ("vs full", "{vs_full:.2f}x"), ("stages by recompute", "recompute"),
          ("megatron", "{megatron:,.0f}"), ("whale", "{whale:,.0f}"), ("vs megatron", "vs_megatron_text"),
          ("vs whale", "vs_whale_text"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
+    )
+    labels = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, whole head, overheads",
+              "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill + drain",
+              "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync + optimizer + step",
+              "unused_gpus": "GPUs left out"}
+    shown = [r | {f"cap_{k}": r["capacity"].get(k, 0.0) for k in CAPACITY_PARTS} for r in rows if "capacity" in r]
+    print_table(
+        "Where hetrain's plan spends the cluster's compute capacity (share of achievable FLOP/s x iteration time;"
+        " 'useful work' = hetrain / bound)",
+        shown, [("cluster", "cluster"), ("model", "model")]
+        + [(labels[k], f"{{cap_{k}:.1%}}") for k in CAPACITY_PARTS],
     )
     print(f"\nwrote {write_results('plan_quality', rows)}")
 

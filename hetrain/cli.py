@@ -93,6 +93,22 @@ def _compact_devices(devices: list[str]) -> str:
     return f"{node}/{idx[0]}" if len(idx) == 1 else f"{node}/{{{','.join(idx)}}}"
 
 
+CAPACITY_LABELS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP/head/overheads",
+                   "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill+drain",
+                   "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync+optimizer",
+                   "unused_gpus": "GPUs left out"}
+
+
+def capacity_line(cost, plan, est) -> str:
+    """Where the plan spends the cluster's compute capacity (the useful-work bound's unit), largest first."""
+    from hetrain.cost.report import where_time_goes
+
+    shares = where_time_goes(cost, plan, est)
+    rest = sorted(((v, k) for k, v in shares.items() if k != "useful" and v >= 0.005), reverse=True)
+    return (f"of the cluster's compute capacity: {shares['useful']:.1%} useful work"
+            + "".join(f", {v:.1%} {CAPACITY_LABELS[k]}" for v, k in rest))
+
+
 def summary_line(plan, est) -> str:
     s = plan.solver
     solver = f"; {s.planner} planner {s.status}, gap {s.gap:.2g}, {s.wall_s:.2f} s" if s else ""
@@ -123,6 +139,7 @@ def plan(
     time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
 ):
     """Find the fastest plan for a model on a mixed cluster."""
+    from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
     from hetrain.spec.specs import load_cluster, load_model
     from solver.planner import PLANNERS, make_plan
@@ -157,11 +174,13 @@ def plan(
         else:
             out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
             out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
+            out.print(capacity_line(CostModel(cl, md, settings, prof), main.plan, main.estimate), highlight=False)
     elif as_json:
         print(main.plan.to_json())
     else:
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
         out.print(summary_line(main.plan, main.estimate), highlight=False)
+        out.print(capacity_line(CostModel(cl, md, settings, prof), main.plan, main.estimate), highlight=False)
     if out_file:
         err.print(f"plan written to {out_file}", highlight=False)
 
@@ -232,6 +251,7 @@ def estimate(
         pl = pl.model_copy(update={"solver": None})
         out.print(plan_table(pl, est, f"{plan_file} on {cl.name}"))
         out.print(summary_line(pl, est), highlight=False)
+        out.print(capacity_line(cost, pl, est), highlight=False)
     if est.over_capacity():
         try:
             cost.check_memory(est)

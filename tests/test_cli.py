@@ -10,7 +10,7 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
     r = cli("plan", "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--model",
             str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "128", "--compare", "--out", str(out_file))
     assert r.returncode == 0, r.stderr
-    for word in ("hetrain", "megatron", "whale", "tokens/s", "vs megatron"):
+    for word in ("hetrain", "megatron", "whale", "tokens/s", "vs megatron", "useful work"):
         assert word in r.stdout
     plan = json.loads(out_file.read_text())
     assert plan["schema"] == "hetrain.plan/v1"
@@ -25,6 +25,9 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
     pred = json.loads(est.stdout)
     assert abs(pred["iteration_time_s"] - plan["predicted"]["iteration_time_s"]) < 1e-4
     assert pred["fits"] is True
+    shown = cli("estimate", "--plan", str(out_file), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"))
+    assert shown.returncode == 0, shown.stderr
+    assert "of the cluster's compute capacity" in " ".join(shown.stdout.split())
 
 
 def test_plan_json_and_planner_choice(cli):

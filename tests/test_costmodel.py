@@ -177,3 +177,30 @@ def test_tp_adds_allreduces_over_the_node_link():
     u1, u2 = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("A100-80G", 100, 2, 1)
     comm = 4 * ring_allreduce_s(512 * 1024 * 2, 2, 100)
     assert u2.block_s == pytest.approx(u1.block_s / 2 + comm)
+
+
+def test_where_time_goes_adds_up_to_the_bound_and_names_the_losses():
+    """Shares of capacity sum to 1; 'useful' is the plan's tokens/s over the useful-work bound; a
+    two-stage pipeline on unequal GPUs shows its steady-state wait, its fill and drain, and the
+    GPUs it leaves out; recompute shows only where a stage recomputes."""
+    from hetrain.cost.report import where_time_goes
+
+    settings = TrainingSettings(global_batch_size=8, activation_recompute="auto")
+    cost = CostModel(CLUSTER, MODEL, settings)
+    stages = [StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 2), recompute="none"),
+              StagePlan(devices=["b/0"], gpu="V100-32G", layers=(2, 4), recompute="full")]
+    p = plan([PipelinePlan(num_microbatches=8, stages=stages)]).model_copy(update={"training": settings})
+    est = cost.estimate(p)
+    shares = where_time_goes(cost, p, est)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["useful"] == pytest.approx(est.tokens_per_s / cost.upper_bound_tokens_per_s(useful_work=True))
+    for part in ("recompute", "sends", "imbalance", "fill_drain", "unused_gpus"):
+        assert shares[part] > 0, part
+    # half the cluster's GPUs (a/1, b/1) idle: their share is their FLOP/s over the cluster's
+    a, v = (CLUSTER.gpu_type(g).achievable_flops(settings.precision) for g in ("A100-80G", "V100-32G"))
+    assert shares["unused_gpus"] == pytest.approx((a + v) / (2 * a + 2 * v))
+    assert shares["pipelines_done_early"] == 0 and shares["sync_optimizer_step"] == pytest.approx(
+        (est.iteration_time_s - est.pipeline_s) * (a + v) / (est.iteration_time_s * (2 * a + 2 * v)))
+    no_recompute = p.model_copy(update={"pipelines": [PipelinePlan(num_microbatches=8, stages=[
+        s.model_copy(update={"recompute": "none"}) for s in stages])]})
+    assert where_time_goes(cost, no_recompute, cost.estimate(no_recompute))["recompute"] == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetrain.cost.costmodel import Estimate
+from hetrain.cost.costmodel import CostModel, Estimate, block_forward_flops, head_forward_flops
 from hetrain.plan.schema import Plan
 
 
@@ -20,3 +20,61 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
                          "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2),
                          "capacity GB": est.capacity_gb[stage.devices[0]]})
     return rows
+
+
+# where_time_goes: the categories, in the order a table shows them
+CAPACITY_PARTS = ("useful", "recompute", "other_stage_work", "sends", "imbalance", "fill_drain", "pipelines_done_early",
+                  "sync_optimizer_step", "unused_gpus")
+
+
+def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, float]:
+    """Shares of the cluster's compute capacity over one predicted iteration, summing to 1.
+
+    Capacity = sum over the cluster's GPUs of achievable FLOP/s x iteration time, the unit of
+    the useful-work bound (``CostModel.upper_bound_tokens_per_s(useful_work=True)``), so the
+    ``useful`` share is exactly the plan's tokens/s over that bound. Each GPU's seconds are
+    weighted by its FLOP/s and split into: its blocks' (and head's) forward + backward FLOPs
+    at its achievable rate (``useful``); what its stage's recompute mode adds over none
+    (``recompute``); the rest of its stage's per-micro-batch time (TP all-reduces and dispatch,
+    the head every TP rank computes whole, the embedding, the runtime's per-micro-batch work,
+    and a profile's departure from the nominal rate: ``other_stage_work``); waiting for its
+    sends (``sends``); waiting on a slower stage in 1F1B's steady state (``imbalance``); the
+    pipeline's fill and drain (``fill_drain``); its pipeline finishing before the slowest
+    (``pipelines_done_early``); gradient sync, the optimizer step, the fixed per-step work and
+    waiting for the slowest GPU's (``sync_optimizer_step``); and GPUs the plan leaves out.
+    """
+    cl, m, st = cost.cluster, cost.model, cost.settings
+    t, b = plan.tp, plan.micro_batch_size
+    rate = {node.name: cl.gpu_type(node.gpu).achievable_flops(st.precision) for node in cl.nodes}
+    node_of = {d.name: d.node for d in cl.devices}
+    T = est.iteration_time_s
+    parts = dict.fromkeys(CAPACITY_PARTS, 0.0)
+    used = set()
+    for pipe, pest in zip(plan.pipelines, est.pipelines):
+        S, mb, tau = len(pipe.stages), pipe.num_microbatches, pest.bottleneck_s
+        for k, stage in enumerate(pipe.stages):
+            node = node_of[stage.devices[0]]
+            F = rate[node]
+            blocks = stage.layers[1] - stage.layers[0]
+            flops = 3 * blocks * block_forward_flops(m, b) / t + (3 * head_forward_flops(m, b) / t if k == S - 1 else 0.0)
+            useful = mb * flops / F
+            intra = cl.node_by_name[node].intra_node_bandwidth_gbps
+            mode = st.stage_recompute(stage.recompute)
+            recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
+                                       - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
+            sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
+            own = pest.stage_s[k] + sends
+            seconds = {
+                "useful": useful, "recompute": recompute,
+                "other_stage_work": mb * pest.stage_s[k] - useful - recompute, "sends": mb * sends,
+                "imbalance": (mb - 1) * (tau - own), "fill_drain": pest.time_s - (mb - 1) * tau - own,
+                "pipelines_done_early": est.pipeline_s - pest.time_s,
+                "sync_optimizer_step": T - est.pipeline_s,
+            }
+            for d in stage.devices:
+                used.add(d)
+                for part, s in seconds.items():
+                    parts[part] += s * F
+    parts["unused_gpus"] = sum(T * rate[node_of[d.name]] for d in cl.devices if d.name not in used)
+    capacity = T * sum(rate[node_of[d.name]] for d in cl.devices)
+    return {part: v / capacity for part, v in parts.items()}
