@@ -133,12 +133,22 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
     (``assemble``) and the faster that fits is kept.
     """
     best = None
-    repeats = len({id(t) for t in templates}) < len(templates)
-    for stage_major in (False, True) if repeats else (False,):
+    for stage_major in (False, True):
         plan = assemble(cluster, cost, space, templates, stage_major)
         if plan is None:
             return None
         est = cost.estimate(plan)
         if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)
+        if not stage_major and not _copies_split_across_nodes(plan, templates):
+            break  # stage-major would place every stage's copies on the same nodes
     return best
+
+
+def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> bool:
+    """Whether some stage's copies (pipelines of one template) sit on more than one node."""
+    nodes: dict[tuple[int, int], set[str]] = {}
+    for tpl, pipe in zip(templates, plan.pipelines):
+        for k, stage in enumerate(pipe.stages):
+            nodes.setdefault((id(tpl), k), set()).add(stage.devices[0].split("/")[0])
+    return any(len(n) > 1 for n in nodes.values())
