@@ -52,9 +52,10 @@ def test_every_node_commits_its_shards_with_a_manifest(tmp_path: Path):
     assert owners == {"__0_0.distcp": ["a"], "__1_0.distcp": ["a"], "__2_0.distcp": ["b"], "__3_0.distcp": ["c"]}
 
 
-@pytest.mark.parametrize("save_plan,load_plan,lost", [(SAVE_PP, LOAD_PP, "c"), (SAVE_TP, LOAD_TP, "b")],
+# the continuation check (a third training run, ~25 s here) once: the state loads exactly in both layouts
+@pytest.mark.parametrize("save_plan,load_plan,continues", [(SAVE_PP, LOAD_PP, True), (SAVE_TP, LOAD_TP, False)],
                          ids=["pp-4-to-3", "tp2-to-tp1"])
-def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_plan, load_plan, lost):
+def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_plan, load_plan, continues):
     # One uninterrupted run of 5 steps commits at step 2 (every 3) and at its last step, 4: its state at
     # the end is what the step-4 checkpoint must load as, its losses what a run resumed at step 3 must see.
     cfg = ckpt_config(tmp_path, every_steps=3)
@@ -80,6 +81,8 @@ def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_pla
     # Training goes on at step 3 from the step-2 commit with the same data: the loss matches the
     # uninterrupted run's. Other schedule options (that would diverge) are given: the checkpoint's
     # schedule holds.
+    if not continues:
+        return
     source = str(tmp_path / "restore-2")
     reassemble(read_manifest(cfg.node_root("a"), 2), sources, None, source)
     cont = run(load_plan, tmp_path / "cont", steps=5, start_step=3, resume_from=source,

@@ -22,12 +22,12 @@ def test_demo_trains_preempts_recovers_and_finishes(tmp_path: Path):
     env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
     # the demo's own defaults are 50 steps, the notice at step 18; fewer here to keep the suite short
     r = subprocess.run([sys.executable, "-m", "flows.demo", "--one-machine", "--home", str(tmp_path / "demo"),
-                        "--steps", "32", "--preempt-at-step", "12"],
+                        "--steps", "20", "--preempt-at-step", "8"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "5/5 done in" in out and "Prefect UI: http://127.0.0.1:" in out
-    assert "(= checkpoint + 1), trained to step 31 of 31" in out
+    assert "(= checkpoint + 1), trained to step 19 of 19" in out
     assert "recovered plan" in out and "slow/" not in out.split("recovered plan")[1].splitlines()[0]
     for phase in ("replan", "fetch", "load", "first step"):
         assert phase in out
