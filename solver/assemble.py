@@ -125,12 +125,14 @@ def finish(plan: Plan, cost: CostModel, solver_info: dict) -> tuple[Plan, Estima
     return plan, est
 
 
-def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template]
-          ) -> tuple[Plan, Estimate] | None:
+def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template],
+          must_beat_s: float | None = None) -> tuple[Plan, Estimate] | None:
     """Assemble and predict a candidate; None when it cannot be built or does not fit in memory.
 
     Where a template repeats, its copies are placed both pipeline-major and stage-major
-    (``assemble``) and the faster that fits is kept.
+    (``assemble``) and the faster that fits is kept; stage-major only when its placement can
+    differ and, given ``must_beat_s`` (the caller's best), when its pipelines without any send
+    or sync could finish sooner.
     """
     best = None
     for stage_major in (False, True):
@@ -140,9 +142,16 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
         est = cost.estimate(plan)
         if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)
-        if not stage_major and not _copies_split_across_nodes(plan, templates):
-            break  # stage-major would place every stage's copies on the same nodes
+        if not stage_major and (not _copies_split_across_nodes(plan, templates) or (
+                must_beat_s is not None and _compute_only_s(plan, est) >= must_beat_s)):
+            break
     return best
+
+
+def _compute_only_s(plan: Plan, est: Estimate) -> float:
+    """A lower bound on any placement of the same pipelines: 1F1B of their stages' compute alone + fixed costs."""
+    return max((pipe.num_microbatches - 1) * max(pe.stage_s) + sum(pe.stage_s)
+               for pipe, pe in zip(plan.pipelines, est.pipelines)) + est.step_overhead_s
 
 
 def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> bool:

@@ -112,7 +112,7 @@ def plan_milp(
     def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> bool:
         """Score a choice of templates exactly; False when it cannot be built (e.g. a micro-batch per stage short)."""
         nonlocal best, best_gap
-        scored = score(cluster, cost, space, chosen)
+        scored = score(cluster, cost, space, chosen, best[0] if best is not None else None)
         if scored is None:
             return False
         plan, est = scored

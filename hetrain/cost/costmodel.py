@@ -326,6 +326,7 @@ class CostModel:
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
+        self._node_of = {d.name: d.node for d in cluster.devices}
 
     # ------------------------------------------------------------------ building blocks
 
@@ -468,27 +469,35 @@ class CostModel:
     def estimate(self, plan: Plan) -> Estimate:
         """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
-        node_of = {d.name: d.node for d in cl.devices}
+        node_of = self._node_of
         pipes: list[PipelineEstimate] = []
         peak: dict[str, float] = {}
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
+        stages_seen: dict[tuple, tuple[float, float, float, float]] = {}  # copies of a pipeline repeat its stages
         for pipe in plan.pipelines:
             S = len(pipe.stages)
             stage_s, p2p = [], []
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
-                u = self.unit_costs(stage.gpu, cl.node_by_name[node].intra_node_bandwidth_gbps, t, b, stage.recompute)
+                bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
-                first, last = k == 0, k == S - 1
-                stage_s.append(u.stage_time_s(n_blocks, first, last))
-                mem = u.stage_memory_bytes(n_blocks, first, last, min(S - k, pipe.num_microbatches))
-                params = self.stage_params(n_blocks, first, last, t)
+                in_flight = min(S - k, pipe.num_microbatches)
+                key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight)
+                if key not in stages_seen:
+                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute)
+                    first, last = k == 0, k == S - 1
+                    stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
+                                        u.stage_memory_bytes(n_blocks, first, last, in_flight) / GB,
+                                        u.capacity_bytes / GB,
+                                        self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param)
+                seconds, mem_gb, cap_gb, opt_s = stages_seen[key]
+                stage_s.append(seconds)
                 for d in stage.devices:
-                    peak[d] = mem / GB
-                    cap[d] = u.capacity_bytes / GB
-                    opt[d] = params * u.opt_s_per_param
+                    peak[d] = mem_gb
+                    cap[d] = cap_gb
+                    opt[d] = opt_s
                 if k + 1 < S:
                     nxt = node_of[pipe.stages[k + 1].devices[0]]
                     senders = 1 if node == nxt else max(crossing.get((node, "out"), 1), crossing.get((nxt, "in"), 1))
@@ -531,24 +540,26 @@ class CostModel:
             return sync
         m = self.model
         act = self.grad_wire_bytes
-        # owner[l][p] = stage of pipeline p holding block l
-        owners = []
-        for pipe in plan.pipelines:
-            row = []
-            for stage in pipe.stages:
-                row += [stage] * (stage.layers[1] - stage.layers[0])
-            owners.append(row)
-
         # bucket -> bytes per TP rank; a bucket is the tuple of stages (one per pipeline) holding it
         buckets: dict[tuple[int, ...], tuple[list, float]] = {}
 
-        def add(stages, num_bytes):
+        def add(stages, num_bytes, times=1):
             key = tuple(id(st) for st in stages)
-            prev = buckets.get(key, (stages, 0.0))[1]
-            buckets[key] = (stages, prev + num_bytes)
+            total = buckets.get(key, (stages, 0.0))[1]
+            for _ in range(times):  # block by block, as the runtime's buckets sum them
+                total += num_bytes
+            buckets[key] = (stages, total)
 
-        for layer in range(m.num_layers):
-            add([row[layer] for row in owners], block_params(m) * act / t)
+        # blocks between two consecutive stage starts (of any pipeline) have the same holders
+        cuts = sorted({st.layers[0] for p in plan.pipelines for st in p.stages} | {m.num_layers})
+        at = [0] * D  # per pipeline: its stage holding the current blocks
+        for lo, hi in zip(cuts, cuts[1:]):
+            holders = []
+            for p, pipe in enumerate(plan.pipelines):
+                while pipe.stages[at[p]].layers[1] <= lo:
+                    at[p] += 1
+                holders.append(pipe.stages[at[p]])
+            add(holders, block_params(m) * act / t, hi - lo)
         add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
@@ -564,17 +575,15 @@ class CostModel:
                         crossing_gpus.setdefault(node_of[d], set()).add(d)
                         crossing_rings.setdefault(node_of[d], set()).add((key, r))
         nodes = self.cluster.node_by_name
-
-        def share(n: str) -> int:
-            return min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
-
+        share = {n: min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
+                 for n in crossing_gpus}
         for stages, num_bytes in buckets.values():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
                 ring_nodes = {node_of[d] for d in devs}
                 bw = self.cluster.min_bandwidth_gbps(ring_nodes)
                 if len(ring_nodes) > 1:
-                    bw /= max(share(n) for n in ring_nodes)
+                    bw /= max(share[n] for n in ring_nodes)
                 cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
                 for d in devs:
                     sync[d] = sync.get(d, 0.0) + cost
