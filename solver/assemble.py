@@ -131,8 +131,9 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
 
     Where a template repeats, its copies are placed both pipeline-major and stage-major
     (``assemble``) and the faster that fits is kept; stage-major only when its placement can
-    differ and, given ``must_beat_s`` (the caller's best), when its pipelines without any send
-    or sync could finish sooner.
+    differ and when its pipelines without any send or sync could finish sooner than the
+    pipeline-major plan (and ``must_beat_s``, the caller's best): stage-major changes only
+    where sends and gradient all-reduces go.
     """
     best = None
     for stage_major in (False, True):
@@ -142,8 +143,9 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
         est = cost.estimate(plan)
         if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)
-        if not stage_major and (not _copies_split_across_nodes(plan, templates) or (
-                must_beat_s is not None and _compute_only_s(plan, est) >= must_beat_s)):
+        if not stage_major and (not _copies_split_across_nodes(plan, templates) or _compute_only_s(plan, est) >= min(
+                est.iteration_time_s if best is not None else math.inf,
+                must_beat_s if must_beat_s is not None else math.inf)):
             break
     return best
 

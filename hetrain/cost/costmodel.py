@@ -567,26 +567,29 @@ class CostModel:
         # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).
         crossing_gpus: dict[str, set[str]] = {}
         crossing_rings: dict[str, set[tuple]] = {}
-        for key, (stages, _) in buckets.items():
+        rings = []  # (devices, their nodes, bytes) per bucket and TP rank
+        for key, (stages, num_bytes) in buckets.items():
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
-                if len({node_of[d] for d in devs}) > 1:
+                ring_nodes = frozenset(node_of[d] for d in devs)
+                rings.append((devs, ring_nodes, num_bytes))
+                if len(ring_nodes) > 1:
                     for d in devs:
                         crossing_gpus.setdefault(node_of[d], set()).add(d)
                         crossing_rings.setdefault(node_of[d], set()).add((key, r))
         nodes = self.cluster.node_by_name
         share = {n: min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
                  for n in crossing_gpus}
-        for stages, num_bytes in buckets.values():
-            for r in range(t):
-                devs = [st.devices[r] for st in stages]
-                ring_nodes = {node_of[d] for d in devs}
-                bw = self.cluster.min_bandwidth_gbps(ring_nodes)
-                if len(ring_nodes) > 1:
-                    bw /= max(share[n] for n in ring_nodes)
-                cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
-                for d in devs:
-                    sync[d] = sync.get(d, 0.0) + cost
+        slowest: dict[frozenset, float] = {}
+        for devs, ring_nodes, num_bytes in rings:
+            if ring_nodes not in slowest:
+                slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
+            bw = slowest[ring_nodes]
+            if len(ring_nodes) > 1:
+                bw /= max(share[n] for n in ring_nodes)
+            cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
+            for d in devs:
+                sync[d] = sync.get(d, 0.0) + cost
         return sync
 
     def check_memory(self, est: Estimate) -> None:
