@@ -104,7 +104,8 @@ def capacity_line(cost, plan, est) -> str:
     from hetrain.cost.report import where_time_goes
 
     shares = where_time_goes(cost, plan, est)
-    rest = sorted(((v, k) for k, v in shares.items() if k != "useful" and v >= 0.005), reverse=True)
+    # signed: with a measured profile a GPU faster than its catalog rate shows as a negative share
+    rest = sorted(((v, k) for k, v in shares.items() if k != "useful" and abs(v) >= 0.005), reverse=True)
     return (f"of the cluster's compute capacity: {shares['useful']:.1%} useful work"
             + "".join(f", {v:.1%} {CAPACITY_LABELS[k]}" for v, k in rest))
 

@@ -77,7 +77,10 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     t = space.tp
     # free groups per class: node -> group numbers, nodes in cluster order
     free = [{node: list(range(n)) for node, n in zip(c.nodes, c.groups_per_node) if n} for c in space.classes]
-    order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, i))
+    first_of: dict[int, int] = {}  # copies of one template side by side, even where another has the same classes
+    for i, tpl in enumerate(templates):
+        first_of.setdefault(id(tpl), i)
+    order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, first_of[id(templates[i])], i))
     # pipeline-major: one copy at a time; stage-major: the copies of one template together
     batches: list[list[int]] = []
     for i in order:
@@ -143,15 +146,21 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
         est = cost.estimate(plan)
         if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
             best = (plan, est)
-        if not stage_major and (not _copies_split_across_nodes(plan, templates) or _compute_only_s(plan, est) >= min(
-                est.iteration_time_s if best is not None else math.inf,
-                must_beat_s if must_beat_s is not None else math.inf)):
+        # stage-major holds the same stages (memory depends on the stage alone: over capacity either way)
+        beat = est.iteration_time_s if must_beat_s is None else min(est.iteration_time_s, must_beat_s)
+        if not stage_major and (best is None or not _copies_split_across_nodes(plan, templates)
+                                or _compute_only_s(plan, est) >= beat):
             break
     return best
 
 
 def _compute_only_s(plan: Plan, est: Estimate) -> float:
-    """A lower bound on any placement of the same pipelines: 1F1B of their stages' compute alone + fixed costs."""
+    """A lower bound on any placement of the same pipelines: 1F1B of their stages' compute alone + fixed costs.
+
+    Placement moves stages between nodes of the same group class (same GPU type and intra-node
+    link), which leaves every stage's compute and each pipeline's micro-batches as they are; only
+    sends and gradient sync, both >= 0, change.
+    """
     return max((pipe.num_microbatches - 1) * max(pe.stage_s) + sum(pe.stage_s)
                for pipe, pe in zip(plan.pipelines, est.pipelines)) + est.step_overhead_s
 

@@ -83,21 +83,26 @@ def test_one_nic_per_node_is_shared_by_the_tp_ranks_sending_at_once():
     assert CostModel(CLUSTER, MODEL, SETTINGS).estimate(p).pipelines[0].p2p_s == [pytest.approx(2 * e)]  # default: one
 
 
-def test_pipelines_crossing_one_nic_together_split_it_but_not_sends_the_other_way():
-    """1F1B runs every pipeline's stages in step: two pipelines sending a -> b at once share a's NIC;
-    a pipeline a -> b beside one b -> a uses each NIC once per direction (out of a, into b; out of b, into a)."""
-    def two_stage(first: str, second: str):
-        gpu = {"a": "A100-80G", "b": "V100-32G"}
-        return PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=[first], gpu=gpu[first[0]], layers=(0, 2)),
-                                                        StagePlan(devices=[second], gpu=gpu[second[0]], layers=(2, 4))])
+def test_pipelines_exchanging_across_one_nic_at_once_split_it():
+    """1F1B fuses each send with a receive: on a boundary the activation and the gradient cross together,
+    and the pipelines run in step. Two pipelines a -> b, or one a -> b beside one b -> a, put two sends
+    through each node's NIC each way at once; in one pipeline a -> b -> a the two boundaries take turns."""
+    gpu = {"a": "A100-80G", "b": "V100-32G"}
+
+    def pipeline(*devices: str):
+        cut = [0, 2, 4] if len(devices) == 2 else [0, 1, 3, 4]
+        return PipelinePlan(num_microbatches=4, stages=[
+            StagePlan(devices=[d], gpu=gpu[d[0]], layers=(cut[i], cut[i + 1])) for i, d in enumerate(devices)])
     e = 512 * 1024 * 2 / (10 * GB)
-    same_way = plan([two_stage("a/0", "b/0"), two_stage("a/1", "b/1")])
-    both_ways = plan([two_stage("a/0", "b/0"), two_stage("b/1", "a/1")])
     shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS)
     own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS)
+    same_way = plan([pipeline("a/0", "b/0"), pipeline("a/1", "b/1")])
+    both_ways = plan([pipeline("a/0", "b/0"), pipeline("b/1", "a/1")])
+    there_and_back = plan([pipeline("a/0", "b/0", "a/1")])
     assert [p.p2p_s for p in shared.estimate(same_way).pipelines] == [[pytest.approx(2 * e)]] * 2
     assert [p.p2p_s for p in own.estimate(same_way).pipelines] == [[pytest.approx(e)]] * 2
-    assert [p.p2p_s for p in shared.estimate(both_ways).pipelines] == [[pytest.approx(e)]] * 2
+    assert [p.p2p_s for p in shared.estimate(both_ways).pipelines] == [[pytest.approx(2 * e)]] * 2
+    assert shared.estimate(there_and_back).pipelines[0].p2p_s == [pytest.approx(e), pytest.approx(e)]
 
 
 def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
@@ -204,3 +209,13 @@ def test_where_time_goes_adds_up_to_the_bound_and_names_the_losses():
     no_recompute = p.model_copy(update={"pipelines": [PipelinePlan(num_microbatches=8, stages=[
         s.model_copy(update={"recompute": "none"}) for s in stages])]})
     assert where_time_goes(cost, no_recompute, cost.estimate(no_recompute))["recompute"] == 0
+    # two pipelines, the A100's done first: it waits for the V100's
+    alone = [PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=[d], gpu=g, layers=(0, 4), recompute="none")])
+             for d, g in (("a/0", "A100-80G"), ("b/0", "V100-32G"))]
+    two = p.model_copy(update={"pipelines": alone})
+    est = cost.estimate(two)
+    shares = where_time_goes(cost, two, est)
+    a100_s, v100_s = (pe.time_s for pe in est.pipelines)
+    assert a100_s < v100_s and shares["pipelines_done_early"] == pytest.approx(
+        (v100_s - a100_s) * a / (est.iteration_time_s * (2 * a + 2 * v)))
+    assert sum(shares.values()) == pytest.approx(1.0) and min(shares.values()) >= 0

@@ -31,11 +31,11 @@ Pipeline, per stage k of pipeline p and micro-batch:
           stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured),
     e_k = n_k b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the
           gradient comes back the same size). Every TP rank of a stage sends the whole
-          activation to its peer in the next stage at once, and in 1F1B's steady state every
-          stage of every pipeline sends once per tau: across nodes whose GPUs share one NIC
-          (``nics: one``) the sends that leave (or enter) a node together split its NIC, n_k =
-          the TP degree x the stage boundaries of any pipeline that leave the sending node or
-          enter the receiving one, the busier of the two; else n_k = 1.
+          activation to its peer in the next stage at once; on a boundary the activation and
+          the gradient cross together (each send is fused with a receive), neighbouring
+          boundaries take turns, and the pipelines run in step: across nodes whose GPUs share
+          one NIC (``nics: one``) n_k = the TP degree x the boundaries of k's parity, of any
+          pipeline, that touch the busier of its two nodes; else n_k = 1.
     1F1B as torch.distributed.pipelining runs it: a stage waits for its sends (each is fused
     with the receive the next compute needs, and waited on with it), so sends do not overlap
     compute, as in Megatron:
@@ -500,7 +500,7 @@ class CostModel:
                     opt[d] = opt_s
                 if k + 1 < S:
                     nxt = node_of[pipe.stages[k + 1].devices[0]]
-                    senders = 1 if node == nxt else max(crossing.get((node, "out"), 1), crossing.get((nxt, "in"), 1))
+                    senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
@@ -513,23 +513,25 @@ class CostModel:
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
 
-    def _crossing_sends(self, plan: Plan, node_of: dict[str, str]) -> dict[tuple[str, str], int]:
-        """Sends that cross each shared NIC at once, per (node, "out" | "in") (see the module doc).
+    def _crossing_sends(self, plan: Plan, node_of: dict[str, str]) -> dict[tuple[str, int], int]:
+        """Sends that cross each shared NIC at once, per (node, boundary parity) (see the module doc).
 
-        In 1F1B's steady state every stage runs its forward, then its backward, about when the
-        others do: the activations every pipeline sends on leave their nodes together, and the
-        gradients come back together the other way. A node's NIC carries, each way, the TP
-        degree x the stage boundaries crossing it in that direction.
+        In torch's 1F1B a send goes out fused with the receive the next compute needs: on one stage
+        boundary the activation and the gradient cross at the same moment, so a node's NIC carries,
+        each way, one send per boundary touching it. A middle stage makes its two exchanges at
+        different moments (after its forward, after its backward), so neighbouring boundaries
+        alternate: boundaries of the same parity exchange together, across every pipeline (their
+        stages run in step). Counted per node and parity, times the TP degree (every TP rank sends).
         """
         by_name = self.cluster.node_by_name
-        count: dict[tuple[str, str], int] = {}
+        count: dict[tuple[str, int], int] = {}
         for pipe in plan.pipelines:
-            for a, b in zip(pipe.stages, pipe.stages[1:]):
-                src, dst = node_of[a.devices[0]], node_of[b.devices[0]]
-                if src != dst:
-                    for key in ((src, "out"), (dst, "in")):
-                        if by_name[key[0]].shares_nic:
-                            count[key] = count.get(key, 0) + plan.tp
+            for k, (a, b) in enumerate(zip(pipe.stages, pipe.stages[1:])):
+                ends = (node_of[a.devices[0]], node_of[b.devices[0]])
+                if ends[0] != ends[1]:
+                    for node in ends:
+                        if by_name[node].shares_nic:
+                            count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
     def _sync_s(self, plan: Plan, node_of: dict[str, str]) -> dict[str, float]:

@@ -42,6 +42,9 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     pipeline's fill and drain (``fill_drain``); its pipeline finishing before the slowest
     (``pipelines_done_early``); gradient sync, the optimizer step, the fixed per-step work and
     waiting for the slowest GPU's (``sync_optimizer_step``); and GPUs the plan leaves out.
+    Without a profile every share is >= 0. With one, stage times are measured: a GPU faster than
+    its catalog rate makes ``other_stage_work`` negative (and a noisy measurement ``recompute``),
+    while the shares still add to 1 and ``useful`` stays the plan's share of the bound.
     """
     cl, m, st = cost.cluster, cost.model, cost.settings
     t, b = plan.tp, plan.micro_batch_size
