@@ -31,9 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=f"no network n
 NODES = ["a", "b", "spot"]
 # the notice comes after 3 steps (about 7 steps/s on three nodes), the resumed run ends at 40 (1-3 steps/s)
 STEPS = 40
-# from the notice to the spot node's end (AWS gives 120 s, GCP and Azure 30 s; shorter here, as the test
-# waits for it); the recovery starts within it or after it, the test holds either way
-NOTICE_S = 45
+# from the notice to the spot node's end (AWS gives 120 s, GCP and Azure 30 s); the recovery starts
+# within it or after it, the test holds either way (45 s made the test no shorter: the recovery is what
+# it waits for, and inside the window it also reads spot's shards from spot)
+NOTICE_S = 90
 
 
 @pytest.fixture(scope="module")
