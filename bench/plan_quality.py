@@ -82,16 +82,12 @@ def main() -> None:
          ("megatron", "{megatron:,.0f}"), ("whale", "{whale:,.0f}"), ("vs megatron", "vs_megatron_text"),
          ("vs whale", "vs_whale_text"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
     )
-    labels = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, whole head, overheads",
-              "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill + drain",
-              "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync + optimizer + step",
-              "unused_gpus": "GPUs left out"}
-    shown = [r | {f"cap_{k}": r["capacity"].get(k, 0.0) for k in CAPACITY_PARTS} for r in rows if "capacity" in r]
+    shown = [r | {f"cap_{k}": r["capacity"][k] for k in CAPACITY_PARTS} for r in rows if "capacity" in r]
     print_table(
         "Where hetrain's plan spends the cluster's compute capacity (share of achievable FLOP/s x iteration time;"
         " 'useful work' = hetrain / bound)",
         shown, [("cluster", "cluster"), ("model", "model")]
-        + [(labels[k], f"{{cap_{k}:.1%}}") for k in CAPACITY_PARTS],
+        + [(label, f"{{cap_{k}:.1%}}") for k, label in CAPACITY_PARTS.items()],
     )
     print(f"\nwrote {write_results('plan_quality', rows)}")
 

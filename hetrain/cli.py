@@ -93,21 +93,15 @@ def _compact_devices(devices: list[str]) -> str:
     return f"{node}/{idx[0]}" if len(idx) == 1 else f"{node}/{{{','.join(idx)}}}"
 
 
-CAPACITY_LABELS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP/head/overheads",
-                   "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill+drain",
-                   "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync+optimizer",
-                   "unused_gpus": "GPUs left out"}
-
-
 def capacity_line(cost, plan, est) -> str:
     """Where the plan spends the cluster's compute capacity (the useful-work bound's unit), largest first."""
-    from hetrain.cost.report import where_time_goes
+    from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
 
     shares = where_time_goes(cost, plan, est)
     # signed: with a measured profile a GPU faster than its catalog rate shows as a negative share
     rest = sorted(((v, k) for k, v in shares.items() if k != "useful" and abs(v) >= 0.005), reverse=True)
     return (f"of the cluster's compute capacity: {shares['useful']:.1%} useful work"
-            + "".join(f", {v:.1%} {CAPACITY_LABELS[k]}" for v, k in rest))
+            + "".join(f", {v:.1%} {CAPACITY_PARTS[k]}" for v, k in rest))
 
 
 def summary_line(plan, est) -> str:
@@ -166,6 +160,7 @@ def plan(
                     raise
                 results[name] = e
     main = results[planner]
+    cost = CostModel(cl, md, settings, prof)  # for where the plan spends the capacity
     if out_file:
         main.plan.write(out_file)
     if compare:
@@ -175,13 +170,13 @@ def plan(
         else:
             out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
             out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
-            out.print(capacity_line(CostModel(cl, md, settings, prof), main.plan, main.estimate), highlight=False)
+            out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
     elif as_json:
         print(main.plan.to_json())
     else:
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
         out.print(summary_line(main.plan, main.estimate), highlight=False)
-        out.print(capacity_line(CostModel(cl, md, settings, prof), main.plan, main.estimate), highlight=False)
+        out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
     if out_file:
         err.print(f"plan written to {out_file}", highlight=False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -82,12 +83,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
         first_of.setdefault(id(tpl), i)
     order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, first_of[id(templates[i])], i))
     # pipeline-major: one copy at a time; stage-major: the copies of one template together
-    batches: list[list[int]] = []
-    for i in order:
-        if stage_major and batches and templates[batches[-1][0]] is templates[i]:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    batches = ([list(copies) for _, copies in itertools.groupby(order, key=lambda i: id(templates[i]))]
+               if stage_major else [[i] for i in order])
     stages_of: dict[int, list[StagePlan]] = {i: [] for i in order}
     for batch in batches:
         tpl = templates[batch[0]]
@@ -138,20 +135,20 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
     pipeline-major plan (and ``must_beat_s``, the caller's best): stage-major changes only
     where sends and gradient all-reduces go.
     """
-    best = None
-    for stage_major in (False, True):
-        plan = assemble(cluster, cost, space, templates, stage_major)
-        if plan is None:
-            return None
-        est = cost.estimate(plan)
-        if not est.over_capacity() and (best is None or est.iteration_time_s < best[1].iteration_time_s):
-            best = (plan, est)
-        # stage-major holds the same stages (memory depends on the stage alone: over capacity either way)
-        beat = est.iteration_time_s if must_beat_s is None else min(est.iteration_time_s, must_beat_s)
-        if not stage_major and (best is None or not _copies_split_across_nodes(plan, templates)
-                                or _compute_only_s(plan, est) >= beat):
-            break
-    return best
+    plan = assemble(cluster, cost, space, templates)
+    if plan is None:
+        return None
+    est = cost.estimate(plan)
+    if est.over_capacity():  # stage-major holds the same stages, memory depends on the stage alone
+        return None
+    beat = est.iteration_time_s if must_beat_s is None else min(est.iteration_time_s, must_beat_s)
+    if _copies_split_across_nodes(plan, templates) and _compute_only_s(plan, est) < beat:
+        other = assemble(cluster, cost, space, templates, stage_major=True)
+        if other is not None:
+            other_est = cost.estimate(other)
+            if other_est.iteration_time_s < est.iteration_time_s:
+                return other, other_est
+    return plan, est
 
 
 def _compute_only_s(plan: Plan, est: Estimate) -> float:

@@ -326,7 +326,6 @@ class CostModel:
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
-        self._node_of = {d.name: d.node for d in cluster.devices}
 
     # ------------------------------------------------------------------ building blocks
 
@@ -469,7 +468,7 @@ class CostModel:
     def estimate(self, plan: Plan) -> Estimate:
         """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
-        node_of = self._node_of
+        node_of = cl.node_of
         pipes: list[PipelineEstimate] = []
         peak: dict[str, float] = {}
         cap: dict[str, float] = {}
@@ -545,12 +544,9 @@ class CostModel:
         # bucket -> bytes per TP rank; a bucket is the tuple of stages (one per pipeline) holding it
         buckets: dict[tuple[int, ...], tuple[list, float]] = {}
 
-        def add(stages, num_bytes, times=1):
+        def add(stages, num_bytes):
             key = tuple(id(st) for st in stages)
-            total = buckets.get(key, (stages, 0.0))[1]
-            for _ in range(times):  # block by block, as the runtime's buckets sum them
-                total += num_bytes
-            buckets[key] = (stages, total)
+            buckets[key] = (stages, buckets.get(key, (stages, 0.0))[1] + num_bytes)
 
         # blocks between two consecutive stage starts (of any pipeline) have the same holders
         cuts = sorted({st.layers[0] for p in plan.pipelines for st in p.stages} | {m.num_layers})
@@ -561,7 +557,7 @@ class CostModel:
                 while pipe.stages[at[p]].layers[1] <= lo:
                     at[p] += 1
                 holders.append(pipe.stages[at[p]])
-            add(holders, block_params(m) * act / t, hi - lo)
+            add(holders, (hi - lo) * block_params(m) * act / t)
         add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after

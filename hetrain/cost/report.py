@@ -22,9 +22,11 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
     return rows
 
 
-# where_time_goes: the categories, in the order a table shows them
-CAPACITY_PARTS = ("useful", "recompute", "other_stage_work", "sends", "imbalance", "fill_drain", "pipelines_done_early",
-                  "sync_optimizer_step", "unused_gpus")
+# where_time_goes: the categories, in the order tables show them, with their labels
+CAPACITY_PARTS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, whole head, overheads",
+                  "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill + drain",
+                  "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync + optimizer + step",
+                  "unused_gpus": "GPUs left out"}
 
 
 def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, float]:
@@ -49,7 +51,7 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     cl, m, st = cost.cluster, cost.model, cost.settings
     t, b = plan.tp, plan.micro_batch_size
     rate = {node.name: cl.gpu_type(node.gpu).achievable_flops(st.precision) for node in cl.nodes}
-    node_of = {d.name: d.node for d in cl.devices}
+    node_of = cl.node_of
     T = est.iteration_time_s
     parts = dict.fromkeys(CAPACITY_PARTS, 0.0)
     used = set()

@@ -248,12 +248,14 @@ class PreemptionWatcher:
         checkpoint = bool(self.requested)
         when = f"{left:.0f} s left" if left is not None else "no deadline given"
         unreadable = f" (unreadable answer: {notice.detail.get('error')})" if notice.action == "unreadable" else ""
-        asked = ("emergency checkpoint requested" + (f" in {len(self.requested)} runs" if len(self.requested) > 1 else "")
-                 + (", then the run stops" if self.stop_after_checkpoint else ""))
-        said = ([asked] if checkpoint else []) + (problems or ([] if checkpoint else [why_not]))
         if defer:
             said = [f"the emergency checkpoint is left to the recovery (asked for here {self.min_checkpoint_s:g} s "
                     f"before the deadline if it has not been)"]
+        else:
+            asked = ("emergency checkpoint requested"
+                     + (f" in {len(self.requested)} runs" if len(self.requested) > 1 else "")
+                     + (", then the run stops" if self.stop_after_checkpoint else ""))
+            said = ([asked] if checkpoint else []) + (problems or ([] if checkpoint else [why_not]))
         self.log(f"node {self.node}: {notice.cloud} {notice.action} notice ({when}){unreadable}; " + "; ".join(said))
         try:
             if self.on_notice is not None:

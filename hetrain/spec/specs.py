@@ -193,6 +193,11 @@ class ClusterSpec(_Spec):
     def device_by_name(self) -> dict[str, Device]:
         return {d.name: d for d in self.devices}
 
+    @cached_property
+    def node_of(self) -> dict[str, str]:
+        """Device name -> its node's name (the cost model looks it up for every stage it prices)."""
+        return {d.name: d.node for d in self.devices}
+
     @property
     def num_devices(self) -> int:
         return sum(n.count for n in self.nodes)
