@@ -314,7 +314,7 @@ class _TemplateBuilder:
         """Per candidate stage order: (order, sends, each stage's modes as split_layers_modes takes them, fixed time).
 
         Most memory first suits the in-flight activations of the first stages, but the last
-        stage holds the LM head, its logits and their gradients (whole on every TP rank): with a
+        stage holds the LM head, its logits and their gradients (a vocabulary shard per TP rank): with a
         large vocabulary the roomiest group may serve better there, or the order may be best
         reversed. A stage's sends block it (``pipeline_terms``), so they count as its fixed time:
         a middle stage, which sends both ways, takes fewer blocks than an end stage of the same class.

@@ -4,7 +4,7 @@ import pytest
 
 from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, pipeline_terms, ring_allreduce_s,
                                     train_flops_per_sequence)
-from hetrain.profiling.profile import Profile, RuntimeOverheads
+from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
@@ -112,7 +112,8 @@ def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
     shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(p)
     own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(p)
     blocks = ring_allreduce_s(4 * block_params(MODEL) * 4 / 2, 2, 10)
-    ends = ring_allreduce_s(((1000 + 512) * 1024 + 1000 * 1024 + 2048) * 4, 2, 10)
+    # the embedding whole on each TP rank, the head split by vocabulary: one bucket (same holders)
+    ends = ring_allreduce_s(((1000 + 512) * 1024 + (1000 * 1024 + 2048) / 2) * 4, 2, 10)
     assert own.sync_s["a/0"] == pytest.approx(blocks + ends)
     assert shared.sync_s["a/0"] == pytest.approx(blocks * 2 + ends * 2)  # two GPUs of a node through one NIC
 
@@ -141,6 +142,27 @@ def test_measured_runtime_overheads_enter_the_prediction():
         CostModel(CLUSTER, MODEL, SETTINGS).unit_costs("A100-80G", 100, 2, 1).block_s + 0.002)
     assert cost.unit_costs("A100-80G", 100, 1, 1).block_s == pytest.approx(
         CostModel(CLUSTER, MODEL, SETTINGS).unit_costs("A100-80G", 100, 1, 1).block_s)  # no TP, no DTensor
+
+
+def test_the_lm_head_is_split_by_vocabulary_across_tp_ranks():
+    """Its compute, weights, logits and loss tensors shrink t-fold; its input's gradient and the loss's
+    two per-token reductions are all-reduced across the TP group."""
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    u1, u2 = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("A100-80G", 100, 2, 1)
+    comm = (ring_allreduce_s(512 * 1024 * 2, 2, 100) + ring_allreduce_s(4 * 512, 2, 100)
+            + ring_allreduce_s(8 * 512, 2, 100))
+    assert u2.head_s == pytest.approx(u1.head_s / 2 + comm)
+    assert (u2.head_param_bytes, u2.head_out_bytes, u2.head_work_bytes) == pytest.approx(
+        (u1.head_param_bytes / 2, u1.head_out_bytes / 2, u1.head_work_bytes / 2))
+    assert u2.embed_param_bytes == u1.embed_param_bytes  # the embedding stays whole
+    assert cost.stage_params(0, False, True, 2) == pytest.approx(cost.stage_params(0, False, True, 1) / 2)
+    # a profile taken before the split timed the whole head at tp 2: the cost model takes half of it
+    entry = ProfileEntry(tp=2, micro_batch_size=1, block_forward_s=0.01, block_backward_s=0.02,
+                         head_forward_s=0.004, head_backward_s=0.008)
+    for split, head_compute in ((False, 0.006), (True, 0.012)):
+        profile = Profile(model=MODEL, devices={"A100-80G": [entry]}, head_split=split)
+        assert CostModel(CLUSTER, MODEL, SETTINGS, profile).unit_costs("A100-80G", 100, 2, 1).head_s == (
+            pytest.approx(head_compute + comm))
 
 
 def test_gradient_sync_among_holders_over_slowest_link():

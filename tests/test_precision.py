@@ -108,7 +108,9 @@ def _wire_worker(rank: int, world: int, ports: list[int], plan_paths: list[str],
         return real_batch(ops)
 
     def all_reduce(tensor, *a, group=None, **kw):
-        if group is not None and group.size() == 2 and tensor.dim() == 1 and tensor.dtype != torch.float64:
+        # the loss's max logit (a MAX) and the step's totals (float64) are not gradients
+        if (group is not None and group.size() == 2 and tensor.dim() == 1 and tensor.dtype != torch.float64
+                and kw.get("op", dist.ReduceOp.SUM) == dist.ReduceOp.SUM):
             seen["grad_sync"].add(str(tensor.dtype))
         return real_all_reduce(tensor, *a, group=group, **kw)
 

@@ -54,6 +54,7 @@ def test_gpus_from_cluster_rejects_disagreeing_nodes():
 def test_entries_for_every_type_tp_and_micro_batch(profile, gpus):
     assert profile.model == SPEC
     assert profile.activation_recompute is True and profile.precision == "fp32"
+    assert profile.head_split  # tp 2 entries time one rank's vocabulary shard of the head
     assert set(profile.devices) == set(gpus)
     for gpu in gpus:
         assert len(profile.devices[gpu]) == len(TPS) * len(MBS)

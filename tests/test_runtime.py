@@ -112,6 +112,48 @@ def test_asymmetric_plan_matches_single_process(tmp_path: Path, model: str, tp: 
         assert abs(rec["loss"] - want) <= 1e-5 * abs(want)
 
 
+# --------------------------------------------------------------------------- the vocabulary-split loss
+
+
+def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 11  # 4 + 4 + 3 columns over three ranks: the uneven split DTensor makes
+    logits = torch.randn(2, 5, vocab, generator=gen) * 3
+    targets = torch.randint(vocab, (2, 5), generator=gen)
+    start, count = vocab_shard(vocab, world, rank)
+    mine = logits[..., start:start + count].clone().requires_grad_()
+    loss = vocab_parallel_lm_loss(mine, targets, start, dist.group.WORLD, scale=0.25)
+    loss.backward()
+    torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_loss_matches_the_gathered_loss_and_gradient(tmp_path: Path):
+    """Each rank's loss is the whole vocabulary's, each rank's gradient its columns' of the whole one."""
+    import torch.multiprocessing as mp
+
+    from hetrain.runtime.loss import vocab_parallel_lm_loss
+
+    mp.spawn(_vocab_parallel_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 11, generator=gen) * 3).requires_grad_()
+    targets = torch.randint(11, (2, 5), generator=gen)
+    want = lm_loss(logits, targets, scale=0.25)
+    want.backward()
+    assert [torch.load(tmp_path / f"rank{r}.pt")["count"] for r in range(3)] == [4, 4, 3]
+    for r in range(3):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.allclose(got["loss"], want, rtol=1e-6)
+        assert torch.allclose(got["grad"], logits.grad[..., got["start"]:got["start"] + got["count"]], atol=1e-7)
+    # without a group: one rank's share of the work, the whole loss when it holds every column
+    assert torch.allclose(vocab_parallel_lm_loss(logits.detach(), targets, 0, None, scale=0.25), want, rtol=1e-6)
+
+
 # --------------------------------------------------------------------------- emulated cluster and bad input
 
 CLUSTER = EXAMPLES / "clusters" / "cpu-emulated.yaml"

@@ -11,7 +11,8 @@ Parameters
     block  P_blk  = 4h^2 + 2hf + 9h + f        (QKV+proj with biases, MLP with biases, 2 LayerNorms)
     embed  P_emb  = V h + s h                  (token + learned position embedding, first stage)
     head   P_head = V h + 2h                   (final LayerNorm + untied LM head, last stage)
-    Each is split evenly over the t ranks of a TP group.
+    Blocks and the head are split over the t ranks of a TP group (the head by vocabulary);
+    the embedding is whole on every rank (a lookup).
 
 Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
     block forward FLOPs  = b (2 s (4h^2 + 2hf) + 4 s^2 h)
@@ -21,7 +22,9 @@ Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
 
 Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
     backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
-    2 (t-1)/t * bytes / bw_intra(node) + lat. One all-reduce for the vocab-parallel embedding.
+    2 (t-1)/t * bytes / bw_intra(node) + lat. One all-reduce for the embedding's gradient; the
+    vocabulary-split head adds one for its input's gradient and two of b s floats for the loss
+    (each token's max logit; its target logit and sum of exponentials).
     The runtime's TP blocks run on DTensors: their dispatch adds ``tp_block_s`` per block and
     micro-batch (measured, ``Profile.runtime``; a third more under full recompute).
     ``lat`` is the cluster's ``collective_latency_us``, charged once per collective or send.
@@ -383,30 +386,36 @@ class CostModel:
         if entry is not None:
             embed_compute = entry.embed_forward_s + entry.embed_backward_s
             head_compute = entry.head_forward_s + entry.head_backward_s
+            if not self.profile.head_split:  # an older profile timed the whole head at every tp
+                head_compute /= t
         else:
-            head_compute = 3 * head_forward_flops(m, b) / flops  # every TP rank runs the whole head
+            head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
+        # the split head: its input's gradient all-reduced, and the loss's per-token max, then target logit + sum
+        head_comm = (tp_ar + ring_allreduce_s(4 * b * s, t, bw, self.latency_s)
+                     + ring_allreduce_s(8 * b * s, t, bw, self.latency_s)) if t > 1 else 0.0
 
         # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
         # gate's, the up projection's and silu's
         widest_grad = (4 if m.arch == "llama" else 2) * s * b * f * act / t
         overheads = self.overheads(gpu)
-        # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the gradient.
-        head_work = s * b * V * (4 + 4)
+        # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the
+        # gradient: of this rank's vocabulary shard.
+        head_work = s * b * V * (4 + 4) / t
         return UnitCosts(
             # full recompute repeats the forward's two TP all-reduces; selective keeps their outputs
             block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar
             + (overheads.tp_block_s * (4 / 3 if recompute == "full" else 1) if overheads is not None and t > 1 else 0.0),
             embed_s=embed_compute + tp_ar,
-            head_s=head_compute,
+            head_s=head_compute + head_comm,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
-            # the runtime keeps the embedding and the head whole on every TP rank
+            # the runtime keeps the embedding whole on every TP rank and splits the head
             embed_param_bytes=st.bytes_per_param * embed_params(m),
-            head_param_bytes=st.bytes_per_param * head_params(m),
+            head_param_bytes=st.bytes_per_param * head_params(m) / t,
             block_act_bytes=blk_act,
             embed_act_bytes=msg,
             head_work_bytes=head_work,
-            head_out_bytes=s * b * V * act,
+            head_out_bytes=s * b * V * act / t,
             # backward's transient: what recompute rebuilds for the one block in backward (all it would
             # have saved but the kept input, which is counted above, plus the input's fp32 copy the
             # rebuilt norm saves), then its gradients
@@ -453,9 +462,10 @@ class CostModel:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
 
     def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
-        """Parameters one rank holds: its shard of the blocks, the embedding and head whole (as the runtime)."""
+        """Parameters one rank holds: its shard of the blocks and the head, the embedding whole (as the runtime)."""
         m = self.model
-        return num_blocks * block_params(m) / tp + (embed_params(m) if first else 0) + (head_params(m) if last else 0)
+        return (num_blocks * block_params(m) / tp + (embed_params(m) if first else 0)
+                + (head_params(m) / tp if last else 0))
 
     @staticmethod
     def pipeline_time_s(stage_s: list[float], p2p_s: list[float], num_microbatches: int) -> tuple[float, float]:
@@ -559,7 +569,7 @@ class CostModel:
                 holders.append(pipe.stages[at[p]])
             add(holders, (hi - lo) * block_params(m) * act / t)
         add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
-        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act)
+        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
         # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).

@@ -23,7 +23,7 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
 
 
 # where_time_goes: the categories, in the order tables show them, with their labels
-CAPACITY_PARTS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, whole head, overheads",
+CAPACITY_PARTS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, embedding, overheads",
                   "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill + drain",
                   "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync + optimizer + step",
                   "unused_gpus": "GPUs left out"}
@@ -38,7 +38,7 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     weighted by its FLOP/s and split into: its blocks' (and head's) forward + backward FLOPs
     at its achievable rate (``useful``); what its stage's recompute mode adds over none
     (``recompute``); the rest of its stage's per-micro-batch time (TP all-reduces and dispatch,
-    the head every TP rank computes whole, the embedding, the runtime's per-micro-batch work,
+    the embedding, the runtime's per-micro-batch work,
     and a profile's departure from the nominal rate: ``other_stage_work``); waiting for its
     sends (``sends``); waiting on a slower stage in 1F1B's steady state (``imbalance``); the
     pipeline's fill and drain (``fill_drain``); its pipeline finishing before the slowest

@@ -20,9 +20,11 @@ Times are compute only, for the TP shard of one rank (``tp`` ranks each run 1/tp
 block); ``block_backward_s`` includes the recomputed forward when the profile was taken
 with ``activation_recompute``. ``recompute`` gives the backward and the kept bytes under each
 mode the planner may choose per stage; profiles written before it lack it, and the cost model
-derives the modes from the one that was measured. Tensor-parallel and pipeline communication are added by the
-cost model from the cluster's links. Entries are looked up by (GPU type, tp, micro-batch
-size); a missing entry falls back to the FLOP-based estimate. ``runtime`` gives, per GPU type,
+derives the modes from the one that was measured. ``head_split``: the head times of a
+``tp > 1`` entry are one rank's vocabulary shard (profiles without it timed the whole head).
+Tensor-parallel and pipeline communication are added by the cost model from the cluster's
+links. Entries are looked up by (GPU type, tp, micro-batch size); a missing entry falls back
+to the FLOP-based estimate. ``runtime`` gives, per GPU type,
 what the runtime costs besides compute (per step, per micro-batch, the optimizer step),
 measured by running the runtime itself on a stand-in model.
 """
@@ -42,8 +44,8 @@ from hetrain.spec.specs import ModelSpec, describe_validation_error
 PROFILE_SCHEMA = "hetrain.profile/v1"
 # What the profiler measures, for caches of profiles (the flows' profile task): raised whenever it
 # measures something new, so a cached profile without it is taken again. 2: per recompute mode;
-# 3: the runtime's overheads.
-PROFILER_MEASURES = 3
+# 3: the runtime's overheads; 4: the head's vocabulary shard per TP degree.
+PROFILER_MEASURES = 4
 
 
 class RecomputeEntry(BaseModel):
@@ -98,6 +100,9 @@ class Profile(BaseModel):
     devices: dict[str, list[ProfileEntry]]
     # Per GPU type: the runtime's own costs (profiles written before they were measured lack them).
     runtime: dict[str, RuntimeOverheads] = {}
+    # The head times of a tp > 1 entry are one rank's vocabulary shard. Profiles written before the
+    # runtime split the head timed it whole at every tp: the cost model takes 1/tp of those.
+    head_split: bool = False
 
     def lookup(self, gpu: str, tp: int, micro_batch_size: int) -> ProfileEntry | None:
         for entry in self.devices.get(gpu, []):
@@ -137,7 +142,7 @@ def merge_profiles(parts: list[Profile], source: str = "profiles") -> Profile:
     devices: dict[str, list[ProfileEntry]] = {}
     runtime: dict[str, RuntimeOverheads] = {}
     for part in parts:
-        for field in ("model", "precision", "activation_recompute"):
+        for field in ("model", "precision", "activation_recompute", "head_split"):
             if getattr(part, field) != getattr(first, field):
                 raise HetrainError(f"{source}: profiles of {', '.join(part.devices)} and {', '.join(first.devices)} "
                                    f"differ in '{field}'")

@@ -8,7 +8,7 @@ What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro
   ``block_backward_s`` is the profile's own mode (full with ``activation_recompute``, else none),
   for readers of older profiles;
 * the embedding (token + position lookup and their sum) and the head (final LayerNorm, LM
-  head and ``lm_loss``), forward and backward;
+  head and the loss), forward and backward;
 * ``block_activation_bytes`` per mode: bytes one block keeps alive for backward for one
   micro-batch, its input included (``_kept_bytes``: the storages its forward creates that
   outlive it, which also sees selective recompute's cache). With full recompute that is just
@@ -25,9 +25,10 @@ Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank compute
 single device, with NO communication: a block whose attention has ``num_heads / tp`` heads
 (``hidden_size / tp`` wide q/k/v, the output projection reading ``hidden_size / tp``) and
 whose MLP is ``ffn_size / tp`` wide, the column/row split ``hetrain.runtime.parallelize.parallelize_stage``
-applies. The all-reduces are added by the cost model from the cluster's links. The runtime
-does not shard the embedding or the head (every TP rank runs them whole), so they are
-measured whole for every ``tp``.
+applies. The all-reduces are added by the cost model from the cluster's links. The head is
+split by vocabulary the same way: one rank's ``vocab_size / tp`` columns and its share of
+``vocab_parallel_lm_loss``. The runtime does not shard the embedding (a lookup), so it is
+measured whole, once per micro-batch size.
 
 Emulated GPU types (``emulate.slowdown`` on a CPU node): the runtime makes such a rank sleep
 ``(slowdown - 1)`` times each compute it just did, so its compute takes ``slowdown`` times
@@ -55,6 +56,7 @@ from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry, RuntimeOverheads
 from hetrain.runtime.model import final_norm, init_parameter, lm_loss, make_block, run_block
+from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -113,12 +115,12 @@ class _Embedding(nn.Module):
 
 
 class _Head(nn.Module):
-    """Final norm + untied LM head; the loss is applied by the caller with ``lm_loss``."""
+    """Final norm + untied LM head (one TP rank's vocabulary columns); the caller applies the loss."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: int = 1) -> None:
         super().__init__()
         self.norm = final_norm(spec)
-        self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.head = nn.Linear(spec.hidden_size, vocab_shard(spec.vocab_size, tp, 0)[1], bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
@@ -283,7 +285,7 @@ def _measure(
     repeats: int,
     ends: tuple[float, float, float, float] | None = None,
 ) -> ProfileEntry:
-    """One entry on the real device (slowdown 1). ``ends``: embed/head times already measured."""
+    """One entry on the real device (slowdown 1). ``ends``: embed/head times already measured (this tp's head)."""
     b, s, h = micro_batch_size, spec.seq_length, spec.hidden_size
     gen = torch.Generator().manual_seed(1234 + 7 * b)
 
@@ -310,7 +312,8 @@ def _measure(
     act_bytes = recompute[own].block_activation_bytes
 
     if ends is None:
-        ends = _measure_ends(spec, b, device=device, precision=precision, warmup=warmup, repeats=repeats)
+        ends = _measure_ends(spec, b, device=device, precision=precision, warmup=warmup, repeats=repeats,
+                             tps=[tp])[tp]
     embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s = ends
     return ProfileEntry(
         tp=tp,
@@ -327,9 +330,15 @@ def _measure(
 
 
 def _measure_ends(
-    spec: ModelSpec, b: int, *, device: torch.device, precision: Precision, warmup: int, repeats: int
-) -> tuple[float, float, float, float]:
-    """Embedding and head (norm + LM head + loss) forward/backward seconds for one micro-batch."""
+    spec: ModelSpec, b: int, *, device: torch.device, precision: Precision, warmup: int, repeats: int,
+    tps: Iterable[int] = (1,),
+) -> dict[int, tuple[float, float, float, float]]:
+    """Per TP degree: embedding and head (norm + LM head + loss) forward/backward seconds for one micro-batch.
+
+    The embedding is the same whole lookup at every ``tp`` (measured once); the head is one
+    rank's vocabulary shard with its part of the split loss (``vocab_parallel_lm_loss`` without
+    the collectives, which the cost model adds), the whole head and ``lm_loss`` at tp 1.
+    """
     s, h, V = spec.seq_length, spec.hidden_size, spec.vocab_size
     gen = torch.Generator().manual_seed(4321 + 7 * b)
     ids = torch.randint(V, (b, s), generator=gen).to(device)
@@ -344,16 +353,22 @@ def _measure_ends(
     )
     del embed
 
-    head = _Head(spec)
-    _init(head)
-    head.to(device)
     x0 = torch.randn(b, s, h, generator=gen).to(device)
+    ends = {}
+    for tp in sorted(set(tps)):
+        head = _Head(spec, tp)
+        _init(head)
+        head.to(device)
 
-    def head_fwd() -> torch.Tensor:
-        return lm_loss(head(x0.detach().requires_grad_()), targets)
+        def head_fwd(head=head, tp=tp) -> torch.Tensor:
+            logits = head(x0.detach().requires_grad_())
+            return lm_loss(logits, targets) if tp == 1 else vocab_parallel_lm_loss(logits, targets, 0, None)
 
-    head_fwd_s, head_bwd_s = _time_fwd_bwd(head_fwd, lambda loss: loss.backward(), device, precision, warmup, repeats)
-    return embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s
+        head_fwd_s, head_bwd_s = _time_fwd_bwd(head_fwd, lambda loss: loss.backward(), device, precision, warmup,
+                                               repeats)
+        del head
+        ends[tp] = (embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s)
+    return ends
 
 
 def profiling_bytes(spec: ModelSpec, b: int) -> float:
@@ -527,13 +542,12 @@ def profile_model(
 
     total, done = len(tps) * len(mbs), 0
     devices: dict[str, list[ProfileEntry]] = {name: [] for name in gpus}
-    ends: dict[int, tuple[float, float, float, float]] = {}
     for b in mbs:
-        ends[b] = _measure_ends(spec, b, device=dev, precision=prec, warmup=warmup, repeats=repeats)
+        ends = _measure_ends(spec, b, device=dev, precision=prec, warmup=warmup, repeats=repeats, tps=tps)
         for t in tps:
             entry = _measure(
                 spec, t, b, activation_recompute=activation_recompute, device=dev, precision=prec,
-                warmup=warmup, repeats=repeats, ends=ends[b],
+                warmup=warmup, repeats=repeats, ends=ends[t],
             )
             for name, slowdown in gpus.items():
                 devices[name].append(_scaled(entry, slowdown))
@@ -549,7 +563,7 @@ def profile_model(
         runtime = {name: measured.model_copy(update={"tp_block_s": measured.tp_block_s * slowdown})
                    for name, slowdown in gpus.items()}
     return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices,
-                   runtime=runtime)
+                   runtime=runtime, head_split=True)
 
 
 def gpus_from_cluster(cluster: ClusterSpec) -> dict[str, float]:

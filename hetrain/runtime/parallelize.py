@@ -35,10 +35,16 @@ def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
 
     Under grouped-query attention the key/value projections split by their own heads
     (``num_kv_heads / tp`` per rank), which keeps each query head with its key/value head.
+    The LM head splits column-wise too, by vocabulary: each rank computes ``vocab_size / tp``
+    logits and ``vocab_parallel_lm_loss`` takes the loss from the shards without gathering
+    them (the head is the widest matrix product of a GPT: 0.8 of a block at 13B).
     """
     plan = LLAMA_TP_PLAN if stage.spec.arch == "llama" else TP_PLAN
     for block in stage.layers.values():
         parallelize_module(block, tp_mesh, plan)
+    if stage.head is not None:
+        # local logits out: hetrain.runtime.loss takes the loss from the shards
+        parallelize_module(stage.head, tp_mesh, ColwiseParallel())
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

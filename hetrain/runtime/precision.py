@@ -71,6 +71,8 @@ def apply_mixed_precision(stage: nn.Module, precision: Precision, device_type: s
         # prepend: run before the TP input hooks of the projections inside
         block.attn.register_forward_pre_hook(to_compute_dtype, prepend=True)
         block.mlp.register_forward_pre_hook(to_compute_dtype, prepend=True)
+    if stage.head is not None:  # the vocabulary-split head's backward all-reduce, in the compute dtype too
+        stage.head.register_forward_pre_hook(to_compute_dtype, prepend=True)
 
 
 class LossScaler:

@@ -31,6 +31,7 @@ from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
 from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import bucket_params, local_tensor, parallelize_stage, sync_gradients
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.schedule import LRSchedule
@@ -112,7 +113,7 @@ class Trainer:
         self.lr_schedule = config.lr_schedule()
         lr = self.lr_schedule.lr_at(config.start_step)
         # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
-        # sharded block weights and the replicated embedding/norms/head are separate groups.
+        # sharded block and head weights and the replicated embedding/norms are separate groups.
         params = list(model.parameters())
         param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
                               [p for p in params if not isinstance(p, DTensor)]) if g]
@@ -135,6 +136,9 @@ class Trainer:
                                              self.optimizer, config.optimizer, train_state=self.train_state)
 
         stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups.pp)
+        # under TP the last stage holds the logits of its vocabulary shard (``parallelize_stage``)
+        self.tp_group = groups.tp if plan.tp > 1 else None
+        self.vocab_start = vocab_shard(plan.model.vocab_size, plan.tp, role.tp_rank)[0]
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
         self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
@@ -144,7 +148,7 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
-        # Replicated parameters (norms, embeddings, head) are counted once per TP group in the norm.
+        # Replicated parameters (norms, embeddings) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
 
     def load(self, url: str, start_step: int, steps: int | None = None) -> None:
@@ -162,7 +166,10 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Scaled so that the micro-batch losses of every pipeline sum to the global mean (times
         # the fp16 loss scale, which the clipping coefficient takes back out).
-        return lm_loss(logits, targets, scale=self.loss_scale * self.scaler.scale)
+        scale = self.loss_scale * self.scaler.scale
+        if self.tp_group is None:
+            return lm_loss(logits, targets, scale=scale)
+        return vocab_parallel_lm_loss(logits, targets, self.vocab_start, self.tp_group, scale=scale)
 
     def train_state(self) -> torch.Tensor:
         """What the checkpoint keeps besides weights and optimizer: the schedule and the loss scale."""
