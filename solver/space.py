@@ -307,7 +307,8 @@ class _TemplateBuilder:
             ca, cb = self.classes[a], self.classes[b]
             bw, between_nodes = class_link(self.cluster, ca, cb)
             senders = self.cost.concurrent_senders(ca.nodes + cb.nodes, self.tp) if between_nodes else 1
-            s = self.links[(a, b)] = self.cost.send_s(bw, self.micro_batch_size, senders)
+            gather_bw = min(ca.intra_bw_gbps, cb.intra_bw_gbps)  # the TP groups all-gather what they receive
+            s = self.links[(a, b)] = self.cost.send_s(bw, self.micro_batch_size, senders, self.tp, gather_bw)
         return s
 
     def _orders(self, members: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[float, ...], list, list[float]]]:

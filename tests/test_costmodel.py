@@ -2,8 +2,8 @@
 
 import pytest
 
-from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, pipeline_terms, ring_allreduce_s,
-                                    train_flops_per_sequence)
+from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, pipeline_terms, ring_allgather_s,
+                                    ring_allreduce_s, train_flops_per_sequence)
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
@@ -71,16 +71,18 @@ def _two_node_cluster(nics: str) -> ClusterSpec:
 
 
 def test_one_nic_per_node_is_shared_by_the_tp_ranks_sending_at_once():
-    """A TP-2 stage sends its activation from both ranks to the next node: one NIC carries both."""
+    """Scatter-gather: each rank of a TP-2 stage sends half the activation to the next node, which
+    all-gathers the halves over its NVLink. One NIC carries both halves; one NIC per GPU, each its own."""
     stages = [StagePlan(devices=["a/0", "a/1"], gpu="A100-80G", layers=(0, 2)),
               StagePlan(devices=["b/0", "b/1"], gpu="V100-32G", layers=(2, 4))]
     p = plan([PipelinePlan(num_microbatches=8, stages=stages)], tp=2)
     e = 512 * 1024 * 2 / (10 * GB)
+    gather = ring_allgather_s(512 * 1024 * 2, 2, 50)  # over the slower node's links (b: 50 GB/s)
     shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(p)
     own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(p)
-    assert own.pipelines[0].p2p_s == [pytest.approx(e)]
-    assert shared.pipelines[0].p2p_s == [pytest.approx(2 * e)]
-    assert CostModel(CLUSTER, MODEL, SETTINGS).estimate(p).pipelines[0].p2p_s == [pytest.approx(2 * e)]  # default: one
+    assert own.pipelines[0].p2p_s == [pytest.approx(e / 2 + gather)]
+    assert shared.pipelines[0].p2p_s == [pytest.approx(e + gather)]
+    assert CostModel(CLUSTER, MODEL, SETTINGS).estimate(p).pipelines[0].p2p_s == [pytest.approx(e + gather)]  # one
 
 
 def test_pipelines_exchanging_across_one_nic_at_once_split_it():

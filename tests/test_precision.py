@@ -105,6 +105,7 @@ def _wire_worker(rank: int, world: int, ports: list[int], plan_paths: list[str],
     def batch(ops):
         for op in ops:
             seen["p2p"].add(str(op.tensor.dtype))
+            seen["p2p_numel"].add(op.tensor.numel())
         return real_batch(ops)
 
     def all_reduce(tensor, *a, group=None, **kw):
@@ -116,7 +117,7 @@ def _wire_worker(rank: int, world: int, ports: list[int], plan_paths: list[str],
 
     dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
     for plan_path, port in zip(plan_paths, ports):
-        seen.update(p2p=set(), tp=set(), grad_sync=set())
+        seen.update(p2p=set(), p2p_numel=set(), tp=set(), grad_sync=set())
         os.environ["MASTER_PORT"] = str(port)
         run_rank(RunConfig(plan=plan_path, steps=1, precision="bf16"))
         Path(out, f"{Path(plan_path).stem}-rank{rank}.json").write_text(json.dumps({k: sorted(v) for k, v in seen.items()}))
@@ -150,6 +151,8 @@ def test_pipeline_sends_and_tp_collectives_are_bf16_and_gradients_reduce_as_plan
     want = "torch.float32" if grad_reduce == "fp32" else "torch.bfloat16"
     assert {d for s in seen for d in s["grad_sync"]} == {want}
     assert any(s["p2p"] for s in seen) and any(s["tp"] for s in seen)
+    # scatter-gather: each TP rank sends half of the micro-batch's activation (1 x 32 tokens x 64), not all of it
+    assert {n for s in seen for n in s["p2p_numel"]} == {32 * 64 // 2}
 
 
 def test_fp16_trains_with_dynamic_loss_scaling(tmp_path: Path):

@@ -32,13 +32,15 @@ Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forwa
 Pipeline, per stage k of pipeline p and micro-batch:
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
           stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured),
-    e_k = n_k b s h B_act / bw(node_k, node_k+1) + lat for the activation sent forward (the
-          gradient comes back the same size). Every TP rank of a stage sends the whole
-          activation to its peer in the next stage at once; on a boundary the activation and
-          the gradient cross together (each send is fused with a receive), neighbouring
-          boundaries take turns, and the pipelines run in step: across nodes whose GPUs share
-          one NIC (``nics: one``) n_k = the TP degree x the boundaries of k's parity, of any
-          pipeline, that touch the busier of its two nodes; else n_k = 1.
+    e_k = n_k b s h B_act / (t bw(node_k, node_k+1)) + lat + allgather for the activation sent
+          forward (the gradient comes back the same size). Scatter-gather, as Megatron: every
+          TP rank of a stage sends 1/t of the activation to its peer in the next stage at once,
+          and the receiving group all-gathers the chunks over the slower of the two nodes'
+          links ((t-1)/t b s h B_act / bw_intra + lat); on a boundary the activation and the
+          gradient cross together (each send is fused with a receive), neighbouring boundaries
+          take turns, and the pipelines run in step: across nodes whose GPUs share one NIC
+          (``nics: one``) n_k = the TP degree x the boundaries of k's parity, of any pipeline,
+          that touch the busier of its two nodes; else n_k = 1.
     1F1B as torch.distributed.pipelining runs it: a stage waits for its sends (each is fused
     with the receive the next compute needs, and waited on with it), so sends do not overlap
     compute, as in Megatron:
@@ -211,6 +213,13 @@ def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, l
     if group_size <= 1:
         return 0.0
     return 2 * (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s
+
+
+def ring_allgather_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
+    """Seconds to all-gather ``num_bytes`` in all (each rank holding 1/group_size of it) over a ring."""
+    if group_size <= 1:
+        return 0.0
+    return (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s
 
 
 @dataclass(frozen=True)
@@ -455,8 +464,14 @@ class CostModel:
         by_name = self.cluster.node_by_name
         return tp if any(by_name[n].shares_nic for n in nodes) else 1
 
-    def send_s(self, bandwidth_gbps: float, micro_batch_size: int, senders: int = 1) -> float:
-        return senders * self.p2p_bytes(micro_batch_size) / (bandwidth_gbps * GB) + self.latency_s
+    def send_s(self, bandwidth_gbps: float, micro_batch_size: int, senders: int = 1, tp: int = 1,
+               gather_bw_gbps: float | None = None) -> float:
+        """One stage boundary, one micro-batch, one way: each of the ``tp`` ranks sends 1/tp of the
+        activation (scatter-gather, ``hetrain.runtime.parallelize.scatter_gather_sends``), ``senders``
+        such chunks share the link, and the other side all-gathers them over ``gather_bw_gbps``."""
+        chunk = self.p2p_bytes(micro_batch_size) / tp
+        gather = ring_allgather_s(chunk * tp, tp, gather_bw_gbps, self.latency_s) if tp > 1 else 0.0
+        return senders * chunk / (bandwidth_gbps * GB) + self.latency_s + gather
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
@@ -510,7 +525,8 @@ class CostModel:
                 if k + 1 < S:
                     nxt = node_of[pipe.stages[k + 1].devices[0]]
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
-                    p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders))
+                    gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
+                    p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
 

@@ -47,6 +47,68 @@ def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
         parallelize_module(stage.head, tp_mesh, ColwiseParallel())
 
 
+# torch 2.13 renamed all_gather_into_tensor (same arguments); earlier releases have only the old name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gather_flat(chunk: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The TP group's flat chunks, concatenated in rank order."""
+    out = chunk.new_empty(chunk.numel() * group.size())
+    if chunk.device.type != "meta":  # shape inference on meta tensors (older torch) sends nothing
+        _all_gather_flat(out, chunk.contiguous().view(-1), group=group)
+    return out
+
+
+def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's 1/tp of ``x``, flat, as ``(*x.shape[:-1], x.shape[-1] // tp)`` (a copy: ``x`` may be freed)."""
+    t, r = group.size(), group.rank()
+    n = x.numel() // t
+    return x.reshape(-1)[r * n:(r + 1) * n].clone().view(*x.shape[:-1], x.shape[-1] // t)
+
+
+class _SendOwnChunk(torch.autograd.Function):
+    """Forward: this TP rank's chunk of the stage output, the part it sends; backward: the
+    gradient chunks the ranks received, gathered (the gradient is the same on every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.shape = group, x.shape
+        return _own_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_flat(grad, ctx.group).view(ctx.shape), None
+
+
+class _GatherReceived(torch.autograd.Function):
+    """Forward: the chunks the TP ranks received, gathered into the stage input; backward: this
+    rank's chunk of its gradient, the part it sends back."""
+
+    @staticmethod
+    def forward(ctx, chunk: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_flat(chunk, group).view(*chunk.shape[:-1], chunk.shape[-1] * group.size())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own_chunk(grad, ctx.group), None
+
+
+def scatter_gather_sends(stage: GPT, tp_group: dist.ProcessGroup, *, is_first: bool, is_last: bool) -> None:
+    """Megatron's scatter-gather between pipeline stages under TP: each TP rank sends 1/tp of the
+    activation (and of its gradient) instead of all of it, and the receiving TP group all-gathers
+    it over its node's fast links. A stage boundary between nodes carries 1/tp of the bytes.
+
+    Apply after ``apply_mixed_precision``: the chunk is cut from the stage output in the compute
+    dtype, and the received chunks are gathered before the stage casts its input to fp32.
+    """
+    if not is_last:
+        stage.register_forward_hook(lambda _m, _args, out: _SendOwnChunk.apply(out, tp_group))
+    if not is_first:
+        stage.register_forward_pre_hook(
+            lambda _m, args: (_GatherReceived.apply(args[0], tp_group), *args[1:]), prepend=True)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t._local_tensor if isinstance(t, DTensor) else t

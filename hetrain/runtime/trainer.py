@@ -32,7 +32,8 @@ from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
-from hetrain.runtime.parallelize import bucket_params, local_tensor, parallelize_stage, sync_gradients
+from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
+                                         sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
@@ -96,6 +97,8 @@ class Trainer:
         if plan.tp > 1:
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
+        if plan.tp > 1 and role.num_stages > 1:
+            scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()
