@@ -23,7 +23,7 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
 
 
 # where_time_goes: the categories, in the order tables show them, with their labels
-CAPACITY_PARTS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP, embedding, overheads",
+CAPACITY_PARTS = {"useful": "useful work", "recompute": "recompute", "other_stage_work": "TP + embedding + overheads",
                   "sends": "sends", "imbalance": "stage imbalance", "fill_drain": "1F1B fill + drain",
                   "pipelines_done_early": "pipelines done early", "sync_optimizer_step": "sync + optimizer + step",
                   "unused_gpus": "GPUs left out"}
