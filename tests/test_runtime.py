@@ -121,16 +121,24 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
     from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    gen = torch.Generator().manual_seed(0)
-    vocab = 11  # 4 + 4 + 3 columns over three ranks: the uneven split DTensor makes
-    logits = torch.randn(2, 5, vocab, generator=gen) * 3
-    targets = torch.randint(vocab, (2, 5), generator=gen)
-    start, count = vocab_shard(vocab, world, rank)
-    mine = logits[..., start:start + count].clone().requires_grad_()
-    loss = vocab_parallel_lm_loss(mine, targets, start, dist.group.WORLD, scale=0.25)
-    loss.backward()
-    torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count}, f"{out}/rank{rank}.pt")
+    for vocab in VOCABS:
+        logits, targets = _vocab_case(vocab)
+        start, count = vocab_shard(vocab, world, rank)
+        mine = logits[..., start:start + count].clone().requires_grad_()
+        loss = vocab_parallel_lm_loss(mine, targets, start, dist.group.WORLD, scale=0.25)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count},
+                   f"{out}/v{vocab}-rank{rank}.pt")
     dist.destroy_process_group()
+
+
+# over three ranks DTensor splits 11 columns 4 + 4 + 3, and 4 columns 2 + 2 + 0 (a rank with none)
+VOCABS = (11, 4)
+
+
+def _vocab_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(vocab)
+    return torch.randn(2, 5, vocab, generator=gen) * 3, torch.randint(vocab, (2, 5), generator=gen)
 
 
 def test_vocab_parallel_loss_matches_the_gathered_loss_and_gradient(tmp_path: Path):
@@ -140,18 +148,18 @@ def test_vocab_parallel_loss_matches_the_gathered_loss_and_gradient(tmp_path: Pa
     from hetrain.runtime.loss import vocab_parallel_lm_loss
 
     mp.spawn(_vocab_parallel_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
-    gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(2, 5, 11, generator=gen) * 3).requires_grad_()
-    targets = torch.randint(11, (2, 5), generator=gen)
-    want = lm_loss(logits, targets, scale=0.25)
-    want.backward()
-    assert [torch.load(tmp_path / f"rank{r}.pt")["count"] for r in range(3)] == [4, 4, 3]
-    for r in range(3):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        assert torch.allclose(got["loss"], want, rtol=1e-6)
-        assert torch.allclose(got["grad"], logits.grad[..., got["start"]:got["start"] + got["count"]], atol=1e-7)
-    # without a group: one rank's share of the work, the whole loss when it holds every column
-    assert torch.allclose(vocab_parallel_lm_loss(logits.detach(), targets, 0, None, scale=0.25), want, rtol=1e-6)
+    for vocab, counts in zip(VOCABS, ([4, 4, 3], [2, 2, 0])):
+        logits, targets = _vocab_case(vocab)
+        logits.requires_grad_()
+        want = lm_loss(logits, targets, scale=0.25)
+        want.backward()
+        got = [torch.load(tmp_path / f"v{vocab}-rank{r}.pt") for r in range(3)]
+        assert [g["count"] for g in got] == counts
+        for g in got:
+            assert torch.allclose(g["loss"], want, rtol=1e-6)
+            assert torch.allclose(g["grad"], logits.grad[..., g["start"]:g["start"] + g["count"]], atol=1e-7)
+        # without a group: one rank's share of the work, the whole loss when it holds every column
+        assert torch.allclose(vocab_parallel_lm_loss(logits.detach(), targets, 0, None, scale=0.25), want, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- emulated cluster and bad input

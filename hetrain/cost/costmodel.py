@@ -237,7 +237,7 @@ class UnitCosts:
     embed_param_bytes: float
     head_param_bytes: float
     block_act_bytes: float  # kept per in-flight micro-batch
-    embed_act_bytes: float
+    embed_act_bytes: float  # one activation of a micro-batch (the embedding's output)
     head_work_bytes: float  # the loss's fp32 logits copy, log-softmax output and gradient, during its backward
     block_work_bytes: float  # backward's transient: one block recomputed (with recompute) + the widest activation gradient
     reserve_bytes: float
@@ -247,6 +247,8 @@ class UnitCosts:
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
     microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
+    boundary_bytes: float = 0.0  # what a stage keeps of one boundary per micro-batch: 1/t of an activation
+
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
@@ -259,7 +261,7 @@ class UnitCosts:
     def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
         # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
         boundaries = (0 if first else 1) + (0 if last else 1)
-        mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.embed_act_bytes
+        mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.boundary_bytes
         if last:  # the last micro-batch's logits stay referenced by the schedule through backward
             mem += self.head_out_bytes
         # backward's transients come one after another: the loss's fp32 tensors first, then block by block
@@ -423,6 +425,7 @@ class CostModel:
             head_param_bytes=st.bytes_per_param * head_params(m) / t,
             block_act_bytes=blk_act,
             embed_act_bytes=msg,
+            boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
             head_work_bytes=head_work,
             head_out_bytes=s * b * V * act / t,
             # backward's transient: what recompute rebuilds for the one block in backward (all it would

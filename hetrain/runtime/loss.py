@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 
 def vocab_shard(vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int]:
@@ -31,14 +32,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.input_dtype = logits.dtype
         logits = logits.float()
-        token_max = logits.max(dim=-1).values
+        has_columns = logits.shape[-1] > 0  # not so on a rank past the end of a small vocabulary
+        token_max = logits.max(dim=-1).values if has_columns else logits.new_full(logits.shape[:-1], float("-inf"))
         if group is not None:
             dist.all_reduce(token_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - token_max.unsqueeze(-1)  # a new fp32 tensor: the one this function keeps
         local = targets - vocab_start
         mine = (local >= 0) & (local < logits.shape[-1])
         local = torch.where(mine, local, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        target_logit = (shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine if has_columns
+                        else torch.zeros_like(token_max))
         exp = shifted.exp_()
         stats = torch.stack((target_logit, exp.sum(dim=-1)))
         if group is not None:
@@ -48,10 +51,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return stats[1].log() - stats[0]
 
     @staticmethod
+    @once_differentiable  # backward reuses the saved softmax in place: once only
     def backward(ctx, grad_loss: torch.Tensor):
         softmax, local, mine = ctx.saved_tensors
         grad = softmax  # in place, as Megatron: the softmax is not needed after this
-        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None, None
 
@@ -63,6 +68,6 @@ def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_st
     Every rank of ``group`` gets the same loss, equal to ``lm_loss`` of the gathered logits.
     ``group=None``: no collectives, one rank's share of the work (the profiler times it so).
     """
-    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(targets.numel(), logits.shape[-1]), targets.reshape(-1),
                                                  vocab_start, group)
     return per_token.mean() * scale

@@ -95,10 +95,13 @@ class Trainer:
         model.to(device)
         # torchtitan's order: tensor parallelism, then precision, then compile each block.
         if plan.tp > 1:
+            # DTensor shards by the rank in the TP group; pipeline sends and gradient buckets pair ranks
+            # by their place in the stage's device list: the two must agree (validate_plan_structure)
+            if groups.tp.rank() != role.tp_rank:
+                raise HetrainError(f"device {role.device} is TP rank {role.tp_rank} of its stage but rank "
+                                   f"{groups.tp.rank()} of its TP group: list a stage's devices in rank order")
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
-        if plan.tp > 1 and role.num_stages > 1:
-            scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()
@@ -109,6 +112,8 @@ class Trainer:
             memory_budget_gb=emulate.memory_gb if emulate else None,
             count_saved=device.type == "cpu" and not config.trace_memory,
         )
+        if plan.tp > 1 and role.num_stages > 1:  # after the meter: the chunks' all-gathers are not compute
+            scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
         # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
         # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
         fused = device.type == "cuda" and config.optimizer == "adamw"
