@@ -68,6 +68,6 @@ def vocab_parallel_lm_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_st
     Every rank of ``group`` gets the same loss, equal to ``lm_loss`` of the gathered logits.
     ``group=None``: no collectives, one rank's share of the work (the profiler times it so).
     """
-    per_token = _VocabParallelCrossEntropy.apply(logits.reshape(targets.numel(), logits.shape[-1]), targets.reshape(-1),
-                                                 vocab_start, group)
+    flat = logits.reshape(targets.numel(), logits.shape[-1])  # -1 would be ambiguous on a rank with no columns
+    per_token = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), vocab_start, group)
     return per_token.mean() * scale
