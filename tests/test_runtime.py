@@ -112,6 +112,21 @@ def test_asymmetric_plan_matches_single_process(tmp_path: Path, model: str, tp: 
         assert abs(rec["loss"] - want) <= 1e-5 * abs(want)
 
 
+def test_tp_ranks_follow_rank_order_whatever_order_a_plan_lists_a_stage_in():
+    """DTensor shards by the rank in the TP group, and sends and gradient buckets pair ranks by TP rank:
+    a stage listed as [a/1, a/0] gets the same layout as [a/0, a/1]."""
+    ordered = asymmetric_plan(2)
+    data = ordered.model_dump(by_alias=True)
+    for pipe in data["pipelines"]:
+        for stage in pipe["stages"]:
+            stage["devices"].reverse()
+    shuffled = build_layout(Plan.model_validate(data))
+    want = build_layout(ordered)
+    assert shuffled.roles == want.roles and shuffled.tp_groups == want.tp_groups
+    assert shuffled.pp_groups == want.pp_groups and shuffled.buckets == want.buckets
+    assert [r.tp_rank for r in want.roles if r.pipeline == 0 and r.stage == 0] == [0, 1]
+
+
 # --------------------------------------------------------------------------- the vocabulary-split loss
 
 

@@ -210,9 +210,7 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
 
 
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
-    if group_size <= 1:
-        return 0.0
-    return 2 * (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s
+    return ring_allgather_s(2 * num_bytes, group_size, bandwidth_gbps, latency_s)  # reduce-scatter + all-gather
 
 
 def ring_allgather_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
@@ -237,7 +235,7 @@ class UnitCosts:
     embed_param_bytes: float
     head_param_bytes: float
     block_act_bytes: float  # kept per in-flight micro-batch
-    embed_act_bytes: float  # one activation of a micro-batch (the embedding's output)
+    boundary_bytes: float  # what a stage keeps of one boundary per micro-batch: 1/t of an activation
     head_work_bytes: float  # the loss's fp32 logits copy, log-softmax output and gradient, during its backward
     block_work_bytes: float  # backward's transient: one block recomputed (with recompute) + the widest activation gradient
     reserve_bytes: float
@@ -247,8 +245,6 @@ class UnitCosts:
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
     microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
-    boundary_bytes: float = 0.0  # what a stage keeps of one boundary per micro-batch: 1/t of an activation
-
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
@@ -402,9 +398,9 @@ class CostModel:
         else:
             head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
-        # the split head: its input's gradient all-reduced, and the loss's per-token max, then target logit + sum
-        head_comm = (tp_ar + ring_allreduce_s(4 * b * s, t, bw, self.latency_s)
-                     + ring_allreduce_s(8 * b * s, t, bw, self.latency_s)) if t > 1 else 0.0
+        # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
+        # target logit + sum of exponentials (8)
+        head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, self.latency_s) for n in (4, 8))
 
         # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
         # gate's, the up projection's and silu's
@@ -424,7 +420,6 @@ class CostModel:
             embed_param_bytes=st.bytes_per_param * embed_params(m),
             head_param_bytes=st.bytes_per_param * head_params(m) / t,
             block_act_bytes=blk_act,
-            embed_act_bytes=msg,
             boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
             head_work_bytes=head_work,
             head_out_bytes=s * b * V * act / t,
@@ -472,9 +467,9 @@ class CostModel:
         """One stage boundary, one micro-batch, one way: each of the ``tp`` ranks sends 1/tp of the
         activation (scatter-gather, ``hetrain.runtime.parallelize.scatter_gather_sends``), ``senders``
         such chunks share the link, and the other side all-gathers them over ``gather_bw_gbps``."""
-        chunk = self.p2p_bytes(micro_batch_size) / tp
-        gather = ring_allgather_s(chunk * tp, tp, gather_bw_gbps, self.latency_s) if tp > 1 else 0.0
-        return senders * chunk / (bandwidth_gbps * GB) + self.latency_s + gather
+        activation = self.p2p_bytes(micro_batch_size)
+        return (senders * activation / tp / (bandwidth_gbps * GB) + self.latency_s
+                + ring_allgather_s(activation, tp, gather_bw_gbps, self.latency_s))
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes

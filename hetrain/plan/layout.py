@@ -93,12 +93,16 @@ def build_layout(plan: Plan) -> Layout:
     for p, pipe in enumerate(plan.pipelines):
         stage_ranks.append([])
         for s, stage in enumerate(pipe.stages):
-            ranks = tuple(rank_of[d] for d in stage.devices)
+            # TP rank = the order of the stage's ranks, whatever order the plan lists its devices in:
+            # DTensor shards by the rank in the group (dist.new_group sorts its ranks), and pipeline
+            # sends and gradient buckets pair ranks by TP rank
+            ranks = tuple(sorted(rank_of[d] for d in stage.devices))
             tp_groups.append(ranks)
             stage_ranks[p].append(ranks)
-            for j, dev in enumerate(stage.devices):
-                roles[rank_of[dev]] = Role(
-                    rank=rank_of[dev], device=dev, node=node_of[dev], pipeline=p, stage=s, tp_rank=j,
+            for j, r in enumerate(ranks):
+                dev = order[r]
+                roles[r] = Role(
+                    rank=r, device=dev, node=node_of[dev], pipeline=p, stage=s, tp_rank=j,
                     layers=tuple(stage.layers), num_stages=len(pipe.stages),
                     num_microbatches=pipe.num_microbatches,
                 )

@@ -131,11 +131,6 @@ def validate_plan_structure(plan: Plan) -> None:
                 if name in used:
                     raise HetrainError(f"{where}: device '{name}' is used more than once")
                 used.add(name)
-            # ranks are numbered by device index on a node (hetrain.plan.layout): a TP group's order must
-            # follow them, since each rank's weight shard is its rank's in the group
-            index = [name.rsplit("/", 1)[-1] for name in stage.devices]
-            if t > 1 and all(i.isdigit() for i in index) and index != sorted(index, key=int):
-                raise HetrainError(f"{where}: devices {stage.devices}: expected in device-index order (TP rank order)")
             lo, hi = stage.layers
             if lo != expect or hi <= lo:
                 raise HetrainError(

@@ -96,10 +96,11 @@ class Trainer:
         # torchtitan's order: tensor parallelism, then precision, then compile each block.
         if plan.tp > 1:
             # DTensor shards by the rank in the TP group; pipeline sends and gradient buckets pair ranks
-            # by their place in the stage's device list: the two must agree (validate_plan_structure)
+            # by the layout's TP rank: the two agree while process ranks follow plan ranks on each node
             if groups.tp.rank() != role.tp_rank:
                 raise HetrainError(f"device {role.device} is TP rank {role.tp_rank} of its stage but rank "
-                                   f"{groups.tp.rank()} of its TP group: list a stage's devices in rank order")
+                                   f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
+                                   f"processes out of device order")
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
         if config.compile and device.type == "cuda":
