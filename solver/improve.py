@@ -2,8 +2,8 @@
 
 The MILP (``solver.milp``) charges gradient sync per pipeline over one link per *scope*,
 while the cost model charges it per block bucket over the slowest link among exactly the
-stages that hold the bucket, and adds max over pipelines + max over devices of
-(sync + optimizer). Plans whose pipelines keep some block ranges inside one node (their
+stages that hold the bucket, each GPU's starting when the GPUs it syncs with leave their
+schedules (``CostModel.estimate``). Plans whose pipelines keep some block ranges inside one node (their
 buckets never cross a slow link) are therefore priced too high by the MILP and can be
 missed. This pass starts from the MILP's best answers and searches their neighbourhood in
 the same space (multisets of templates): drop a pipeline, add one, replace one, merge two
@@ -11,10 +11,12 @@ into one, split one into two, or replace two by two. Every neighbour gets a chea
 bound first,
 
     T >= max(max_p (tau_p + fill_p), (M + sum_p fill_p / tau_p) / sum_p 1 / tau_p)
-         + max_p post_lo_p(D)
+         + min_p sync_lo_p(D) + max_p max_k opt_pk
 
-(each pipeline takes at least one micro-batch and all M fit within T; post_lo charges each
-stage's gradients over the fastest link it could possibly use), and only neighbours whose
+(each pipeline takes at least one micro-batch and all M fit within T; the slowest pipeline,
+whichever it is, then adds at least its sync_lo: each stage's gradients over the fastest link
+it could possibly use, less the drain that hides them (``Template.post_s``); every GPU
+waits for the slowest one's before its optimizer step), and only neighbours whose
 bound beats the incumbent are assembled and scored exactly. The best improving neighbour is
 taken and the search repeats until none improves.
 """
@@ -51,24 +53,25 @@ class _Neighbourhood:
         nodes = cluster.node_by_name
         self.best_bw = [max(c.intra_bw_gbps, best_inter / (space.tp if all(nodes[n].shares_nic for n in c.nodes) else 1))
                         for c in space.classes]
-        self._post: dict[tuple[int, int], float] = {}
+        self._sync: dict[tuple[int, int], float] = {}
         self.scored: dict[tuple[int, ...], tuple[Plan, Estimate] | None] = {}
         # per template, the terms lower_bound sums (computed once: it runs for every neighbour)
         self.depth = [len(t.classes) for t in self.T]
         self.first = [t.tau_s + t.fill_s for t in self.T]
         self.fill_per_tau = [t.fill_s / t.tau_s for t in self.T]
         self.rate = [1 / t.tau_s for t in self.T]
+        self.opt = [max(t.opt_s) for t in self.T]
 
-    def post_lo(self, j: int, D: int) -> float:
+    def sync_lo(self, j: int, D: int) -> float:
         key = (j, D)
-        if key not in self._post:
+        if key not in self._sync:
             t = self.T[j]
             phi = 2 * (D - 1) / D
             lat = self.cost.latency_s if D > 1 else 0.0
-            self._post[key] = max(
-                phi * g / (self.best_bw[c] * 1e9) + lat + o for c, g, o in zip(t.classes, t.grad_bytes, t.opt_s)
+            self._sync[key] = max(
+                phi * g / (self.best_bw[c] * 1e9) + lat - a for c, g, a in zip(t.classes, t.grad_bytes, t.ahead)
             )
-        return self._post[key]
+        return self._sync[key]
 
     def lower_bound(self, combo: tuple[int, ...]) -> float:
         D = len(combo)
@@ -77,7 +80,7 @@ class _Neighbourhood:
             return float("inf")
         first = max([self.first[j] for j in combo])
         fluid = (self.M + sum([self.fill_per_tau[j] for j in combo])) / sum([self.rate[j] for j in combo])
-        return max(first, fluid) + max([self.post_lo(j, D) for j in combo])
+        return max(first, fluid) + min([self.sync_lo(j, D) for j in combo]) + max([self.opt[j] for j in combo])
 
     def exact(self, combo: tuple[int, ...]) -> tuple[Plan, Estimate] | None:
         if combo not in self.scored:

@@ -270,10 +270,11 @@ class _TemplateArrays:
     def __init__(self, templates: list[Template], available: list[int], sync_bw_gbps: float):
         S = max(len(t.grad_bytes) for t in templates)
         self.grad = np.zeros((len(templates), S))
-        self.opt = np.full((len(templates), S), -np.inf)
+        self.ahead = np.full((len(templates), S), np.inf)  # past a template's last stage: no term
+        self.opt = np.array([max(t.opt_s) for t in templates])
         for j, t in enumerate(templates):
             self.grad[j, : len(t.grad_bytes)] = t.grad_bytes
-            self.opt[j, : len(t.opt_s)] = t.opt_s
+            self.ahead[j, : len(t.grad_bytes)] = t.ahead
         self.latency = np.array([t.sync_latency_s for t in templates])[:, None]
         self.tau = np.array([t.tau_s for t in templates])
         self.fill = np.array([t.fill_s for t in templates])
@@ -283,7 +284,7 @@ class _TemplateArrays:
     def post_s(self, num_pipelines: int) -> np.ndarray:
         phi = 2 * (num_pipelines - 1) / num_pipelines
         lat = self.latency if num_pipelines > 1 else 0.0
-        return np.max(phi * self.grad / (self.bw * 1e9) + lat + self.opt, axis=1)
+        return np.max(phi * self.grad / (self.bw * 1e9) + lat - self.ahead, axis=1) + self.opt
 
     def simple_upper_bound_s(self, M: int, post: np.ndarray, num_copies: tuple[int, int] = (1, 1 << 30)) -> float | None:
         x = np.minimum(np.minimum(self.copies, M), num_copies[1])

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hetrain.cost.costmodel import CostModel, UnitCosts, pipeline_terms
+from hetrain.cost.costmodel import CostModel, UnitCosts, drain_ahead_s, pipeline_terms
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
@@ -247,6 +247,8 @@ class Template:
     num_classes: int
     sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce
     recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
+    # per stage: how long before the pipeline's end it ends its last backward (0: no head start)
+    ahead_s: tuple[float, ...] = ()
 
     @cached_property
     def _terms(self) -> tuple[float, float]:
@@ -271,11 +273,18 @@ class Template:
         """How many pipelines of this shape fit in ``available`` groups per class."""
         return min(a // u for a, u in zip(available, self.usage) if u)
 
+    @cached_property
+    def ahead(self) -> tuple[float, ...]:
+        return self.ahead_s or (0.0,) * len(self.grad_bytes)
+
     def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
-        """Gradient all-reduce + optimizer step of its slowest stage, among ``num_pipelines`` pipelines."""
+        """After its pipeline's end, among ``num_pipelines`` pipelines: the gradient all-reduces the
+        drain does not hide (a stage starts its own when it leaves 1F1B), then the optimizer step,
+        which every GPU takes after the step's one world all-reduce (``CostModel.estimate``)."""
         phi = 2 * (num_pipelines - 1) / num_pipelines
         lat = self.sync_latency_s if num_pipelines > 1 else 0.0
-        return max(phi * g / (sync_bw_gbps * 1e9) + lat + o for g, o in zip(self.grad_bytes, self.opt_s))
+        return (max(phi * g / (sync_bw_gbps * 1e9) + lat - a for g, a in zip(self.grad_bytes, self.ahead))
+                + max(self.opt_s))
 
 
 def stage_order(classes: list[GroupClass], members: tuple[int, ...]) -> tuple[int, ...]:
@@ -352,8 +361,9 @@ class _TemplateBuilder:
         S = len(order)
         grads = tuple(cost.grad_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S))
         opts = tuple(cost.stage_params(blocks[k], k == 0, k == S - 1, tp) * units[k].opt_s_per_param for k in range(S))
+        backward = [units[k].stage_backward_s(blocks[k], k == 0, k == S - 1) for k in range(S)]
         return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
-                        tuple(u.recompute for u in units))
+                        tuple(u.recompute for u in units), tuple(drain_ahead_s(backward, p2p, k) for k in range(S)))
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)
@@ -584,11 +594,10 @@ def _undominated(templates: list[Template]) -> list[Template]:
     fill = np.array([t.fill_s for t in ts])
     use = np.array([t.usage for t in ts])
     g_max = np.array([max(t.grad_bytes) for t in ts])
+    g_first = np.array([t.grad_bytes[0] for t in ts])
     o_max = np.array([max(t.opt_s) for t in ts])
-    # t's optimizer time at its stage with the most gradients (the first such stage)
-    o_at = np.array([t.opt_s[max(range(len(t.grad_bytes)), key=lambda i: t.grad_bytes[i])] for t in ts])
     dom = (tau[:, None] <= tau[None, :]) & (fill[:, None] <= fill[None, :])
-    dom &= (g_max[:, None] <= g_max[None, :]) & (o_max[:, None] <= o_at[None, :])
+    dom &= (g_max[:, None] <= g_first[None, :]) & (o_max[:, None] <= o_max[None, :])
     for k in range(use.shape[1]):
         dom &= use[:, k, None] <= use[None, :, k]
     dom &= np.triu(np.ones((n, n), dtype=bool), 1)  # o (row) before t (column)
@@ -599,12 +608,12 @@ def _undominated(templates: list[Template]) -> list[Template]:
 def _dominates(o: Template, t: Template) -> bool:
     """o is never worse than t: no more groups of any class, no slower in any time term.
 
-    post-backward: post_o(x) <= x max(g_o) + max(o_o) <= x g_t[k] + o_t[k] <= post_t(x), k = argmax g_t.
+    post-backward (``Template.post_s``, x = the ring's seconds per byte, a_k >= 0 and a_0 = 0):
+    post_o(x) <= x max(g_o) + max(o_o) <= x g_t[0] + max(o_t) <= post_t(x).
     """
     if not (o.tau_s <= t.tau_s and o.fill_s <= t.fill_s and all(a <= b for a, b in zip(o.usage, t.usage))):
         return False
-    k = max(range(len(t.grad_bytes)), key=lambda i: t.grad_bytes[i])
-    return max(o.grad_bytes) <= t.grad_bytes[k] and max(o.opt_s) <= t.opt_s[k]
+    return max(o.grad_bytes) <= t.grad_bytes[0] and max(o.opt_s) <= max(t.opt_s)
 
 
 def _compositions(total: int, caps: list[int]):

@@ -114,8 +114,8 @@ def test_one_nic_per_node_is_shared_by_its_gpus_all_reducing_across_nodes():
     shared = CostModel(_two_node_cluster("one"), MODEL, SETTINGS).estimate(p)
     own = CostModel(_two_node_cluster("per_gpu"), MODEL, SETTINGS).estimate(p)
     blocks = ring_allreduce_s(4 * block_params(MODEL) * 4 / 2, 2, 10)
-    # the embedding whole on each TP rank, the head split by vocabulary: one bucket (same holders)
-    ends = ring_allreduce_s(((1000 + 512) * 1024 + (1000 * 1024 + 2048) / 2) * 4, 2, 10)
+    # the token embedding and the head split by vocabulary, the positions whole: one bucket (same holders)
+    ends = ring_allreduce_s(((1000 / 2 + 512) * 1024 + (1000 * 1024 + 2048) / 2) * 4, 2, 10)
     assert own.sync_s["a/0"] == pytest.approx(blocks + ends)
     assert shared.sync_s["a/0"] == pytest.approx(blocks * 2 + ends * 2)  # two GPUs of a node through one NIC
 
@@ -146,9 +146,10 @@ def test_measured_runtime_overheads_enter_the_prediction():
         CostModel(CLUSTER, MODEL, SETTINGS).unit_costs("A100-80G", 100, 1, 1).block_s)  # no TP, no DTensor
 
 
-def test_the_lm_head_is_split_by_vocabulary_across_tp_ranks():
-    """Its compute, weights, logits and loss tensors shrink t-fold; its input's gradient and the loss's
-    two per-token reductions are all-reduced across the TP group."""
+def test_the_lm_head_and_the_embedding_are_split_by_vocabulary_across_tp_ranks():
+    """The head's compute, weights, logits and loss tensors shrink t-fold; its input's gradient and the
+    loss's two per-token reductions are all-reduced across the TP group. The embedding's token rows
+    shrink t-fold (the positions stay whole) and it all-reduces its fp32 output."""
     cost = CostModel(CLUSTER, MODEL, SETTINGS)
     u1, u2 = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("A100-80G", 100, 2, 1)
     comm = (ring_allreduce_s(512 * 1024 * 2, 2, 100) + ring_allreduce_s(4 * 512, 2, 100)
@@ -156,7 +157,9 @@ def test_the_lm_head_is_split_by_vocabulary_across_tp_ranks():
     assert u2.head_s == pytest.approx(u1.head_s / 2 + comm)
     assert (u2.head_param_bytes, u2.head_out_bytes, u2.head_work_bytes) == pytest.approx(
         (u1.head_param_bytes / 2, u1.head_out_bytes / 2, u1.head_work_bytes / 2))
-    assert u2.embed_param_bytes == u1.embed_param_bytes  # the embedding stays whole
+    positions = 512 * 1024 * SETTINGS.bytes_per_param
+    assert u2.embed_param_bytes - positions == pytest.approx((u1.embed_param_bytes - positions) / 2)
+    assert u2.embed_s == pytest.approx(u1.embed_s + ring_allreduce_s(512 * 1024 * 4, 2, 100))
     assert cost.stage_params(0, False, True, 2) == pytest.approx(cost.stage_params(0, False, True, 1) / 2)
     # a profile taken before the split timed the whole head at tp 2: the cost model takes half of it
     entry = ProfileEntry(tp=2, micro_batch_size=1, block_forward_s=0.01, block_backward_s=0.02,
@@ -181,6 +184,27 @@ def test_gradient_sync_among_holders_over_slowest_link():
     assert est.sync_s["a/1"] == pytest.approx(2 * intra + emb)
     assert est.sync_s["b/0"] == pytest.approx(2 * inter + head)
     assert est.sync_s["a/0"] == pytest.approx(2 * intra + 2 * inter + emb + head)
+
+
+def test_a_later_stage_syncs_while_the_stages_before_it_drain_and_the_optimizer_waits_for_all():
+    """Two pipelines a -> b: the b stages leave 1F1B one backward of the a stage before the end and
+    start their all-reduce then; every GPU steps its optimizer after the slowest GPU's sync."""
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    pipes = [PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=[f"a/{i}"], gpu="A100-80G", layers=(0, 2)),
+                                                      StagePlan(devices=[f"b/{i}"], gpu="V100-32G", layers=(2, 4))])
+             for i in range(2)]
+    est = cost.estimate(plan(pipes))
+    ua, ub = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("V100-32G", 50, 1, 1)
+    head_start = ua.stage_backward_s(2, True, False)  # the a stage's last backward, after b's
+    assert 0 < head_start < ua.stage_time_s(2, True, False)
+    sync_a, sync_b = est.sync_s["a/0"], est.sync_s["b/0"]
+    assert sync_a == pytest.approx(ring_allreduce_s((2 * block_params(MODEL) + (1000 + 512) * 1024) * 4, 2, 100))
+    assert sync_b == pytest.approx(ring_allreduce_s((2 * block_params(MODEL) + 1000 * 1024 + 2048) * 4, 2, 50))
+    opt = max(cost.stage_params(2, True, False, 1) * ua.opt_s_per_param,
+              cost.stage_params(2, False, True, 1) * ub.opt_s_per_param)
+    assert est.post_s == pytest.approx(max(sync_a, sync_b - head_start) + opt)
+    assert est.post_s < max(sync_a, sync_b) + opt  # the drain hides part of b's sync
+    assert est.iteration_time_s == pytest.approx(est.pipeline_s + est.post_s + est.step_overhead_s)
 
 
 def test_memory_grows_with_in_flight_microbatches_and_shrinks_with_tp():

@@ -133,18 +133,35 @@ def test_tp_ranks_follow_rank_order_whatever_order_a_plan_lists_a_stage_in():
 def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
+    from hetrain.runtime.parallelize import VocabParallelEmbedding
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
     for vocab in VOCABS:
         logits, targets = _vocab_case(vocab)
         start, count = vocab_shard(vocab, world, rank)
         mine = logits[..., start:start + count].clone().requires_grad_()
         loss = vocab_parallel_lm_loss(mine, targets, start, dist.group.WORLD, scale=0.25)
         loss.backward()
-        torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count},
-                   f"{out}/v{vocab}-rank{rank}.pt")
+        # the embedding split the same way; two micro-batches' lookups before either's backward, as 1F1B runs them
+        embedding = VocabParallelEmbedding(_vocab_embedding(vocab), mesh)
+        first, second = embedding(targets), embedding(targets.flip(0))
+        (first * _EMBED_GRADS[0] + second * _EMBED_GRADS[1]).sum().backward()
+        torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count,
+                    "looked_up": torch.stack((first, second)).detach(),
+                    "embedding_grad": embedding.weight.grad.to_local()}, f"{out}/v{vocab}-rank{rank}.pt")
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
+
+
+_EMBED_GRADS = (torch.linspace(-1, 1, 6), torch.linspace(2, 0, 6))
+
+
+def _vocab_embedding(vocab: int) -> torch.nn.Embedding:
+    return torch.nn.Embedding(vocab, 6, _weight=torch.randn(vocab, 6, generator=torch.Generator().manual_seed(7)))
 
 
 # over three ranks DTensor splits 11 columns 4 + 4 + 3, and 4 columns 2 + 2 + 0 (a rank with none)
@@ -156,8 +173,9 @@ def _vocab_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 5, vocab, generator=gen) * 3, torch.randint(vocab, (2, 5), generator=gen)
 
 
-def test_vocab_parallel_loss_matches_the_gathered_loss_and_gradient(tmp_path: Path):
-    """Each rank's loss is the whole vocabulary's, each rank's gradient its columns' of the whole one."""
+def test_vocab_parallel_loss_and_embedding_match_the_whole_vocabulary(tmp_path: Path):
+    """Each rank's loss is the whole vocabulary's, each rank's gradient its columns' of the whole one;
+    each rank's embedding lookup is the whole table's, its weight gradient its rows' of the whole one."""
     import torch.multiprocessing as mp
 
     from hetrain.runtime.loss import vocab_parallel_lm_loss
@@ -173,6 +191,12 @@ def test_vocab_parallel_loss_matches_the_gathered_loss_and_gradient(tmp_path: Pa
         for g in got:
             assert torch.allclose(g["loss"], want, rtol=1e-6)
             assert torch.allclose(g["grad"], logits.grad[..., g["start"]:g["start"] + g["count"]], atol=1e-7)
+        whole = _vocab_embedding(vocab)
+        first, second = whole(targets), whole(targets.flip(0))
+        (first * _EMBED_GRADS[0] + second * _EMBED_GRADS[1]).sum().backward()
+        for g in got:
+            assert torch.allclose(g["looked_up"], torch.stack((first, second)))
+            assert torch.allclose(g["embedding_grad"], whole.weight.grad[g["start"]:g["start"] + g["count"]], atol=1e-6)
         # without a group: one rank's share of the work, the whole loss when it holds every column
         assert torch.allclose(vocab_parallel_lm_loss(logits.detach(), targets, 0, None, scale=0.25), want, rtol=1e-6)
 

@@ -11,8 +11,8 @@ Parameters
     block  P_blk  = 4h^2 + 2hf + 9h + f        (QKV+proj with biases, MLP with biases, 2 LayerNorms)
     embed  P_emb  = V h + s h                  (token + learned position embedding, first stage)
     head   P_head = V h + 2h                   (final LayerNorm + untied LM head, last stage)
-    Blocks and the head are split over the t ranks of a TP group (the head by vocabulary);
-    the embedding is whole on every rank (a lookup).
+    Blocks, the head and the token embedding are split over the t ranks of a TP group (the
+    head and the embedding by vocabulary); GPT's learned positions are whole on every rank.
 
 Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
     block forward FLOPs  = b (2 s (4h^2 + 2hf) + 4 s^2 h)
@@ -22,9 +22,10 @@ Compute per micro-batch (Megatron's FLOP count; backward = 2 x forward)
 
 Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
     backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
-    2 (t-1)/t * bytes / bw_intra(node) + lat. One all-reduce for the embedding's gradient; the
-    vocabulary-split head adds one for its input's gradient and two of b s floats for the loss
-    (each token's max logit; its target logit and sum of exponentials).
+    2 (t-1)/t * bytes / bw_intra(node) + lat. The vocabulary-split embedding sums its fp32
+    output (b s h 4 bytes) in one all-reduce; the vocabulary-split head adds one for its input's
+    gradient and two of b s floats for the loss (each token's max logit; its target logit and
+    sum of exponentials).
     The runtime's TP blocks run on DTensors: their dispatch adds ``tp_block_s`` per block and
     micro-batch (measured, ``Profile.runtime``; a third more under full recompute).
     ``lat`` is the cluster's ``collective_latency_us``, charged once per collective or send.
@@ -65,10 +66,17 @@ Optimizer step: every byte of weight, gradient and optimizer state is read and w
 
 Optimizer step measured by the profiler (``Profile.runtime``) replaces this where present.
 
-Iteration time
-    T_iter = max_p T_pipe(p) + max_d (sync_d + opt_d) + o_step + lat;   tokens/s = global_batch * s / T_iter,
-    o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: the one
-    all-reduce that gathers the step's loss, gradient norm and timings.
+Iteration time. Each GPU starts its gradient all-reduces when it leaves its schedule, without
+    waiting for the rest of its pipeline: in 1F1B's drain stage k ends its last backward
+    ahead_k = sum_{j<k} bwd_j + sum_{j<k-1} e_j before its pipeline's end (the last micro-batch's
+    backward still runs on the stages before it; ``drain_ahead_s``), so a later stage's sync
+    overlaps the earlier stages' drain. A ring starts when the last of its GPUs is ready:
+        end_d = max over d's rings and their GPUs g of (T_pipe(p_g) - ahead_g) + sync_d,
+    then every GPU waits for the step's one world all-reduce (loss, gradient norm for clipping,
+    timings) and only then steps its optimizer:
+        T_iter = max_d end_d + max_d opt_d + o_step + lat;   tokens/s = global_batch * s / T_iter,
+    o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: that
+    all-reduce.
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
@@ -107,9 +115,11 @@ def block_params(model: ModelSpec) -> int:
     return 4 * h * h + 2 * h * f + 9 * h + f
 
 
-def embed_params(model: ModelSpec) -> int:
-    positions = model.seq_length * model.hidden_size if model.arch == "gpt" else 0  # Llama's are rotary
-    return model.vocab_size * model.hidden_size + positions
+def embed_params(model: ModelSpec, tp: int = 1) -> int:
+    """The embedding's parameters on one TP rank: its share of the token rows (DTensor's split,
+    the first ranks ceil(V / tp)), and GPT's learned positions whole (Llama's are rotary)."""
+    positions = model.seq_length * model.hidden_size if model.arch == "gpt" else 0
+    return -(-model.vocab_size // tp) * model.hidden_size + positions
 
 
 def head_params(model: ModelSpec) -> int:
@@ -209,6 +219,13 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
     return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
 
 
+def drain_ahead_s(backward_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...], k: int) -> float:
+    """How long before its pipeline's end stage k ends its part of 1F1B: the last micro-batch's
+    backward still runs on the stages before it, each after the gradient's send from the next
+    (stage k's own last send is waited for in its schedule)."""
+    return sum(backward_s[:k]) + sum(p2p_s[:max(k - 1, 0)])
+
+
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
     return ring_allgather_s(2 * num_bytes, group_size, bandwidth_gbps, latency_s)  # reduce-scatter + all-gather
 
@@ -245,10 +262,20 @@ class UnitCosts:
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
     microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
+    # the backward part of block_s, embed_s and head_s (with recompute and the backward's TP
+    # all-reduces; not the dispatch): how far ahead of the stage before it a stage ends its last
+    # backward (``CostModel.estimate``). 0 credits no head start.
+    block_bwd_s: float = 0.0
+    embed_bwd_s: float = 0.0
+    head_bwd_s: float = 0.0
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
                 + self.microbatch_s)
+
+    def stage_backward_s(self, num_blocks: int, first: bool, last: bool) -> float:
+        """The backward of one micro-batch on a stage (at most its ``stage_time_s``)."""
+        return num_blocks * self.block_bwd_s + (self.embed_bwd_s if first else 0.0) + (self.head_bwd_s if last else 0.0)
 
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
@@ -294,7 +321,7 @@ class Estimate:
     iteration_time_s: float
     tokens_per_s: float
     pipeline_s: float  # max over pipelines of T_pipe
-    post_s: float  # max over GPUs of gradient sync + optimizer step
+    post_s: float  # after the slowest pipeline: gradient sync its drain does not hide, then the optimizer step
     pipelines: list[PipelineEstimate]
     peak_memory_gb: dict[str, float]
     capacity_gb: dict[str, float]
@@ -391,13 +418,19 @@ class CostModel:
         entry = self.profile.lookup(gpu, t, b) if self.profile else None
         blk_compute, blk_act, no_recompute_act = self._block_compute(g, entry, t, b, recompute)
         if entry is not None:
+            blk_fwd = entry.block_forward_s
             embed_compute = entry.embed_forward_s + entry.embed_backward_s
+            embed_bwd = entry.embed_backward_s
             head_compute = entry.head_forward_s + entry.head_backward_s
+            head_bwd = entry.head_backward_s
             if not self.profile.head_split:  # an older profile timed the whole head at every tp
                 head_compute /= t
+                head_bwd /= t
         else:
+            blk_fwd = block_forward_flops(m, b) / (t * flops)
             head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
+            head_bwd, embed_bwd = 2 / 3 * head_compute, 2 / 3 * embed_compute
         # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
         # target logit + sum of exponentials (8)
         head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, self.latency_s) for n in (4, 8))
@@ -413,11 +446,17 @@ class CostModel:
             # full recompute repeats the forward's two TP all-reduces; selective keeps their outputs
             block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar
             + (overheads.tp_block_s * (4 / 3 if recompute == "full" else 1) if overheads is not None and t > 1 else 0.0),
-            embed_s=embed_compute + tp_ar,
+            # the vocabulary-split embedding sums its fp32 outputs over the TP group
+            embed_s=embed_compute + ring_allreduce_s(b * s * h * RESIDUAL_BYTES, t, bw, self.latency_s),
             head_s=head_compute + head_comm,
+            # backward: the rest of the block's compute (recompute included) and its TP all-reduces
+            # (two, four under full recompute); the head's input-gradient all-reduce
+            block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
+            embed_bwd_s=embed_bwd,
+            head_bwd_s=head_bwd + tp_ar,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
-            # the runtime keeps the embedding whole on every TP rank and splits the head
-            embed_param_bytes=st.bytes_per_param * embed_params(m),
+            # the runtime splits the token embedding and the head by vocabulary
+            embed_param_bytes=st.bytes_per_param * embed_params(m, t),
             head_param_bytes=st.bytes_per_param * head_params(m) / t,
             block_act_bytes=blk_act,
             boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
@@ -475,9 +514,9 @@ class CostModel:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
 
     def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
-        """Parameters one rank holds: its shard of the blocks and the head, the embedding whole (as the runtime)."""
+        """Parameters one rank holds: its shard of the blocks, the embedding and the head (as the runtime)."""
         m = self.model
-        return (num_blocks * block_params(m) / tp + (embed_params(m) if first else 0)
+        return (num_blocks * block_params(m) / tp + (embed_params(m, tp) if first else 0)
                 + (head_params(m) / tp if last else 0))
 
     @staticmethod
@@ -497,10 +536,11 @@ class CostModel:
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
-        stages_seen: dict[tuple, tuple[float, float, float, float]] = {}  # copies of a pipeline repeat its stages
+        stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
+        ahead: dict[str, float] = {}  # per GPU: how long before its pipeline's end it ends its last backward
         for pipe in plan.pipelines:
             S = len(pipe.stages)
-            stage_s, p2p = [], []
+            stage_s, p2p, backward_s = [], [], []
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
@@ -513,9 +553,11 @@ class CostModel:
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
                                         u.stage_memory_bytes(n_blocks, first, last, in_flight) / GB,
                                         u.capacity_bytes / GB,
-                                        self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param)
-                seconds, mem_gb, cap_gb, opt_s = stages_seen[key]
+                                        self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
+                                        u.stage_backward_s(n_blocks, first, last))
+                seconds, mem_gb, cap_gb, opt_s, bwd_s = stages_seen[key]
                 stage_s.append(seconds)
+                backward_s.append(bwd_s)
                 for d in stage.devices:
                     peak[d] = mem_gb
                     cap[d] = cap_gb
@@ -527,10 +569,23 @@ class CostModel:
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
+            for k, stage in enumerate(pipe.stages):
+                for d in stage.devices:
+                    ahead[d] = drain_ahead_s(backward_s, p2p, k)
 
-        sync = self._sync_s(plan, node_of)
-        post = max(sync.get(d, 0.0) + opt[d] for d in opt)
         pipeline_s = max(p.time_s for p in pipes)
+        finish = {d: pipe_est.time_s - ahead[d] for pipe, pipe_est in zip(plan.pipelines, pipes)
+                  for stage in pipe.stages for d in stage.devices}
+        rings = self._sync_rings(plan, node_of)
+        sync: dict[str, float] = {}
+        start = dict(finish)  # a GPU's all-reduces begin once every GPU it syncs with has ended its backward
+        for devs, seconds in rings:
+            ready = max(finish[d] for d in devs)
+            for d in devs:
+                sync[d] = sync.get(d, 0.0) + seconds
+                start[d] = max(start[d], ready)
+        # every GPU waits for the step's one world all-reduce (the gradient norm), then steps its optimizer
+        post = max(start[d] + sync.get(d, 0.0) for d in finish) - pipeline_s + max(opt.values())
         fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages})
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
@@ -557,12 +612,11 @@ class CostModel:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
-    def _sync_s(self, plan: Plan, node_of: dict[str, str]) -> dict[str, float]:
-        """Seconds each GPU spends in data-parallel gradient all-reduces after backward."""
+    def _sync_rings(self, plan: Plan, node_of: dict[str, str]) -> list[tuple[list[str], float]]:
+        """The data-parallel gradient all-reduces after backward: (the GPUs of one ring, its seconds)."""
         D, t = len(plan.pipelines), plan.tp
-        sync: dict[str, float] = {}
         if D == 1:
-            return sync
+            return []
         m = self.model
         act = self.grad_wire_bytes
         # bucket -> bytes per TP rank; a bucket is the tuple of stages (one per pipeline) holding it
@@ -582,7 +636,7 @@ class CostModel:
                     at[p] += 1
                 holders.append(pipe.stages[at[p]])
             add(holders, (hi - lo) * block_params(m) * act / t)
-        add([p.stages[0] for p in plan.pipelines], embed_params(m) * act)  # whole on every TP rank
+        add([p.stages[0] for p in plan.pipelines], embed_params(m, t) * act)
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
@@ -603,16 +657,15 @@ class CostModel:
         share = {n: min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
                  for n in crossing_gpus}
         slowest: dict[frozenset, float] = {}
+        out = []
         for devs, ring_nodes, num_bytes in rings:
             if ring_nodes not in slowest:
                 slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
             bw = slowest[ring_nodes]
             if len(ring_nodes) > 1:
                 bw /= max(share[n] for n in ring_nodes)
-            cost = ring_allreduce_s(num_bytes, D, bw, self.latency_s)
-            for d in devs:
-                sync[d] = sync.get(d, 0.0) + cost
-        return sync
+            out.append((devs, ring_allreduce_s(num_bytes, D, bw, self.latency_s)))
+        return out
 
     def check_memory(self, est: Estimate) -> None:
         over = est.over_capacity()
