@@ -120,14 +120,15 @@ def test_invalid_tp_degrees(gpus):
 
 
 def test_runtime_overheads_measured_per_type(profile, gpus):
-    """The runtime's own costs, from running the real trainer: the host's, but DTensor's dispatch is stretched."""
+    """The runtime's own costs, from running the real trainer: the host's, but what runs on the device
+    (DTensor's dispatch inside forward and backward, the optimizer step) is stretched."""
     fast, slow = profile.runtime[FAST], profile.runtime[SLOW]
     assert 0 < fast.microbatch_s < 0.1 and 0 <= fast.step_s < 1.0
     assert 0 < fast.optimizer_s_per_param < 1e-6  # AdamW on CPU: about 10 ns per parameter here
-    assert (slow.step_s, slow.microbatch_s, slow.optimizer_s_per_param) == (
-        fast.step_s, fast.microbatch_s, fast.optimizer_s_per_param)
+    assert (slow.step_s, slow.microbatch_s) == (fast.step_s, fast.microbatch_s)
     assert fast.tp_block_s > 0
-    assert slow.tp_block_s == pytest.approx(fast.tp_block_s * gpus[SLOW] / gpus[FAST])
+    for stretched in ("tp_block_s", "optimizer_s_per_param"):
+        assert getattr(slow, stretched) == pytest.approx(getattr(fast, stretched) * gpus[SLOW] / gpus[FAST])
 
 
 def test_json_round_trip(profile, tmp_path):

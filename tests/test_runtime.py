@@ -203,6 +203,20 @@ def test_vocab_parallel_loss_and_embedding_match_the_whole_vocabulary(tmp_path: 
 
 # --------------------------------------------------------------------------- emulated cluster and bad input
 
+
+def test_an_emulated_device_steps_its_optimizer_at_its_own_speed():
+    """The optimizer step runs on the device: on an emulated one it is stretched like forward and backward."""
+    from hetrain.runtime.instrument import StageMeter
+
+    slowdown = 3.0
+    meter = StageMeter(torch.nn.Linear(2, 2), "d", slowdown=slowdown)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    with meter.device_work():
+        while time.thread_time() - cpu < 0.05:  # 50 ms of this thread's CPU
+            pass
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall >= slowdown * cpu * 0.99
+
 CLUSTER = EXAMPLES / "clusters" / "cpu-emulated.yaml"
 
 

@@ -27,13 +27,14 @@ single device, with NO communication: a block whose attention has ``num_heads / 
 whose MLP is ``ffn_size / tp`` wide, the column/row split ``hetrain.runtime.parallelize.parallelize_stage``
 applies. The all-reduces are added by the cost model from the cluster's links. The head is
 split by vocabulary the same way: one rank's ``vocab_size / tp`` columns and its share of
-``vocab_parallel_lm_loss``. The runtime does not shard the embedding (a lookup), so it is
+``vocab_parallel_lm_loss``. The runtime splits the token embedding by vocabulary too, but
+every rank still looks up every token (zeros for the other ranks' rows), so the lookup is
 measured whole, once per micro-batch size.
 
 Emulated GPU types (``emulate.slowdown`` on a CPU node): the runtime makes such a rank sleep
-``(slowdown - 1)`` times each compute it just did, so its compute takes ``slowdown`` times
-the measured time. The profiler predicts that by multiplying the measured times by
-``slowdown`` (it does not sleep); activation bytes are unchanged.
+``(slowdown - 1)`` times each compute (and optimizer step) it just did, so they take
+``slowdown`` times the measured time. The profiler predicts that by multiplying the measured
+times by ``slowdown`` (it does not sleep); activation bytes are unchanged.
 
 Precision: ``fp32`` runs plain fp32; ``bf16``/``fp16`` run forward under ``torch.autocast``
 with that dtype (parameters stay fp32). Threads: whatever ``torch.set_num_threads`` the
@@ -559,9 +560,13 @@ def profile_model(
     runtime = {}
     if overheads:
         measured = _overheads(dev, prec)
-        # DTensor's dispatch runs inside the stage's forward and backward, which emulation stretches
-        runtime = {name: measured.model_copy(update={"tp_block_s": measured.tp_block_s * slowdown})
-                   for name, slowdown in gpus.items()}
+        # DTensor's dispatch runs inside the stage's forward and backward, which emulation stretches,
+        # and so does the optimizer step (the device's own work, ``StageMeter.device_work``)
+        runtime = {name: measured.model_copy(update={
+            "tp_block_s": measured.tp_block_s * slowdown,
+            "optimizer_s_per_param": (measured.optimizer_s_per_param * slowdown
+                                      if measured.optimizer_s_per_param is not None else None)})
+            for name, slowdown in gpus.items()}
     return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices,
                    runtime=runtime, head_split=True)
 

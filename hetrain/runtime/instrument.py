@@ -4,8 +4,8 @@ All three hook into a stage module from outside (forward hooks plus two identity
 functions that mark where the stage's backward starts and ends), so the model stays plain.
 
 * Timing: forward and backward seconds of each micro-batch, summed per step.
-* Emulated slowdown (``emulate.slowdown`` on a CPU node): each forward and backward is
-  stretched to ``slowdown`` times the CPU time the rank's thread spent on it, by sleeping for
+* Emulated slowdown (``emulate.slowdown`` on a CPU node): each forward and backward (and the
+  optimizer step, ``device_work``) is stretched to ``slowdown`` times the CPU time the rank's thread spent on it, by sleeping for
   whatever of that the wall clock has not already used. Counting CPU time rather than wall
   time makes the emulated device's speed independent of how many other emulated devices share
   this machine's cores: a rank that waited for a core has already spent part of its budget
@@ -20,9 +20,10 @@ functions that mark where the stage's backward starts and ends), so the model st
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -174,6 +175,18 @@ class StageMeter:
             return
         self.backward_s += self._stretch(self._backward_started)
         self._backward_started = None
+
+    @contextlib.contextmanager
+    def device_work(self) -> Iterator[None]:
+        """Work the device does outside forward and backward (the optimizer step), stretched like them.
+
+        On a GPU the optimizer runs on the GPU; on an emulated one it must run at the emulated
+        speed too, or four ranks stepping at once on two cores wait for each other, which the
+        profile (one process) cannot see.
+        """
+        started = _now()
+        yield
+        self._stretch(started)
 
     def _stretch(self, started: tuple[float, float]) -> float:
         """Wall seconds since ``started``, after sleeping up to ``slowdown`` x the CPU seconds used."""

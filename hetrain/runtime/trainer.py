@@ -252,7 +252,8 @@ class Trainer:
                 self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            with self.meter.device_work():  # at the emulated device's speed on a CPU rank
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
