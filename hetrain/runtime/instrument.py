@@ -136,6 +136,11 @@ class StageMeter:
             entry[1] += 1
         return t
 
+    def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks that count saved tensors, as a context manager (a CPU rank's forward runs inside them;
+        the profiler times blocks inside them too, since they cost a CPU rank's compute time)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _storage(t)
         entry = self._live.get(storage.data_ptr()) if storage is not None else None
@@ -150,7 +155,7 @@ class StageMeter:
     def _pre_forward(self, _module: nn.Module, args: tuple) -> tuple | None:
         self._forward_started = _now()
         if self.count_saved:
-            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_ctx = self.saved_tensor_hooks()
             self._saved_ctx.__enter__()
         x = args[0]
         if torch.is_grad_enabled() and x.is_floating_point() and x.requires_grad:
