@@ -361,9 +361,9 @@ class _TemplateBuilder:
         S = len(order)
         grads = tuple(cost.grad_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S))
         opts = tuple(cost.stage_params(blocks[k], k == 0, k == S - 1, tp) * units[k].opt_s_per_param for k in range(S))
-        backward = [units[k].stage_backward_s(blocks[k], k == 0, k == S - 1) for k in range(S)]
+        backward = [units[k].stage_backward_s(blocks[k], k == S - 1) for k in range(S)]
         return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
-                        tuple(u.recompute for u in units), tuple(drain_ahead_s(backward, p2p, k) for k in range(S)))
+                        tuple(u.recompute for u in units), tuple(drain_ahead_s(backward, k) for k in range(S)))
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)

@@ -195,7 +195,7 @@ def test_a_later_stage_syncs_while_the_stages_before_it_drain_and_the_optimizer_
              for i in range(2)]
     est = cost.estimate(plan(pipes))
     ua, ub = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("V100-32G", 50, 1, 1)
-    head_start = ua.stage_backward_s(2, True, False)  # the a stage's last backward, after b's
+    head_start = ua.stage_backward_s(2, False)  # the a stage's last backward, after b's
     assert 0 < head_start < ua.stage_time_s(2, True, False)
     sync_a, sync_b = est.sync_s["a/0"], est.sync_s["b/0"]
     assert sync_a == pytest.approx(ring_allreduce_s((2 * block_params(MODEL) + (1000 + 512) * 1024) * 4, 2, 100))
@@ -205,6 +205,28 @@ def test_a_later_stage_syncs_while_the_stages_before_it_drain_and_the_optimizer_
     assert est.post_s == pytest.approx(max(sync_a, sync_b - head_start) + opt)
     assert est.post_s < max(sync_a, sync_b) + opt  # the drain hides part of b's sync
     assert est.iteration_time_s == pytest.approx(est.pipeline_s + est.post_s + est.step_overhead_s)
+
+
+def test_a_gpu_runs_its_rings_in_turn_and_a_ring_waits_for_all_its_gpus():
+    """a/1 (a one-stage pipeline) all-reduces blocks 0-2 with a/0, then blocks 2-4 with b/0: b/0, which
+    leaves its schedule early, waits for a/1 to finish the first ring (the runtime's bucket order)."""
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    two = PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 2)),
+                                                   StagePlan(devices=["b/0"], gpu="V100-32G", layers=(2, 4))])
+    one = PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=["a/1"], gpu="A100-80G", layers=(0, 4))])
+    est = cost.estimate(plan([two, one]))
+    first, second = est.sync_s["a/0"], est.sync_s["b/0"]
+    assert est.sync_s["a/1"] == pytest.approx(first + second)
+    ua, ub = cost.unit_costs("A100-80G", 100, 1, 1), cost.unit_costs("V100-32G", 50, 1, 1)
+    finish = {"a/0": est.pipelines[0].time_s, "b/0": est.pipelines[0].time_s - ua.stage_backward_s(2, False),
+              "a/1": est.pipelines[1].time_s}
+    first_done = max(finish["a/0"], finish["a/1"]) + first
+    second_done = max(first_done, finish["b/0"]) + second
+    opt = max(cost.stage_params(2, True, False, 1) * ua.opt_s_per_param,
+              cost.stage_params(2, False, True, 1) * ub.opt_s_per_param,
+              cost.stage_params(4, True, True, 1) * ua.opt_s_per_param)
+    assert est.post_s == pytest.approx(max(first_done, second_done) - est.pipeline_s + opt)
+    assert second_done >= finish["a/1"] + first + second
 
 
 def test_memory_grows_with_in_flight_microbatches_and_shrinks_with_tp():

@@ -146,9 +146,12 @@ def _vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
         mine = logits[..., start:start + count].clone().requires_grad_()
         loss = vocab_parallel_lm_loss(mine, targets, start, dist.group.WORLD, scale=0.25)
         loss.backward()
-        # the embedding split the same way; two micro-batches' lookups before either's backward, as 1F1B runs them
+        # the embedding split the same way; two micro-batches' lookups before either's backward, as 1F1B runs
+        # them, the second under bf16 autocast (the stage's forward runs under it; the sum stays fp32)
         embedding = VocabParallelEmbedding(_vocab_embedding(vocab), mesh)
-        first, second = embedding(targets), embedding(targets.flip(0))
+        first = embedding(targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            second = embedding(targets.flip(0))
         (first * _EMBED_GRADS[0] + second * _EMBED_GRADS[1]).sum().backward()
         torch.save({"loss": loss.detach(), "grad": mine.grad, "start": start, "count": count,
                     "looked_up": torch.stack((first, second)).detach(),
@@ -195,6 +198,7 @@ def test_vocab_parallel_loss_and_embedding_match_the_whole_vocabulary(tmp_path: 
         first, second = whole(targets), whole(targets.flip(0))
         (first * _EMBED_GRADS[0] + second * _EMBED_GRADS[1]).sum().backward()
         for g in got:
+            assert g["looked_up"].dtype == torch.float32
             assert torch.allclose(g["looked_up"], torch.stack((first, second)))
             assert torch.allclose(g["embedding_grad"], whole.weight.grad[g["start"]:g["start"] + g["count"]], atol=1e-6)
         # without a group: one rank's share of the work, the whole loss when it holds every column

@@ -67,14 +67,15 @@ Optimizer step: every byte of weight, gradient and optimizer state is read and w
 Optimizer step measured by the profiler (``Profile.runtime``) replaces this where present.
 
 Iteration time. Each GPU starts its gradient all-reduces when it leaves its schedule, without
-    waiting for the rest of its pipeline: in 1F1B's drain stage k ends its last backward
-    ahead_k = sum_{j<k} bwd_j + sum_{j<k-1} e_j before its pipeline's end (the last micro-batch's
-    backward still runs on the stages before it; ``drain_ahead_s``), so a later stage's sync
-    overlaps the earlier stages' drain. A ring starts when the last of its GPUs is ready:
-        end_d = max over d's rings and their GPUs g of (T_pipe(p_g) - ahead_g) + sync_d,
-    then every GPU waits for the step's one world all-reduce (loss, gradient norm for clipping,
+    waiting for the rest of its pipeline: in 1F1B's drain stage k ends its last backward at least
+    ahead_k = sum_{j<k} bwd_j before its pipeline's end (the last micro-batch's backward still
+    runs on the stages before it; ``drain_ahead_s``), so a later stage's sync overlaps the
+    earlier stages' drain. Every GPU runs its rings in one order (the runtime's), and a ring
+    starts when all its GPUs have reached it:
+        end(ring) = max over its GPUs g of free_g + sync(ring),  free_g := end(ring) for each g,
+    from free_g = T_pipe(p_g) - ahead_g; then every GPU waits for the step's one world all-reduce (loss, gradient norm for clipping,
     timings) and only then steps its optimizer:
-        T_iter = max_d end_d + max_d opt_d + o_step + lat;   tokens/s = global_batch * s / T_iter,
+        T_iter = max_d free_d + max_d opt_d + o_step + lat;   tokens/s = global_batch * s / T_iter,
     o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: that
     all-reduce.
 
@@ -219,11 +220,12 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
     return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
 
 
-def drain_ahead_s(backward_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...], k: int) -> float:
-    """How long before its pipeline's end stage k ends its part of 1F1B: the last micro-batch's
-    backward still runs on the stages before it, each after the gradient's send from the next
-    (stage k's own last send is waited for in its schedule)."""
-    return sum(backward_s[:k]) + sum(p2p_s[:max(k - 1, 0)])
+def drain_ahead_s(backward_s: list[float] | tuple[float, ...], k: int) -> float:
+    """How long, at least, before its pipeline's end stage k ends its part of 1F1B: the last
+    micro-batch's backward still runs on the stages before it. (Its sends to them take time too,
+    but in the drain fewer share a NIC than in the steady state the sends are priced for: left
+    out, so the overlap is never overstated.)"""
+    return sum(backward_s[:k])
 
 
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
@@ -262,20 +264,20 @@ class UnitCosts:
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
     microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
-    # the backward part of block_s, embed_s and head_s (with recompute and the backward's TP
-    # all-reduces; not the dispatch): how far ahead of the stage before it a stage ends its last
-    # backward (``CostModel.estimate``). 0 credits no head start.
+    # the backward part of block_s and head_s (with recompute and the backward's TP all-reduces;
+    # not the dispatch), what the stages before a stage still run after its last backward
+    # (``drain_ahead_s``); 0 credits no head start. The embedding's is left out: profiled on the
+    # whole table, it is more than a rank's vocabulary shard costs.
     block_bwd_s: float = 0.0
-    embed_bwd_s: float = 0.0
     head_bwd_s: float = 0.0
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
                 + self.microbatch_s)
 
-    def stage_backward_s(self, num_blocks: int, first: bool, last: bool) -> float:
-        """The backward of one micro-batch on a stage (at most its ``stage_time_s``)."""
-        return num_blocks * self.block_bwd_s + (self.embed_bwd_s if first else 0.0) + (self.head_bwd_s if last else 0.0)
+    def stage_backward_s(self, num_blocks: int, last: bool) -> float:
+        """The backward of one micro-batch on a stage, at most: blocks and head (``block_bwd_s``)."""
+        return num_blocks * self.block_bwd_s + (self.head_bwd_s if last else 0.0)
 
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
@@ -420,7 +422,6 @@ class CostModel:
         if entry is not None:
             blk_fwd = entry.block_forward_s
             embed_compute = entry.embed_forward_s + entry.embed_backward_s
-            embed_bwd = entry.embed_backward_s
             head_compute = entry.head_forward_s + entry.head_backward_s
             head_bwd = entry.head_backward_s
             if not self.profile.head_split:  # an older profile timed the whole head at every tp
@@ -430,7 +431,7 @@ class CostModel:
             blk_fwd = block_forward_flops(m, b) / (t * flops)
             head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
             embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
-            head_bwd, embed_bwd = 2 / 3 * head_compute, 2 / 3 * embed_compute
+            head_bwd = 2 / 3 * head_compute
         # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
         # target logit + sum of exponentials (8)
         head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, self.latency_s) for n in (4, 8))
@@ -452,7 +453,6 @@ class CostModel:
             # backward: the rest of the block's compute (recompute included) and its TP all-reduces
             # (two, four under full recompute); the head's input-gradient all-reduce
             block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
-            embed_bwd_s=embed_bwd,
             head_bwd_s=head_bwd + tp_ar,
             block_param_bytes=st.bytes_per_param * block_params(m) / t,
             # the runtime splits the token embedding and the head by vocabulary
@@ -554,7 +554,7 @@ class CostModel:
                                         u.stage_memory_bytes(n_blocks, first, last, in_flight) / GB,
                                         u.capacity_bytes / GB,
                                         self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
-                                        u.stage_backward_s(n_blocks, first, last))
+                                        u.stage_backward_s(n_blocks, last))
                 seconds, mem_gb, cap_gb, opt_s, bwd_s = stages_seen[key]
                 stage_s.append(seconds)
                 backward_s.append(bwd_s)
@@ -571,21 +571,20 @@ class CostModel:
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
             for k, stage in enumerate(pipe.stages):
                 for d in stage.devices:
-                    ahead[d] = drain_ahead_s(backward_s, p2p, k)
+                    ahead[d] = drain_ahead_s(backward_s, k)
 
         pipeline_s = max(p.time_s for p in pipes)
         finish = {d: pipe_est.time_s - ahead[d] for pipe, pipe_est in zip(plan.pipelines, pipes)
                   for stage in pipe.stages for d in stage.devices}
-        rings = self._sync_rings(plan, node_of)
         sync: dict[str, float] = {}
-        start = dict(finish)  # a GPU's all-reduces begin once every GPU it syncs with has ended its backward
-        for devs, seconds in rings:
-            ready = max(finish[d] for d in devs)
+        free = dict(finish)  # when each GPU is done with its backward and its all-reduces so far
+        for devs, seconds in self._sync_rings(plan, node_of):  # each GPU runs its rings in this order
+            ends = max(free[d] for d in devs) + seconds  # a ring starts when all its GPUs reach it
             for d in devs:
                 sync[d] = sync.get(d, 0.0) + seconds
-                start[d] = max(start[d], ready)
+                free[d] = ends
         # every GPU waits for the step's one world all-reduce (the gradient norm), then steps its optimizer
-        post = max(start[d] + sync.get(d, 0.0) for d in finish) - pipeline_s + max(opt.values())
+        post = max(free.values()) - pipeline_s + max(opt.values())
         fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages})
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
@@ -613,19 +612,25 @@ class CostModel:
         return count
 
     def _sync_rings(self, plan: Plan, node_of: dict[str, str]) -> list[tuple[list[str], float]]:
-        """The data-parallel gradient all-reduces after backward: (the GPUs of one ring, its seconds)."""
+        """The data-parallel gradient all-reduces after backward, (the GPUs of one ring, its seconds),
+        in an order every GPU runs its own in (the runtime's)."""
         D, t = len(plan.pipelines), plan.tp
         if D == 1:
             return []
         m = self.model
         act = self.grad_wire_bytes
-        # bucket -> bytes per TP rank; a bucket is the tuple of stages (one per pipeline) holding it
-        buckets: dict[tuple[int, ...], tuple[list, float]] = {}
+        # buckets (the stages, one per pipeline, holding some layers; bytes per TP rank) in the order
+        # every rank runs them (``hetrain.plan.layout``): the embedding, the blocks, the head, with
+        # neighbours of the same holders merged
+        buckets: list[tuple[tuple[int, ...], list, float]] = []
 
         def add(stages, num_bytes):
             key = tuple(id(st) for st in stages)
-            buckets[key] = (stages, buckets.get(key, (stages, 0.0))[1] + num_bytes)
+            if buckets and buckets[-1][0] == key:
+                num_bytes += buckets.pop()[2]
+            buckets.append((key, stages, num_bytes))
 
+        add([p.stages[0] for p in plan.pipelines], embed_params(m, t) * act)
         # blocks between two consecutive stage starts (of any pipeline) have the same holders
         cuts = sorted({st.layers[0] for p in plan.pipelines for st in p.stages} | {m.num_layers})
         at = [0] * D  # per pipeline: its stage holding the current blocks
@@ -636,7 +641,6 @@ class CostModel:
                     at[p] += 1
                 holders.append(pipe.stages[at[p]])
             add(holders, (hi - lo) * block_params(m) * act / t)
-        add([p.stages[0] for p in plan.pipelines], embed_params(m, t) * act)
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
@@ -644,7 +648,7 @@ class CostModel:
         crossing_gpus: dict[str, set[str]] = {}
         crossing_rings: dict[str, set[tuple]] = {}
         rings = []  # (devices, their nodes, bytes) per bucket and TP rank
-        for key, (stages, num_bytes) in buckets.items():
+        for key, stages, num_bytes in buckets:
             for r in range(t):
                 devs = [st.devices[r] for st in stages]
                 ring_nodes = frozenset(node_of[d] for d in devs)

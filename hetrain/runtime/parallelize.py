@@ -93,8 +93,9 @@ class VocabParallelEmbedding(nn.Module):
         outside = (shifted < 0) | (shifted >= local.shape[0])
         if local.shape[0]:
             out = F.embedding(shifted.masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
-        else:  # a rank past the end of a small vocabulary: zeros, still in the graph (its gradient is empty)
-            out = local.new_zeros(*ids.shape, 0) @ local
+        else:  # a rank past the end of a small vocabulary: zeros, still in the graph (its gradient is
+            # empty), in the weights' dtype like the other ranks' lookups, whatever autocast makes of the product
+            out = (local.new_zeros(*ids.shape, 0) @ local).to(local.dtype)
         return _SumOverGroup.apply(out, self.group)
 
 

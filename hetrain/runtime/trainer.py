@@ -122,7 +122,7 @@ class Trainer:
         self.lr_schedule = config.lr_schedule()
         lr = self.lr_schedule.lr_at(config.start_step)
         # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
-        # sharded block and head weights and the replicated embedding/norms are separate groups.
+        # sharded block, embedding and head weights and the replicated positions/norms are separate groups.
         params = list(model.parameters())
         param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
                               [p for p in params if not isinstance(p, DTensor)]) if g]
@@ -157,7 +157,7 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
-        # Replicated parameters (norms, embeddings) are counted once per TP group in the norm.
+        # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
 
     def load(self, url: str, start_step: int, steps: int | None = None) -> None:
