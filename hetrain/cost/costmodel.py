@@ -73,8 +73,8 @@ Iteration time. Each GPU starts its gradient all-reduces when it leaves its sche
     earlier stages' drain. Every GPU runs its rings in one order (the runtime's), and a ring
     starts when all its GPUs have reached it:
         end(ring) = max over its GPUs g of free_g + sync(ring),  free_g := end(ring) for each g,
-    from free_g = T_pipe(p_g) - ahead_g; then every GPU waits for the step's one world all-reduce (loss, gradient norm for clipping,
-    timings) and only then steps its optimizer:
+    from free_g = T_pipe(p_g) - ahead_g; then every GPU waits for the step's one world all-reduce
+    (loss, gradient norm for clipping, timings) and only then steps its optimizer:
         T_iter = max_d free_d + max_d opt_d + o_step + lat;   tokens/s = global_batch * s / T_iter,
     o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: that
     all-reduce.

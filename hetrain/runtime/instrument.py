@@ -5,8 +5,8 @@ functions that mark where the stage's backward starts and ends), so the model st
 
 * Timing: forward and backward seconds of each micro-batch, summed per step.
 * Emulated slowdown (``emulate.slowdown`` on a CPU node): each forward and backward (and the
-  optimizer step, ``device_work``) is stretched to ``slowdown`` times the CPU time the rank's thread spent on it, by sleeping for
-  whatever of that the wall clock has not already used. Counting CPU time rather than wall
+  optimizer step, ``device_work``) is stretched to ``slowdown`` times the CPU time the rank's
+  thread spent on it, by sleeping for whatever of that the wall clock has not already used. Counting CPU time rather than wall
   time makes the emulated device's speed independent of how many other emulated devices share
   this machine's cores: a rank that waited for a core has already spent part of its budget
   waiting, and sleeps less. The emulation is exact as long as every rank gets at least
