@@ -69,7 +69,7 @@ class _Neighbourhood:
             phi = 2 * (D - 1) / D
             lat = self.cost.latency_s if D > 1 else 0.0
             self._sync[key] = max(
-                phi * g / (self.best_bw[c] * 1e9) + lat - a for c, g, a in zip(t.classes, t.grad_bytes, t.ahead)
+                phi * g / (self.best_bw[c] * 1e9) + lat - a for c, g, a in zip(t.classes, t.grad_bytes, t.ahead_s)
             )
         return self._sync[key]
 

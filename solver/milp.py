@@ -274,7 +274,7 @@ class _TemplateArrays:
         self.opt = np.array([max(t.opt_s) for t in templates])
         for j, t in enumerate(templates):
             self.grad[j, : len(t.grad_bytes)] = t.grad_bytes
-            self.ahead[j, : len(t.grad_bytes)] = t.ahead
+            self.ahead[j, : len(t.grad_bytes)] = t.ahead_s
         self.latency = np.array([t.sync_latency_s for t in templates])[:, None]
         self.tau = np.array([t.tau_s for t in templates])
         self.fill = np.array([t.fill_s for t in templates])

@@ -244,11 +244,11 @@ class Template:
     p2p_s: tuple[float, ...]
     grad_bytes: tuple[float, ...]  # per stage, per TP rank
     opt_s: tuple[float, ...]  # per stage optimizer step
+    # per stage: how long before the pipeline's end it ends its last backward (``drain_ahead_s``)
+    ahead_s: tuple[float, ...]
     num_classes: int
     sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce
     recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
-    # per stage: how long before the pipeline's end it ends its last backward (0: no head start)
-    ahead_s: tuple[float, ...] = ()
 
     @cached_property
     def _terms(self) -> tuple[float, float]:
@@ -273,17 +273,13 @@ class Template:
         """How many pipelines of this shape fit in ``available`` groups per class."""
         return min(a // u for a, u in zip(available, self.usage) if u)
 
-    @cached_property
-    def ahead(self) -> tuple[float, ...]:
-        return self.ahead_s or (0.0,) * len(self.grad_bytes)
-
     def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
         """After its pipeline's end, among ``num_pipelines`` pipelines: the gradient all-reduces the
         drain does not hide (a stage starts its own when it leaves 1F1B), then the optimizer step,
         which every GPU takes after the step's one world all-reduce (``CostModel.estimate``)."""
         phi = 2 * (num_pipelines - 1) / num_pipelines
         lat = self.sync_latency_s if num_pipelines > 1 else 0.0
-        return (max(phi * g / (sync_bw_gbps * 1e9) + lat - a for g, a in zip(self.grad_bytes, self.ahead))
+        return (max(phi * g / (sync_bw_gbps * 1e9) + lat - a for g, a in zip(self.grad_bytes, self.ahead_s))
                 + max(self.opt_s))
 
 
@@ -361,9 +357,9 @@ class _TemplateBuilder:
         S = len(order)
         grads = tuple(cost.grad_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S))
         opts = tuple(cost.stage_params(blocks[k], k == 0, k == S - 1, tp) * units[k].opt_s_per_param for k in range(S))
-        backward = [units[k].stage_backward_s(blocks[k], k == S - 1) for k in range(S)]
-        return Template(order, tuple(blocks), stage_s, p2p, grads, opts, len(classes), cost.latency_s,
-                        tuple(u.recompute for u in units), tuple(drain_ahead_s(backward, k) for k in range(S)))
+        ahead = drain_ahead_s([units[k].stage_backward_s(blocks[k], k == S - 1) for k in range(S)])
+        return Template(order, tuple(blocks), stage_s, p2p, grads, opts, ahead, len(classes), cost.latency_s,
+                        tuple(u.recompute for u in units))
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)

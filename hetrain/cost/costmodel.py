@@ -99,6 +99,7 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -220,12 +221,12 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
     return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
 
 
-def drain_ahead_s(backward_s: list[float] | tuple[float, ...], k: int) -> float:
-    """How long, at least, before its pipeline's end stage k ends its part of 1F1B: the last
+def drain_ahead_s(backward_s: list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """Per stage k, how long at least before its pipeline's end it ends its part of 1F1B: the last
     micro-batch's backward still runs on the stages before it. (Its sends to them take time too,
     but in the drain fewer share a NIC than in the steady state the sends are priced for: left
     out, so the overlap is never overstated.)"""
-    return sum(backward_s[:k])
+    return (0.0, *itertools.accumulate(backward_s[:-1]))
 
 
 def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
@@ -537,7 +538,7 @@ class CostModel:
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
         stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
-        ahead: dict[str, float] = {}  # per GPU: how long before its pipeline's end it ends its last backward
+        finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
         for pipe in plan.pipelines:
             S = len(pipe.stages)
             stage_s, p2p, backward_s = [], [], []
@@ -569,13 +570,10 @@ class CostModel:
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
-            for k, stage in enumerate(pipe.stages):
-                for d in stage.devices:
-                    ahead[d] = drain_ahead_s(backward_s, k)
+            for stage, ahead in zip(pipe.stages, drain_ahead_s(backward_s)):
+                finish.update(dict.fromkeys(stage.devices, total - ahead))
 
         pipeline_s = max(p.time_s for p in pipes)
-        finish = {d: pipe_est.time_s - ahead[d] for pipe, pipe_est in zip(plan.pipelines, pipes)
-                  for stage in pipe.stages for d in stage.devices}
         sync: dict[str, float] = {}
         free = dict(finish)  # when each GPU is done with its backward and its all-reduces so far
         for devs, seconds in self._sync_rings(plan, node_of):  # each GPU runs its rings in this order

@@ -6,10 +6,10 @@ functions that mark where the stage's backward starts and ends), so the model st
 * Timing: forward and backward seconds of each micro-batch, summed per step.
 * Emulated slowdown (``emulate.slowdown`` on a CPU node): each forward and backward (and the
   optimizer step, ``device_work``) is stretched to ``slowdown`` times the CPU time the rank's
-  thread spent on it, by sleeping for whatever of that the wall clock has not already used. Counting CPU time rather than wall
-  time makes the emulated device's speed independent of how many other emulated devices share
-  this machine's cores: a rank that waited for a core has already spent part of its budget
-  waiting, and sleeps less. The emulation is exact as long as every rank gets at least
+  thread spent on it, by sleeping for whatever of that the wall clock has not already used.
+  Counting CPU time rather than wall time makes the emulated device's speed independent of how
+  many other emulated devices share this machine's cores: a rank that waited for a core has
+  already spent part of its budget waiting, and sleeps less. The emulation is exact as long as every rank gets at least
   ``1 / slowdown`` of a core (cpu-emulated.yaml needs 1.5 of the 2 cores here).
 * Memory: model states (parameters, gradients, optimizer state; exact, from the tensors) plus
   the activations saved for backward that are alive (tracked through saved-tensor hooks,
