@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.cost.costmodel import CostModel, Estimate, collective_steps
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
 from solver.assemble import score
@@ -67,7 +67,7 @@ class _Neighbourhood:
         if key not in self._sync:
             t = self.T[j]
             phi = 2 * (D - 1) / D
-            lat = self.cost.latency_s if D > 1 else 0.0
+            lat = self.cost.latency_s * collective_steps(D)
             self._sync[key] = max(
                 phi * g / (self.best_bw[c] * 1e9) + lat - a for c, g, a in zip(t.classes, t.grad_bytes, t.ahead_s)
             )

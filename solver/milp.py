@@ -46,6 +46,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
+from hetrain.cost.costmodel import collective_steps
 from solver.assemble import allocate_microbatches
 from solver.bounds import CoverLp
 from solver.space import Space, Template
@@ -283,7 +284,7 @@ class _TemplateArrays:
 
     def post_s(self, num_pipelines: int) -> np.ndarray:
         phi = 2 * (num_pipelines - 1) / num_pipelines
-        lat = self.latency if num_pipelines > 1 else 0.0
+        lat = self.latency * collective_steps(num_pipelines)
         return np.max(phi * self.grad / (self.bw * 1e9) + lat - self.ahead, axis=1) + self.opt
 
     def simple_upper_bound_s(self, M: int, post: np.ndarray, num_copies: tuple[int, int] = (1, 1 << 30)) -> float | None:

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hetrain.cost.costmodel import CostModel, UnitCosts, drain_ahead_s, pipeline_terms
+from hetrain.cost.costmodel import CostModel, UnitCosts, collective_steps, drain_ahead_s, pipeline_terms
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
@@ -247,7 +247,7 @@ class Template:
     # per stage: how long before the pipeline's end it ends its last backward (``drain_ahead_s``)
     ahead_s: tuple[float, ...]
     num_classes: int
-    sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce
+    sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce between two pipelines (log2 D steps among D)
     recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
 
     @cached_property
@@ -278,7 +278,7 @@ class Template:
         drain does not hide (a stage starts its own when it leaves 1F1B), then the optimizer step,
         which every GPU takes after the step's one world all-reduce (``CostModel.estimate``)."""
         phi = 2 * (num_pipelines - 1) / num_pipelines
-        lat = self.sync_latency_s if num_pipelines > 1 else 0.0
+        lat = self.sync_latency_s * collective_steps(num_pipelines)
         return (max(phi * g / (sync_bw_gbps * 1e9) + lat - a for g, a in zip(self.grad_bytes, self.ahead_s))
                 + max(self.opt_s))
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, pipeline_terms, ring_allgather_s,
+from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, collective_steps, pipeline_terms,
+                                    ring_allgather_s,
                                     ring_allreduce_s, train_flops_per_sequence)
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
@@ -31,6 +32,25 @@ def test_ring_allreduce():
     assert ring_allreduce_s(1e9, 1, 10) == 0
     assert ring_allreduce_s(1e9, 2, 10) == pytest.approx(0.1)
     assert ring_allreduce_s(1e9, 4, 10) == pytest.approx(0.15)
+
+
+def test_a_collective_pays_the_latency_log2_p_times_and_a_send_once():
+    assert [collective_steps(p) for p in (1, 2, 3, 4, 5, 8, 9, 1024)] == [0, 1, 2, 2, 3, 3, 4, 10]
+    assert ring_allreduce_s(1e9, 2, 10, 1e-3) == pytest.approx(0.1 + 1e-3)
+    assert ring_allreduce_s(1e9, 4, 10, 1e-3) == pytest.approx(0.15 + 2e-3)
+    assert ring_allgather_s(1e9, 8, 10, 1e-3) == pytest.approx(0.0875 + 3e-3)
+    # the step's all-reduce over every GPU of the plan: 2 steps among 4 GPUs, 1 for one or two
+    slow = CLUSTER.model_copy(update={"collective_latency_us": 1000.0})
+    cost = CostModel(slow, MODEL, SETTINGS)
+    single = [PipelinePlan(num_microbatches=2, stages=[StagePlan(devices=[d], gpu=g, layers=(0, 4))])
+              for d, g in (("a/0", "A100-80G"), ("a/1", "A100-80G"), ("b/0", "V100-32G"), ("b/1", "V100-32G"))]
+    assert cost.estimate(plan(single[:1], mbs=4)).step_overhead_s == pytest.approx(1e-3)
+    assert cost.estimate(plan(single[:2])).step_overhead_s == pytest.approx(1e-3)
+    four = cost.estimate(plan(single))
+    assert four.step_overhead_s == pytest.approx(2e-3)
+    # and each gradient all-reduce among the four pipelines (one ring per bucket: all hold every layer)
+    all_bytes = cost.stage_params(4, True, True, 1) * 4  # fp32 gradients, over the node link
+    assert four.sync_s["a/0"] == pytest.approx(ring_allreduce_s(all_bytes, 4, 10) + 2e-3)
 
 
 def test_single_device_time_is_flops_over_speed():

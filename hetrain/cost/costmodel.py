@@ -28,7 +28,8 @@ Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forwa
     sum of exponentials).
     The runtime's TP blocks run on DTensors: their dispatch adds ``tp_block_s`` per block and
     micro-batch (measured, ``Profile.runtime``; a third more under full recompute).
-    ``lat`` is the cluster's ``collective_latency_us``, charged once per collective or send.
+    ``lat`` is the cluster's ``collective_latency_us``: once per send, ceil(log2 p) times per
+    collective over p GPUs (``collective_steps``; once for a pair).
 
 Pipeline, per stage k of pipeline p and micro-batch:
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
@@ -52,7 +53,7 @@ Data parallelism across pipelines of different shapes. D = number of pipelines. 
     gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
     the slowest link among their nodes; blocks held by the same set of stages form one
     bucket, one collective (as the runtime does):
-        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / (bw_min(bucket) / share) + lat,
+        sync(bucket) = 2 (D-1)/D * P_bucket B_grad / t / (bw_min(bucket) / share) + lat ceil(log2 D),
     share = on the busiest node of a bucket that crosses nodes, how many rings leave it at once
     when its GPUs share one NIC (every GPU all-reduces right after backward; a ring leaves a node
     once however many of its GPUs it joins, and a GPU runs its rings in turn: the smaller of the
@@ -75,9 +76,9 @@ Iteration time. Each GPU starts its gradient all-reduces when it leaves its sche
         end(ring) = max over its GPUs g of free_g + sync(ring),  free_g := end(ring) for each g,
     from free_g = T_pipe(p_g) - ahead_g; then every GPU waits for the step's one world all-reduce
     (loss, gradient norm for clipping, timings) and only then steps its optimizer:
-        T_iter = max_d free_d + max_d opt_d + o_step + lat;   tokens/s = global_batch * s / T_iter,
-    o_step: the runtime's fixed work per step (measured; 0 without a profile), lat: that
-    all-reduce.
+        T_iter = max_d free_d + max_d opt_d + o_step + lat_W;   tokens/s = global_batch * s / T_iter,
+    o_step: the runtime's fixed work per step (measured; 0 without a profile), lat_W: that
+    all-reduce over all W GPUs, lat ceil(log2 W).
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
@@ -100,6 +101,7 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -233,11 +235,24 @@ def ring_allreduce_s(num_bytes: float, group_size: int, bandwidth_gbps: float, l
     return ring_allgather_s(2 * num_bytes, group_size, bandwidth_gbps, latency_s)  # reduce-scatter + all-gather
 
 
+def collective_steps(group_size: int) -> int:
+    """Latency terms of a collective over ``group_size`` ranks: ceil(log2 p), 1 for a pair.
+
+    ``latency_s`` is what a send or an all-reduce between two GPUs costs beyond its bytes; among
+    p GPUs a small collective takes log2 p such steps (recursive doubling or a tree, the
+    algorithms NCCL and gloo pick where latency dominates: Thakur, Rabenseifner and Gropp 2005),
+    while its bytes still travel a ring. Charging one latency whatever p underpriced the
+    four-rank all-reduces of the emulated cluster (measured about 2x a two-rank one here).
+    """
+    return max(0, math.ceil(math.log2(group_size))) if group_size > 1 else 0
+
+
 def ring_allgather_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
-    """Seconds to all-gather ``num_bytes`` in all (each rank holding 1/group_size of it) over a ring."""
+    """Seconds to all-gather ``num_bytes`` in all (each rank holding 1/group_size of it) over a ring,
+    plus ``latency_s`` per step (``collective_steps``)."""
     if group_size <= 1:
         return 0.0
-    return (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s
+    return (group_size - 1) / group_size * num_bytes / (bandwidth_gbps * GB) + latency_s * collective_steps(group_size)
 
 
 @dataclass(frozen=True)
@@ -482,10 +497,11 @@ class CostModel:
         """The runtime's measured costs besides compute on this GPU type (None: not measured)."""
         return self.profile.runtime.get(gpu) if self.profile is not None else None
 
-    def step_overhead_s(self, gpus: set[str]) -> float:
-        """Fixed seconds per iteration of a plan on these GPU types: the slowest host's, + the step's all-reduce."""
+    def step_overhead_s(self, gpus: set[str], world_size: int) -> float:
+        """Fixed seconds per iteration of a plan on these GPU types and this many GPUs: the slowest
+        host's, + the step's one small all-reduce over every GPU."""
         measured = [o.step_s for g in gpus if (o := self.overheads(g)) is not None]
-        return max(measured, default=0.0) + self.latency_s
+        return max(measured, default=0.0) + self.latency_s * collective_steps(max(world_size, 2))
 
     @property
     def grad_wire_bytes(self) -> int:
@@ -583,7 +599,8 @@ class CostModel:
                 free[d] = ends
         # every GPU waits for the step's one world all-reduce (the gradient norm), then steps its optimizer
         post = max(free.values()) - pipeline_s + max(opt.values())
-        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages})
+        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages},
+                                     sum(len(st.devices) for p in plan.pipelines for st in p.stages))
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)

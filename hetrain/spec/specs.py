@@ -122,8 +122,9 @@ class ClusterSpec(_Spec):
     links: list[LinkSpec] = Field(default_factory=list)
     collective_latency_us: NonNegativeFloat = Field(
         default=0.0,
-        description="fixed cost of every collective or send in microseconds, on top of bytes / bandwidth "
-        "(tens of us for NCCL, milliseconds for gloo on a busy CPU; 0 ignores it, fine for large models)",
+        description="fixed cost in microseconds of a send, or of a collective between two GPUs, on top of "
+        "bytes / bandwidth; a collective among p GPUs pays it ceil(log2 p) times (tens of us for NCCL, "
+        "milliseconds for gloo on a busy CPU; 0 ignores it, fine for large models)",
     )
     gpu_types: dict[str, GPUType] = Field(default_factory=dict)
 
