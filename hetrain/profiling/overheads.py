@@ -15,9 +15,13 @@ and separates:
 * ``optimizer_s_per_param``: the optimizer step the runtime runs on this device (fused AdamW
   on GPUs, foreach on CPU), timed on ``OPTIMIZER_PARAMS`` parameters;
 * ``tp_block_s``: what tensor parallelism adds to a block's forward + backward besides its
-  all-reduces: the runtime's TP blocks run on DTensors, whose dispatch costs far more than
-  the plain shard the per-layer profile times. Measured as the stand-in block parallelized
-  over a one-device mesh minus the plain block (the dispatch is the same at any degree).
+  all-reduces' bytes: the runtime's TP blocks run on DTensors, whose dispatch costs far more
+  than the plain shard the per-layer profile times. Measured as the stand-in block
+  parallelized over a mesh minus its plain shard. On CPU the mesh has two ranks (two processes
+  of their own, gloo): DTensor skips its redistribution on a one-rank mesh, and the functional
+  collectives it runs instead cost a CPU rank's thread 1.7x the one-rank figure on a gpt-tiny
+  block here (3.4 ms against 1.9 ms). On a GPU, one device: its dispatch runs ahead of the
+  kernels anyway.
 
 What one process cannot show (the sends between stages, the step's all-reduce across
 ranks, gradient sync) the cost model prices from the cluster's links and latency.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -117,26 +122,59 @@ def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
     return statistics.median(times) / OPTIMIZER_PARAMS
 
 
+TP_MEASURE_RANKS = 2  # CPU: a real TP group (module docstring); the stand-in's 4 heads split 2 ways
+
+
 def tp_block_overhead_s(device: torch.device, precision: str, repeats: int = 9) -> float:
-    """Forward + backward seconds a DTensor-parallelized block takes beyond the plain one (needs a process group)."""
+    """Forward + backward seconds a DTensor-parallelized block takes beyond its plain shard, on the
+    world's mesh (every rank of the current process group calls this at once)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from hetrain.profiling.profiler import shard_block
     from hetrain.runtime.model import Block
     from hetrain.runtime.parallelize import TP_PLAN
 
+    tp = dist.get_world_size()
     torch.manual_seed(0)
-    block = Block(STAND_IN).to(device)
     x = torch.randn(1, STAND_IN.seq_length, STAND_IN.hidden_size, device=device, requires_grad=True)
 
-    def time_block() -> float:
+    def time_block(block: torch.nn.Module) -> float:
         fwd, bwd = _time_fwd_bwd(lambda: block(x), lambda out: out.float().sum().backward(), device, precision,
                                  warmup=2, repeats=repeats)
         return fwd + bwd
 
-    plain = time_block()
+    plain = time_block(shard_block(STAND_IN, tp).to(device))
+    block = Block(STAND_IN).to(device)
     parallelize_module(block, DeviceMesh.from_group(dist.group.WORLD, device.type), TP_PLAN)
-    return max(0.0, time_block() - plain)
+    return max(0.0, time_block(block) - plain)
+
+
+def _tp_rank(rank: int, store_path: str, precision: str) -> float:
+    """One rank of the CPU TP measurement (``--tp-rank``: a process of its own)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, TP_MEASURE_RANKS), rank=rank,
+                            world_size=TP_MEASURE_RANKS)
+    try:
+        return tp_block_overhead_s(torch.device("cpu"), precision)
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_tp_block_overhead_s(precision: str, work: Path) -> float:
+    """``tp_block_overhead_s`` on a two-rank gloo mesh of two fresh processes (module docstring); rank 0's figure."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "hetrain.profiling.overheads", "--precision", precision,
+            "--threads", str(torch.get_num_threads()), "--tp-store", str(work / "tp-store"), "--tp-rank"]
+    ranks = [subprocess.Popen([*argv, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(TP_MEASURE_RANKS)]
+    outs = [rank.communicate() for rank in ranks]  # the parent's own timeout bounds this
+    for rank, (stdout, stderr) in zip(ranks, outs):
+        if rank.returncode != 0 or not stdout.strip():
+            last = (stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the TP overhead measurement's rank failed: {last}")
+    return float(outs[0][0].strip().splitlines()[-1])
 
 
 def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeOverheads:
@@ -144,10 +182,14 @@ def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeO
     opt_per_param = optimizer_s_per_param(device)
     from hetrain.cost.costmodel import total_params
 
-    with tempfile.TemporaryDirectory() as tmp, _one_process_group(device):
-        lo, hi = MICROBATCH_COUNTS
-        at = {m: _overhead_per_step(m, device, precision, Path(tmp)) for m in (lo, hi)}
-        tp_block_s = tp_block_overhead_s(device, precision)
+    with tempfile.TemporaryDirectory() as tmp:
+        if device.type == "cpu":
+            tp_block_s = cpu_tp_block_overhead_s(precision, Path(tmp))
+        with _one_process_group(device):
+            lo, hi = MICROBATCH_COUNTS
+            at = {m: _overhead_per_step(m, device, precision, Path(tmp)) for m in (lo, hi)}
+            if device.type != "cpu":
+                tp_block_s = tp_block_overhead_s(device, precision)
     microbatch_s = max(0.0, (at[hi] - at[lo]) / (hi - lo))
     stand_in_optimizer_s = total_params(STAND_IN) * opt_per_param
     step_s = max(0.0, at[lo] - lo * microbatch_s - stand_in_optimizer_s)
@@ -160,8 +202,15 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, help=argparse.SUPPRESS)  # one rank of cpu_tp_block_overhead_s
+    ap.add_argument("--tp-store", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tp_rank is not None:
+        print(json.dumps(_tp_rank(args.tp_rank, args.tp_store, args.precision)), flush=True)
+        # gloo's threads outlive the destroyed group and abort an ordinary interpreter exit
+        # ("terminate called without an active exception"): the result is out, leave at once
+        os._exit(0)
     dev = torch.device(args.device)
     if dev.type == "cuda":
         dev = torch.device("cuda", 0)  # the parent exposed only its device
