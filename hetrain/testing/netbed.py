@@ -171,8 +171,11 @@ class NetBed:
 
     @staticmethod
     def _shape(ns: str, dev: str, rate_mbit: float) -> None:
-        # burst: at least 10 ms at the rate (the kernel's timer granularity) and a few packets
-        burst = max(int(rate_mbit * 1e6 / 8 / 100), 32 * 1514)
+        # burst: 10 ms at the rate (the kernel's timer granularity), at least a few packets. Not more:
+        # a bucket lets that many bytes through at the veth's speed after the link idles, which no link of
+        # this rate does (a 32-packet floor let gpt-small's 32-64 KB pipeline sends cross a 10 Mbit/s link
+        # about 1.4x faster than its rate: bench/predict_vs_measure's small-slowlink group)
+        burst = max(int(rate_mbit * 1e6 / 8 / 100), 4 * 1514)
         result = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
                                  "rate", f"{rate_mbit:g}mbit", "burst", str(burst),
                                  "latency", f"{TBF_LATENCY_MS}ms"], capture_output=True, text=True)
