@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs per plan (every plan once, then again); "
                     "the faster run is reported")
     args = ap.parse_args()
+    if args.rounds < 1 or args.steps <= WARMUP_STEPS:
+        ap.error(f"expected --rounds >= 1 and --steps > {WARMUP_STEPS} (the warm-up steps)")
 
     import torch
     import yaml
@@ -192,8 +194,6 @@ def main() -> None:
                         profile = take_profile(model, base)
                         est = CostModel(cluster, model, settings, profile).estimate(plan)
                         if est.over_capacity():
-                            if round_ == 0:
-                                notes.append(f"{group}: {name} skipped (needs more memory than the emulated devices have)")
                             continue
                         run = f"{group}-{name}-{round_}".replace(" ", "_").replace(">", "").replace("(", "").replace(")", "")
                         records = measure(plan, cluster_file, args.steps, work, run, bed)
@@ -204,6 +204,10 @@ def main() -> None:
             finally:
                 if bed is not None:
                     bed.down()
+            for name in plans:
+                if len(runs.get(name, [])) < args.rounds:
+                    notes.append(f"{group}: {name} skipped in {args.rounds - len(runs.get(name, []))} of "
+                                 f"{args.rounds} rounds (needs more memory than the emulated devices have)")
             for name, plan_runs in runs.items():
                 plan = plans[name]
                 # the faster round: this shared machine's other work only ever slows a run down

@@ -19,8 +19,9 @@ covering knapsack, so we bisect on T and at each T ask HiGHS whether
 
 ``x_j`` = copies of template j. Feasibility is monotone in T, so bisection converges to the
 smallest feasible T (to ``rel_tol``). The pipeline count D sets gradient sync's ring factor
-2(D-1)/D (none at all for D = 1), so each D up to ``EXACT_PIPELINE_COUNTS`` gets its own
-bisection with D_lo = D_hi = D, and all larger counts one more, charged at the largest D.
+2(D-1)/D (none at all for D = 1) and its latency's ceil(log2 D) steps, so each D up to
+``EXACT_PIPELINE_COUNTS`` gets its own bisection with D_lo = D_hi = D, and all larger counts one
+more, charged at the largest D (one per power of two when the sync has a latency).
 D = 1 and 2 are enumerated directly (``best_of_one_or_two``), exact and cheaper.
 Gradient sync runs over the slowest link of the *scope* (a set of nodes the plan may use;
 ``solver.planner`` enumerates them). The variables grow with the number of templates, never
@@ -296,6 +297,11 @@ class _TemplateArrays:
         return float(t.min())
 
 
+def _sync_latency_free(templates: list[Template]) -> bool:
+    """Whether no template's gradient sync pays a fixed latency (then larger pipeline counts share one group)."""
+    return all(t.sync_latency_s == 0 for t in templates)
+
+
 def fluid_lower_bound_s(space: Space, available: list[int], M: int) -> float:
     """No plan beats every usable group computing blocks nonstop: M x L block-passes / total rate."""
     rate = sum(a / c.fastest_block_s for a, c in zip(available, space.classes) if a)
@@ -365,8 +371,13 @@ def solve_templates(
     lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
     found = []  # per pipeline count with an answer: (time, proven low, d_lo, d_hi, post)
     counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
-    if max_pipes > EXACT_PIPELINE_COUNTS:
-        counts.append((EXACT_PIPELINE_COUNTS + 1, max_pipes))
+    start = EXACT_PIPELINE_COUNTS + 1
+    while start <= max_pipes:
+        # with a sync latency, one group per power of two: the latency's steps (ceil(log2 D)) are
+        # the same within it, so charging its largest D overstates only the small ring factor
+        end = max_pipes if _sync_latency_free(templates) else min(max_pipes, 1 << (start - 1).bit_length())
+        counts.append((start, end))
+        start = end + 1
     plans = []  # per pipeline count: (upper bound, lower bound, d_lo, d_hi, post)
     arr = _TemplateArrays(templates, available, sync_bw_gbps)
     for d_lo, d_hi in counts:

@@ -131,6 +131,23 @@ def test_runtime_overheads_measured_per_type(profile, gpus):
         assert getattr(slow, stretched) == pytest.approx(getattr(fast, stretched) * gpus[SLOW] / gpus[FAST])
 
 
+def test_tp_dispatch_is_measured_on_two_ranks_and_a_failing_rank_says_which(tmp_path):
+    """The CPU TP figure comes from two processes forming a real gloo group; when one fails, the
+    error names it and its own last line, and no rank is left running."""
+    import subprocess
+
+    from hetrain.profiling.overheads import cpu_tp_block_overhead_s
+
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    ok.mkdir()
+    bad.mkdir()
+    assert cpu_tp_block_overhead_s("fp32", ok) > 0
+    with pytest.raises(RuntimeError, match=r"rank 0 failed \(exit 1\): KeyError: 'nonsense'"):
+        cpu_tp_block_overhead_s("nonsense", bad)
+    left = subprocess.run(["pgrep", "-f", f"--tp-store {bad}"], capture_output=True, text=True).stdout
+    assert not left.strip()
+
+
 def test_json_round_trip(profile, tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(profile.to_json())

@@ -15,13 +15,15 @@ and separates:
 * ``optimizer_s_per_param``: the optimizer step the runtime runs on this device (fused AdamW
   on GPUs, foreach on CPU), timed on ``OPTIMIZER_PARAMS`` parameters;
 * ``tp_block_s``: what tensor parallelism adds to a block's forward + backward besides its
-  all-reduces' bytes: the runtime's TP blocks run on DTensors, whose dispatch costs far more
-  than the plain shard the per-layer profile times. Measured as the stand-in block
-  parallelized over a mesh minus its plain shard. On CPU the mesh has two ranks (two processes
-  of their own, gloo): DTensor skips its redistribution on a one-rank mesh, and the functional
-  collectives it runs instead cost a CPU rank's thread 1.7x the one-rank figure on a gpt-tiny
-  block here (3.4 ms against 1.9 ms). On a GPU, one device: its dispatch runs ahead of the
-  kernels anyway.
+  collectives: the runtime's TP blocks run on DTensors, whose dispatch costs far more than
+  the plain shard the per-layer profile times. Measured as the CPU time (on a GPU: the time) of
+  the stand-in block parallelized over a mesh minus its plain shard. On CPU the mesh has two
+  ranks (two processes of their own, gloo), and a rank's thread time leaves out the waits for
+  the all-reduces, which the cost model prices from bytes and latency (and emulation does not
+  stretch): DTensor skips its redistribution on a one-rank mesh, and the functional
+  collectives it runs instead cost the thread 1.8x the one-rank figure here (3.4 ms against
+  1.9 ms per stand-in block). One figure for every TP degree. On a GPU, one device: its
+  dispatch runs ahead of the kernels anyway.
 
 What one process cannot show (the sends between stages, the step's all-reduce across
 ranks, gradient sync) the cost model prices from the cluster's links and latency.
@@ -39,8 +41,11 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -150,10 +155,13 @@ def tp_block_overhead_s(device: torch.device, precision: str, repeats: int = 9) 
     return max(0.0, time_block(block) - plain)
 
 
+TP_RANK_TIMEOUT_S = 120  # a few seconds here; a rank whose peer died must not wait for gloo's 30 minutes
+
+
 def _tp_rank(rank: int, store_path: str, precision: str) -> float:
     """One rank of the CPU TP measurement (``--tp-rank``: a process of its own)."""
     dist.init_process_group("gloo", store=dist.FileStore(store_path, TP_MEASURE_RANKS), rank=rank,
-                            world_size=TP_MEASURE_RANKS)
+                            world_size=TP_MEASURE_RANKS, timeout=timedelta(seconds=TP_RANK_TIMEOUT_S))
     try:
         return tp_block_overhead_s(torch.device("cpu"), precision)
     finally:
@@ -161,20 +169,46 @@ def _tp_rank(rank: int, store_path: str, precision: str) -> float:
 
 
 def cpu_tp_block_overhead_s(precision: str, work: Path) -> float:
-    """``tp_block_overhead_s`` on a two-rank gloo mesh of two fresh processes (module docstring); rank 0's figure."""
+    """``tp_block_overhead_s`` on a two-rank gloo mesh of two fresh processes (module docstring); rank 0's figure.
+
+    Either rank failing ends the other at once, and neither outlives this call.
+    """
     import subprocess
     import sys
 
+    # one thread per rank, as training ranks run (``threads_per_rank``): with two each on two cores the
+    # main thread's CPU time leaves out the workers' share, and the difference measured 0 here
     argv = [sys.executable, "-m", "hetrain.profiling.overheads", "--precision", precision,
-            "--threads", str(torch.get_num_threads()), "--tp-store", str(work / "tp-store"), "--tp-rank"]
-    ranks = [subprocess.Popen([*argv, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(TP_MEASURE_RANKS)]
-    outs = [rank.communicate() for rank in ranks]  # the parent's own timeout bounds this
-    for rank, (stdout, stderr) in zip(ranks, outs):
-        if rank.returncode != 0 or not stdout.strip():
-            last = (stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the TP overhead measurement's rank failed: {last}")
-    return float(outs[0][0].strip().splitlines()[-1])
+            "--threads", "1", "--tp-store", str(work / "tp-store"), "--tp-rank"]
+    logs = [work / f"tp-rank-{r}.log" for r in range(TP_MEASURE_RANKS)]
+    ranks = []
+    try:
+        for r, log in enumerate(logs):
+            with open(log, "w") as err:  # the child holds its own descriptor
+                ranks.append(subprocess.Popen([*argv, str(r)], stdout=subprocess.PIPE, stderr=err, text=True))
+        deadline = time.monotonic() + 2 * TP_RANK_TIMEOUT_S
+        while any(rank.poll() is None for rank in ranks):
+            failed = [r for r, rank in enumerate(ranks) if rank.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for r, rank in enumerate(ranks):
+            if rank.poll() is None:
+                raise RuntimeError(f"the TP overhead measurement's rank {r} did not finish"
+                                   + (" after its peer failed" if any(x.returncode for x in ranks) else ""))
+            if rank.returncode != 0:
+                last = (logs[r].read_text().strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"the TP overhead measurement's rank {r} failed (exit {rank.returncode}): {last}")
+        out = ranks[0].stdout.read().strip().splitlines()
+        if not out:
+            raise RuntimeError("the TP overhead measurement's rank 0 printed nothing")
+        return float(out[-1])
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
+            rank.stdout.close()
 
 
 def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeOverheads:
@@ -207,9 +241,15 @@ if __name__ == "__main__":
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.tp_rank is not None:
-        print(json.dumps(_tp_rank(args.tp_rank, args.tp_store, args.precision)), flush=True)
         # gloo's threads outlive the destroyed group and abort an ordinary interpreter exit
-        # ("terminate called without an active exception"): the result is out, leave at once
+        # ("terminate called without an active exception", which would hide the real error):
+        # say what there is to say, then leave at once
+        try:
+            print(json.dumps(_tp_rank(args.tp_rank, args.tp_store, args.precision)), flush=True)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         os._exit(0)
     dev = torch.device(args.device)
     if dev.type == "cuda":
