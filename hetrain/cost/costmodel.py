@@ -245,7 +245,7 @@ def collective_steps(group_size: int) -> int:
     four-rank all-reduces of the emulated cluster (this machine, idle: 0.3 ms between two gloo
     ranks, 4.5 ms among four, which also wait for its two cores).
     """
-    return max(0, math.ceil(math.log2(group_size))) if group_size > 1 else 0
+    return math.ceil(math.log2(group_size)) if group_size > 1 else 0
 
 
 def ring_allgather_s(num_bytes: float, group_size: int, bandwidth_gbps: float, latency_s: float = 0.0) -> float:

@@ -174,7 +174,6 @@ def cpu_tp_block_overhead_s(precision: str, work: Path) -> float:
     Either rank failing ends the other at once, and neither outlives this call.
     """
     import subprocess
-    import sys
 
     # one thread per rank, as training ranks run (``threads_per_rank``): with two each on two cores the
     # main thread's CPU time leaves out the workers' share, and the difference measured 0 here
