@@ -297,11 +297,6 @@ class _TemplateArrays:
         return float(t.min())
 
 
-def _sync_latency_free(templates: list[Template]) -> bool:
-    """Whether no template's gradient sync pays a fixed latency (then larger pipeline counts share one group)."""
-    return all(t.sync_latency_s == 0 for t in templates)
-
-
 def fluid_lower_bound_s(space: Space, available: list[int], M: int) -> float:
     """No plan beats every usable group computing blocks nonstop: M x L block-passes / total rate."""
     rate = sum(a / c.fastest_block_s for a, c in zip(available, space.classes) if a)
@@ -371,11 +366,12 @@ def solve_templates(
     lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
     found = []  # per pipeline count with an answer: (time, proven low, d_lo, d_hi, post)
     counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
+    # with a sync latency, one group per power of two above: the latency's steps (ceil(log2 D)) are
+    # the same within it, so charging its largest D overstates only the small ring factor
+    by_power_of_two = any(t.sync_latency_s for t in templates)
     start = EXACT_PIPELINE_COUNTS + 1
     while start <= max_pipes:
-        # with a sync latency, one group per power of two: the latency's steps (ceil(log2 D)) are
-        # the same within it, so charging its largest D overstates only the small ring factor
-        end = max_pipes if _sync_latency_free(templates) else min(max_pipes, 1 << (start - 1).bit_length())
+        end = min(max_pipes, 1 << (start - 1).bit_length()) if by_power_of_two else max_pipes
         counts.append((start, end))
         start = end + 1
     plans = []  # per pipeline count: (upper bound, lower bound, d_lo, d_hi, post)

@@ -245,8 +245,8 @@ def test_a_gpu_runs_its_rings_in_turn_and_a_ring_waits_for_all_its_gpus():
     opt = max(cost.stage_params(2, True, False, 1) * ua.opt_s_per_param,
               cost.stage_params(2, False, True, 1) * ub.opt_s_per_param,
               cost.stage_params(4, True, True, 1) * ua.opt_s_per_param)
+    assert first_done > finish["b/0"]  # the case this test is about: b/0 is ready before its ring is
     assert est.post_s == pytest.approx(max(first_done, second_done) - est.pipeline_s + opt)
-    assert second_done >= finish["a/1"] + first + second
 
 
 def test_memory_grows_with_in_flight_microbatches_and_shrinks_with_tp():

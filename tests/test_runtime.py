@@ -221,6 +221,7 @@ def test_an_emulated_device_steps_its_optimizer_at_its_own_speed():
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     assert wall >= slowdown * cpu * 0.99
 
+
 CLUSTER = EXAMPLES / "clusters" / "cpu-emulated.yaml"
 
 

@@ -601,8 +601,7 @@ class CostModel:
                 free[d] = ends
         # every GPU waits for the step's one world all-reduce (the gradient norm), then steps its optimizer
         post = max(free.values()) - pipeline_s + max(opt.values())
-        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages},
-                                     sum(len(st.devices) for p in plan.pipelines for st in p.stages))
+        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt))
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)

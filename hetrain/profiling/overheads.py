@@ -187,8 +187,7 @@ def cpu_tp_block_overhead_s(precision: str, work: Path) -> float:
                 ranks.append(subprocess.Popen([*argv, str(r)], stdout=subprocess.PIPE, stderr=err, text=True))
         deadline = time.monotonic() + 2 * TP_RANK_TIMEOUT_S
         while any(rank.poll() is None for rank in ranks):
-            failed = [r for r, rank in enumerate(ranks) if rank.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
+            if any(rank.returncode for rank in ranks) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         for r, rank in enumerate(ranks):
