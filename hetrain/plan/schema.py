@@ -29,6 +29,10 @@ class StagePlan(BaseModel):
     layers: tuple[int, int] = Field(description="half-open range of transformer blocks [start, end)")
     recompute: RecomputeMode | None = Field(
         default=None, description="activation recompute of this stage's blocks; absent: the training settings' mode")
+    in_flight: PositiveInt | None = Field(
+        default=None, description="micro-batches the stage keeps in flight (forwards before its first backward) under "
+        "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage hides the "
+        "sends between them. Absent on every stage of a pipeline: torch's 1F1B (S - k on stage k of S)")
 
 
 class PipelinePlan(BaseModel):
@@ -146,6 +150,28 @@ def validate_plan_structure(plan: Plan) -> None:
                 f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {len(pipe.stages)} stages; the 1F1B "
                 f"schedule needs at least one per stage"
             )
+        _check_in_flight(pi, pipe)
+
+
+def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
+    """Eager 1F1B's counts: on every stage or none, each above the next stage's, within the micro-batches.
+
+    Each stage keeping more in flight than the next is what lets a stage post its receives early
+    without waiting on a peer that waits on it (``hetrain.runtime.pipeline``)."""
+    counts = [st.in_flight for st in pipe.stages]
+    if all(c is None for c in counts):
+        return
+    if any(c is None for c in counts):
+        missing = counts.index(None)
+        raise HetrainError(f"pipelines[{pi}].stages[{missing}]: in_flight is missing; set it on every stage of the "
+                           f"pipeline (eager 1F1B) or on none")
+    for si, (here, after) in enumerate(zip(counts, counts[1:])):
+        if here <= after:
+            raise HetrainError(f"pipelines[{pi}].stages[{si}]: in_flight {here} must be more than the next stage's "
+                               f"({after})")
+    if counts[0] > pipe.num_microbatches:
+        raise HetrainError(f"pipelines[{pi}].stages[0]: in_flight {counts[0]} is more than the pipeline's "
+                           f"{pipe.num_microbatches} micro-batches")
 
 
 def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:

@@ -35,6 +35,7 @@ from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
+from hetrain.runtime.pipeline import ScheduleEager1F1B
 from hetrain.runtime.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
 
@@ -149,7 +150,12 @@ class Trainer:
         self.tp_group = groups.tp if plan.tp > 1 else None
         self.vocab_start = vocab_shard(plan.model.vocab_size, plan.tp, role.tp_rank)[0]
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
-        self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        in_flight = plan.pipelines[role.pipeline].stages[role.stage].in_flight
+        if in_flight is None:
+            self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        else:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
+            self.schedule = ScheduleEager1F1B(stage, role.num_microbatches, in_flight, loss_fn=self._loss,
+                                              scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
