@@ -7,8 +7,9 @@ to the prediction, the prediction made from a profile taken just before on this 
 (per-layer times, and the runtime's own per-step and per-micro-batch costs).
 
 Plans per group: what the hetrain, megatron and whale planners choose, and hand-made ones
-(a four-stage pipeline over every device, two pipelines of two stages across the node link,
-data-parallel on the fast node only, and TP 2 per node). Groups: gpt-tiny and gpt-small
+(a four-stage pipeline over every device, two pipelines of two stages across the node link, both
+also under eager 1F1B (``hetrain.runtime.pipeline``: two more micro-batches in flight per
+boundary, sends that overlap compute), data-parallel on the fast node only, and TP 2 per node). Groups: gpt-tiny and gpt-small
 on loopback, and gpt-small with its two nodes in network namespaces joined by a
 ``tc``-shaped link (``hetrain.testing.netbed``; needs root, else that group is skipped with
 a note), where the cluster file says the link's rate and that each node has one NIC.
@@ -45,7 +46,8 @@ from solver.planner import make_plan
 WARMUP_STEPS = 5
 LINK_MBIT = 200  # the shaped group's node link: 25 MB/s, where gpt-small's sends and gradient sync show
 SLOW_LINK_MBIT = 10  # 1.25 MB/s: a stage's send takes about as long as its compute (do sends overlap it?)
-MULTI_STAGE = ("pipeline of 4", "2 x (fast -> slow)")  # hand-made plans whose sends cross the link, sync does not
+# hand-made plans whose sends cross the link, sync does not; in torch's 1F1B and in eager 1F1B (sends overlap compute)
+MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "2 x (fast -> slow)", "2 x (fast -> slow), eager")
 GROUPS = {  # name: (model file, global batch, shaped link in Mbit/s or None for loopback, plans or None for all)
     "tiny": ("gpt-tiny.yaml", 16, None, None),
     "small": ("gpt-small.yaml", 16, None, None),
@@ -71,12 +73,15 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
     L = model.num_layers
     fast, slow = "cpu-fast", "cpu-slow"
 
-    def plan(tp: int, micro_batch: int, pipelines: list[tuple[int, list[tuple[list[str], str, int]]]]) -> Plan:
+    def plan(tp: int, micro_batch: int, pipelines: list[tuple[int, list[tuple[list[str], str, int]]]],
+             in_flight: list[int] | None = None) -> Plan:
+        """``in_flight`` per stage (the same for every pipeline): eager 1F1B; None: torch's 1F1B."""
         pipes = []
         for m, stages in pipelines:
             at, out = 0, []
-            for devices, gpu, blocks in stages:
-                out.append({"devices": devices, "gpu": gpu, "layers": [at, at + blocks], "recompute": "none"})
+            for k, (devices, gpu, blocks) in enumerate(stages):
+                out.append({"devices": devices, "gpu": gpu, "layers": [at, at + blocks], "recompute": "none"}
+                           | ({"in_flight": in_flight[k]} if in_flight else {}))
                 at += blocks
             assert at == L, (at, L)
             pipes.append({"num_microbatches": m, "stages": out})
@@ -88,11 +93,15 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
     fast_a = (L - 2 * slow_blocks) // 2
     fast_b = L - 2 * slow_blocks - fast_a
     two_thirds = round(L * 2 / 3)
+    four = [(global_batch, [(["fast/0"], fast, fast_a), (["fast/1"], fast, fast_b),
+                            (["slow/0"], slow, slow_blocks), (["slow/1"], slow, slow_blocks)])]
+    pairs = [(global_batch // 4, [(["fast/0"], fast, two_thirds), (["slow/0"], slow, L - two_thirds)]),
+             (global_batch // 4, [(["fast/1"], fast, two_thirds), (["slow/1"], slow, L - two_thirds)])]
     return {
-        "pipeline of 4": plan(1, 1, [(global_batch, [(["fast/0"], fast, fast_a), (["fast/1"], fast, fast_b),
-                                                     (["slow/0"], slow, slow_blocks), (["slow/1"], slow, slow_blocks)])]),
-        "2 x (fast -> slow)": plan(1, 2, [(global_batch // 4, [(["fast/0"], fast, two_thirds), (["slow/0"], slow, L - two_thirds)]),
-                                          (global_batch // 4, [(["fast/1"], fast, two_thirds), (["slow/1"], slow, L - two_thirds)])]),
+        "pipeline of 4": plan(1, 1, four),
+        "pipeline of 4, eager": plan(1, 1, four, in_flight=[7, 5, 3, 1]),  # two more in flight per boundary
+        "2 x (fast -> slow)": plan(1, 2, pairs),
+        "2 x (fast -> slow), eager": plan(1, 2, pairs, in_flight=[3, 1]),
         "fast node only": plan(1, 2, [(global_batch // 4, [(["fast/0"], fast, L)]),
                                       (global_batch // 4, [(["fast/1"], fast, L)])]),
         "tp2 per node": plan(2, 2, [(global_batch * 2 // 3 // 2, [(["fast/0", "fast/1"], fast, L)]),
@@ -133,6 +142,8 @@ def compute_ratios(plan: Plan, est, profile, records: list[dict]) -> dict[str, f
 def if_sends_overlapped(plan: Plan, est) -> float:
     """The estimate's iteration time had sends overlapped compute (tau = max(max c_k, max 2 e_k)), as the
     cost model assumed before it was measured: the pipelines' part recomputed, the rest as estimated."""
+    if any(p.stages[0].in_flight for p in plan.pipelines):
+        return est.iteration_time_s  # eager 1F1B: the estimate already has them overlap
     pipes = []
     for pipe, pe in zip(plan.pipelines, est.pipelines):
         tau = max(max(pe.stage_s), max((2 * e for e in pe.p2p_s), default=0.0))
@@ -268,13 +279,19 @@ def main() -> None:
         if errors:
             print(f"\n{label}: {len(rows)} plans, median |error| {statistics.median(errors):.1f} %, "
                   f"max {max(errors):.1f} %, within 15 %: {sum(e <= 15 for e in errors)} of {len(errors)}")
-    piped = [r for r in rows if "+" in r["layout"]]  # plans with multi-stage pipelines: their sends matter
+    # plans with multi-stage pipelines under torch's 1F1B: their sends matter
+    piped = [r for r in rows if "+" in r["layout"] and "in flight" not in r["layout"]]
     if piped:
         for key, label in (("error_at_measured_speed_pct", "sends block (the cost model)"),
                            ("error_if_overlapped_pct", "sends overlap compute")):
             errors = [abs(r[key]) for r in piped]
             print(f"{len(piped)} plans with pipeline sends, at the devices' measured speed, if {label}: median |error| "
                   f"{statistics.median(errors):.1f} %, max {max(errors):.1f} %")
+    eager = [r for r in rows if "in flight" in r["layout"]]
+    if eager:
+        errors = [abs(r["error_pct"]) for r in eager]
+        print(f"{len(eager)} plans under eager 1F1B (sends overlap compute): median |error| "
+              f"{statistics.median(errors):.1f} %, max {max(errors):.1f} %")
     for note in notes:
         print(f"- {note}")
     print(f"\nresults: {write_results('predict_vs_measure', rows)}")
@@ -288,9 +305,12 @@ def same_plan(a: Plan, b: Plan) -> bool:
 
 
 def describe(plan: Plan) -> str:
-    return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(
-        "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages)
-        + f" ({p.num_microbatches})" for p in plan.pipelines)
+    """tp, micro-batch, and per pipeline its stages (node x blocks), micro-batches and eager 1F1B's counts."""
+    def pipeline(p) -> str:
+        eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.stages[0].in_flight else ""
+        return "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages) \
+            + f" ({p.num_microbatches}{eager})"
+    return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(pipeline(p) for p in plan.pipelines)
 
 
 if __name__ == "__main__":

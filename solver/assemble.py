@@ -7,9 +7,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.cost.costmodel import CostModel, Estimate, eager_pipeline_s
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
-from hetrain.spec.specs import ClusterSpec
+from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec
 from solver.space import Space, Template
 
 
@@ -169,3 +169,112 @@ def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> boo
         for k, stage in enumerate(pipe.stages):
             nodes.setdefault((id(tpl), k), set()).add(stage.devices[0].split("/")[0])
     return any(len(n) > 1 for n in nodes.values())
+
+
+# Pipelines of at most log2(this) + 1 stages try every choice of eager boundaries (64: 7 stages)
+EAGER_EXHAUSTIVE_UP_TO = 64
+
+
+def eager_in_flight(plan: Plan, cost: CostModel) -> Plan:
+    """The plan with eager 1F1B on the pipelines it makes faster (``hetrain.runtime.pipeline``).
+
+    In torch's 1F1B a stage waits for its sends; with two more micro-batches in flight than the
+    next stage (d = 2 on a boundary), the boundary's sends overlap compute, at the price of one
+    more micro-batch of activations on every stage before it. Per pipeline: the counts whose
+    played-out pipeline (``eager_pipeline_s``) finishes soonest with every stage still fitting in
+    memory, a stage taking more recompute than the planner gave it where that makes room
+    (``activation_recompute: auto``); the whole plan is kept only if the cost model predicts it faster. Copies of a pipeline get the same answer.
+    Every choice of d in {1, 2} per boundary is played on pipelines of up to
+    log2(EAGER_EXHAUSTIVE_UP_TO) + 1 stages (a boundary's extra micro-batch pays off only with its
+    neighbours': one at a time misses it), coordinate descent on deeper ones.
+    """
+    est = cost.estimate(plan)
+    node_of = cost.cluster.node_by_name
+    device_node = cost.cluster.node_of
+    pipes = list(plan.pipelines)
+    seen: dict[tuple, tuple[list[int], list[str]] | None] = {}
+
+    def modes_of(stage: StagePlan) -> str:
+        return cost.settings.stage_recompute(stage.recompute)
+
+    for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
+        S, m = len(pipe.stages), pipe.num_microbatches
+        if S < 2:
+            continue
+        key = (tuple((st.gpu, st.layers, st.recompute) for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))
+        if key not in seen:
+            bws = [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps for st in pipe.stages]
+            modes = [RECOMPUTE_MODES[RECOMPUTE_MODES.index(cost.settings.stage_recompute(st.recompute)):]
+                     if cost.settings.activation_recompute == "auto" else (cost.settings.stage_recompute(st.recompute),)
+                     for st in pipe.stages]
+            played_s: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+
+            def played(extra: tuple[int, ...]) -> float:
+                """The pipeline's time with these extra micro-batches, each stage at the least recompute that fits."""
+                if extra not in played_s:
+                    counts = _in_flight_counts(list(extra))
+                    stage_s, backward_s, chosen = list(pe.stage_s), list(pe.backward_s), []
+                    for k, (st, n) in enumerate(zip(pipe.stages, counts)):
+                        blocks, first, last = st.layers[1] - st.layers[0], k == 0, k == S - 1
+                        for mode in modes[k]:
+                            u = cost.unit_costs(st.gpu, bws[k], plan.tp, plan.micro_batch_size, mode)
+                            if u.stage_memory_bytes(blocks, first, last, min(n, m)) <= u.capacity_bytes:
+                                break
+                        else:
+                            chosen = None
+                            break
+                        if mode != modes[k][0]:  # more recompute than the planner chose: slower, but room for n
+                            stage_s[k], backward_s[k] = u.stage_time_s(blocks, first, last), u.stage_backward_s(blocks, last)
+                        chosen.append(mode)
+                    played_s[extra] = (float("inf"), []) if chosen is None or counts[0] > m else (
+                        eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m)[1], chosen)
+                return played_s[extra][0]
+
+            best_s, best = pe.time_s, None  # torch's 1F1B
+            if 2 ** (S - 1) <= EAGER_EXHAUSTIVE_UP_TO:
+                choices = itertools.product((0, 1), repeat=S - 1)
+            else:  # coordinate descent from 1F1B's counts, slowest sends first, until nothing helps
+                choices = _coordinate_descent(S - 1, played, order=sorted(range(S - 1), key=lambda k: -pe.p2p_s[k]))
+            for extra in choices:
+                total_s = played(tuple(extra))
+                if total_s < best_s * (1 - 1e-9):
+                    best_s, best = total_s, (_in_flight_counts(list(extra)), played_s[tuple(extra)][1])
+            seen[key] = best
+        if seen[key] is not None:
+            counts, chosen = seen[key]
+            stages = [st.model_copy(update={"in_flight": n, "recompute": mode if mode != modes_of(st) else st.recompute})
+                      for st, n, mode in zip(pipe.stages, counts, chosen)]
+            pipes[p] = pipe.model_copy(update={"stages": stages})
+    if all(a is b for a, b in zip(pipes, plan.pipelines)):
+        return plan
+    eager = plan.model_copy(update={"pipelines": pipes})
+    eager_est = cost.estimate(eager)
+    if eager_est.over_capacity() or eager_est.iteration_time_s >= est.iteration_time_s:
+        return plan
+    return eager
+
+
+def _in_flight_counts(extra: list[int]) -> list[int]:
+    """Micro-batches in flight per stage from the extra on each boundary: 1 on the last stage, each
+    stage 1 + extra more than the next (extra 0 everywhere: torch's 1F1B counts, S - k)."""
+    counts = [1]
+    for e in reversed(extra):
+        counts.append(counts[-1] + 1 + e)
+    return counts[::-1]
+
+
+def _coordinate_descent(n: int, played, order: list[int]):
+    """Extra micro-batches per boundary (0/1) to try: flip one boundary at a time, keep what helps, until nothing does."""
+    extra = [0] * n
+    best = played(tuple(extra))
+    yield tuple(extra)
+    improved = True
+    while improved:
+        improved = False
+        for k in order:
+            trial = extra.copy()
+            trial[k] = 1 - trial[k]
+            yield tuple(trial)
+            s = played(tuple(trial))
+            if s < best * (1 - 1e-9):
+                best, extra, improved = s, trial, True

@@ -19,7 +19,7 @@ from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
 from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
-from solver.assemble import finish, score
+from solver.assemble import eager_in_flight, finish, score
 from solver.improve import improve
 from solver.milp import fluid_lower_bound_s, solve_templates
 from solver.space import Space, build_space, group_classes
@@ -205,5 +205,5 @@ def plan_milp(
         "templates": templates,
         **extra,
     }
-    plan, est = finish(plan, cost, info)
+    plan, est = finish(eager_in_flight(plan, cost), cost, info)
     return PlanResult(plan, est)

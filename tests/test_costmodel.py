@@ -2,7 +2,8 @@
 
 import pytest
 
-from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, collective_steps, pipeline_terms,
+from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, collective_steps, eager_pipeline_s,
+                                    pipeline_terms,
                                     ring_allgather_s,
                                     ring_allreduce_s, train_flops_per_sequence)
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
@@ -81,6 +82,39 @@ def test_middle_stage_pays_sends_both_ways():
     assert tau == pytest.approx(1.75)
     assert fill == pytest.approx(3 + 2 * 0.75 - 1.75)
     assert pipeline_terms([2.0], []) == (2.0, 0.0)
+
+
+def test_eager_1f1b_hides_sends_behind_two_more_micro_batches_in_flight():
+    """Four equal stages, compute 1 (forward 1/3, backward 2/3), each send 0.2. torch's 1F1B pays a
+    middle stage's sends both ways per micro-batch; eager 1F1B with 1F1B's counts (4/3/2/1) still has
+    them on the critical path; two more in flight per boundary (7/5/3/1) hides them: tau = compute."""
+    c, bwd, e, M = [1.0] * 4, [2 / 3] * 4, [0.2] * 3, 64
+    tau_1f1b, _ = pipeline_terms(c, e)
+    assert tau_1f1b == pytest.approx(1.4)
+    tau_same, _, _ = eager_pipeline_s(c, bwd, e, [4, 3, 2, 1], M)
+    tau_eager, total, ends = eager_pipeline_s(c, bwd, e, [7, 5, 3, 1], M)
+    assert tau_same > 1.3
+    assert tau_eager == pytest.approx(1.0)
+    assert total == pytest.approx((M - 1) * 1.0 + sum(c) + 2 * sum(e))
+    assert ends[0] == pytest.approx(total) and ends[-1] < ends[0]  # the first stage runs the last backward
+    # sends longer than the slack they get (2 e > a forward + backward) show again
+    assert eager_pipeline_s(c, bwd, [0.8] * 3, [7, 5, 3, 1], M)[0] > 1.05
+    with pytest.raises(Exception, match="decreasing"):
+        eager_pipeline_s(c, bwd, e, [3, 3, 2, 1], M)
+
+
+def test_an_eager_plan_is_priced_played_out_and_holds_its_extra_micro_batches():
+    stages = [StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 1)),
+              StagePlan(devices=["b/0"], gpu="V100-32G", layers=(1, 4))]
+    eager = [s.model_copy(update={"in_flight": n}) for s, n in zip(stages, [3, 1])]
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    torch_1f1b = cost.estimate(plan([PipelinePlan(num_microbatches=8, stages=stages)]))
+    est = cost.estimate(plan([PipelinePlan(num_microbatches=8, stages=eager)]))
+    pe = est.pipelines[0]
+    assert pe.time_s == pytest.approx(eager_pipeline_s(pe.stage_s, pe.backward_s, pe.p2p_s, [3, 1], 8)[1])
+    assert pe.time_s < torch_1f1b.pipelines[0].time_s
+    assert est.peak_memory_gb["a/0"] > torch_1f1b.peak_memory_gb["a/0"]  # 3 micro-batches in flight, not 2
+    assert est.peak_memory_gb["b/0"] == torch_1f1b.peak_memory_gb["b/0"]
 
 
 def _two_node_cluster(nics: str) -> ClusterSpec:

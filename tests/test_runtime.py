@@ -341,3 +341,65 @@ def test_ctrl_c_leaves_no_stray_processes(tmp_path: Path, emulated_plan: Path):
     assert proc.returncode != 0
     time.sleep(0.5)
     assert not worker_pids(run_dir)
+
+
+class _RecordingStage:
+    """Stands in for a PipelineStage: records the order in which the schedule posts its messages."""
+
+    def __init__(self, index: int, num_stages: int, log: list):
+        self.stage_index, self.num_stages, self.log = index, num_stages, log
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.has_backward = True
+
+    def clear_runtime_states(self):
+        pass
+
+    def get_fwd_recv_ops(self, i):
+        return [("act", self.stage_index - 1, i)]
+
+    def get_fwd_send_ops(self, i):
+        return [] if self.is_last else [("act", self.stage_index, i)]
+
+    def get_bwd_recv_ops(self, i):
+        return [("grad", self.stage_index, i)]
+
+    def get_bwd_send_ops(self, i):
+        return [] if self.is_first else [("grad", self.stage_index - 1, i)]
+
+    def forward_one_chunk(self, i, *args, **kwargs):
+        return None
+
+    def backward_one_chunk(self, i, **kwargs):
+        pass
+
+    def perform_reduce_grad(self, scale):
+        pass
+
+
+@pytest.mark.parametrize("in_flight,count", [([5, 3, 1], 6), ([7, 5, 4, 2, 1], 9), ([4, 3, 2, 1], 4), ([3, 1], 3)])
+def test_eager_1f1b_posts_each_boundary_in_one_order_on_both_sides(monkeypatch, in_flight: list[int], count: int):
+    """NCCL runs a pair of ranks' sends and receives on one stream, in order: the two stages of a
+    boundary must post its messages in the same order or both wait forever (gloo, which the
+    training tests run on, does not show it). Each side's order, recorded, is the same, and is
+    the one the cost model plays (``eager_pipeline_s``)."""
+    import hetrain.runtime.pipeline as pipeline
+    from hetrain.cost.costmodel import eager_pipeline_s
+    from hetrain.plan.eager import boundary_order
+
+    log: list = []
+    monkeypatch.setattr(pipeline, "_batch_p2p", lambda ops, desc=None: [log.append((current[0], op)) for op in ops])
+    monkeypatch.setattr(pipeline, "_wait_batch_p2p", lambda work: None)
+    current = [0]
+    S = len(in_flight)
+    for k in range(S):
+        current[0] = k
+        schedule = pipeline.ScheduleEager1F1B(_RecordingStage(k, S, log), count, in_flight, k)
+        schedule._initialize_stage = lambda *a, **kw: None
+        schedule._step_microbatches()
+    for b in range(S - 1):  # boundary b | b + 1: the messages with that boundary's index
+        upstream = [op for k, op in log if k == b and op[1] == b]
+        downstream = [op for k, op in log if k == b + 1 and op[1] == b]
+        assert upstream == downstream, f"boundary {b}: {upstream} vs {downstream}"
+        assert upstream == [(kind, b, i) for kind, i in boundary_order(in_flight[b], in_flight[b + 1], count)]
+    # the cost model plays the same orders to the end (it raises where a stage would wait forever)
+    eager_pipeline_s([1.0] * S, [0.6] * S, [0.3] * (S - 1), in_flight, count)

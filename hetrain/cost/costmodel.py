@@ -106,6 +106,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetrain.errors import HetrainError
+from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.spec.catalog import GPUType
@@ -223,6 +224,85 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
     return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
 
 
+def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
+                     p2p_s: list[float] | tuple[float, ...], in_flight: list[int] | tuple[int, ...],
+                     num_microbatches: int) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
+
+    Played out op by op as the runtime runs it: stage k does ``in_flight[k]`` forwards, then a
+    backward and a forward in turn; a forward waits for its activation, a backward for its
+    gradient. On each boundary both stages post the messages in the runtime's one order
+    (``hetrain.plan.eager``); a message starts once its sender has computed it, its receiver has
+    posted the receive and the one before it the same way is through, and takes e_k: the two
+    directions at once (a full-duplex link; the runtime posts each send together with the receive
+    beside it in that order, so NCCL runs them in one group). Why not a closed form: a pair of stages whose
+    counts differ by d has d - 1 forward + backward of slack for its sends, but how much of the
+    fill the extra micro-batches save depends on the stages' speeds; playing it is exact for this
+    model at O(stages x micro-batches). tau: the steady-state time per micro-batch, the rest fill.
+    """
+    S, M = len(stage_s), num_microbatches
+    n = [min(c, M) for c in in_flight]
+    if any(a <= b for a, b in zip(n, n[1:])):
+        raise HetrainError(f"eager 1F1B needs in_flight decreasing along the pipeline, got {list(in_flight)}")
+    fwd = [c - b for c, b in zip(stage_s, backward_s)]
+    f_end = [[None] * M for _ in range(S)]  # when stage k finished the forward (backward) of micro-batch i
+    b_end = [[None] * M for _ in range(S)]
+    # per boundary: its messages in order, ("act" | "grad", micro-batch), and each one's completion
+    split = [recv_split(n[k], n[k + 1]) for k in range(S - 1)]
+    queue = [boundary_order(n[k], n[k + 1], M) for k in range(S - 1)]
+    done: list[dict[tuple[str, int], float]] = [{} for _ in range(S - 1)]
+    head = [0] * (S - 1)
+    last_done = [{"act": 0.0, "grad": 0.0} for _ in range(S - 1)]
+
+    def posts(k: int, kind: str, i: int) -> tuple[float | None, float | None]:
+        """(sender posted, receiver posted) on boundary k, None while not yet known."""
+        if kind == "act":
+            j = i - n[k] + split[k]  # the receiver posts it after sending the gradient of j
+            return f_end[k][i], (0.0 if j < 0 else b_end[k + 1][j])
+        return b_end[k + 1][i], f_end[k][min(i + n[k] - 1 - split[k], M - 1)]
+
+    def advance(k: int) -> None:
+        while head[k] < len(queue[k]):
+            kind, i = queue[k][head[k]]
+            sent, posted = posts(k, kind, i)
+            if sent is None or posted is None:
+                return
+            last_done[k][kind] = max(last_done[k][kind], sent, posted) + p2p_s[k]
+            done[k][(kind, i)] = last_done[k][kind]
+            head[k] += 1
+
+    orders = [one_f_one_b_order(M, n[k]) for k in range(S)]
+    clock, pos = [0.0] * S, [0] * S
+    moved = True
+    while moved:
+        moved = False
+        for k in range(S):
+            while pos[k] < len(orders[k]):
+                kind, i = orders[k][pos[k]]
+                if kind == "F":
+                    ready = done[k - 1].get(("act", i)) if k else 0.0
+                    if ready is None:
+                        break
+                    clock[k] = max(clock[k], ready) + fwd[k]
+                    f_end[k][i] = clock[k]
+                else:
+                    ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
+                    if ready is None:
+                        break
+                    clock[k] = max(clock[k], ready) + backward_s[k]
+                    b_end[k][i] = clock[k]
+                pos[k] += 1
+                moved = True
+                for b in (k - 1, k):
+                    if 0 <= b < S - 1:
+                        advance(b)
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise HetrainError(f"eager 1F1B with in_flight {list(in_flight)} did not finish")  # a bug, not a user error
+    total = max(clock)
+    fill = sum(stage_s) + 2 * sum(p2p_s)
+    return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
 def drain_ahead_s(backward_s: list[float] | tuple[float, ...]) -> tuple[float, ...]:
     """Per stage k, how long at least before its pipeline's end it ends its part of 1F1B: the last
     micro-batch's backward still runs on the stages before it. (Its sends to them take time too,
@@ -333,6 +413,7 @@ class PipelineEstimate:
     p2p_s: list[float]  # e_k per boundary, one direction
     bottleneck_s: float  # tau
     time_s: float  # T_pipe
+    backward_s: list[float] = field(default_factory=list)  # per stage: the backward part of c_k (``drain_ahead_s``)
 
 
 @dataclass
@@ -564,7 +645,7 @@ class CostModel:
                 node = node_of[stage.devices[0]]
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
-                in_flight = min(S - k, pipe.num_microbatches)
+                in_flight = min(stage.in_flight or S - k, pipe.num_microbatches)
                 key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight)
                 if key not in stages_seen:
                     u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute)
@@ -586,10 +667,15 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
-            pipes.append(PipelineEstimate(stage_s, p2p, tau, total))
-            for stage, ahead in zip(pipe.stages, drain_ahead_s(backward_s)):
-                finish.update(dict.fromkeys(stage.devices, total - ahead))
+            if pipe.stages[0].in_flight is None:  # torch's 1F1B
+                tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
+                ends = [total - ahead for ahead in drain_ahead_s(backward_s)]
+            else:  # eager 1F1B, played out
+                tau, total, ends = eager_pipeline_s(stage_s, backward_s, p2p, [st.in_flight for st in pipe.stages],
+                                                    pipe.num_microbatches)
+            pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s))
+            for stage, end in zip(pipe.stages, ends):
+                finish.update(dict.fromkeys(stage.devices, end))
 
         pipeline_s = max(p.time_s for p in pipes)
         sync: dict[str, float] = {}

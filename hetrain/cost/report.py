@@ -40,7 +40,8 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     (``recompute``); the rest of its stage's per-micro-batch time (TP all-reduces and dispatch,
     the embedding, the runtime's per-micro-batch work,
     and a profile's departure from the nominal rate: ``other_stage_work``); waiting for its
-    sends (``sends``); waiting on a slower stage in 1F1B's steady state (``imbalance``); the
+    sends (``sends``; under eager 1F1B, where sends overlap compute, what the steady state takes
+    beyond the slowest stage's compute); waiting on a slower stage in the steady state (``imbalance``); the
     pipeline's fill and drain (``fill_drain``); its pipeline finishing before the slowest
     (``pipelines_done_early``); gradient sync, the optimizer step, the fixed per-step work and
     waiting for the slowest GPU's (``sync_optimizer_step``); and GPUs the plan leaves out.
@@ -67,12 +68,17 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
             mode = st.stage_recompute(stage.recompute)
             recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
                                        - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
-            sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
-            own = pest.stage_s[k] + sends
+            if pipe.stages[0].in_flight is None:  # 1F1B: a stage waits for its own sends
+                sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
+                own = pest.stage_s[k] + sends
+                waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own)}
+            else:  # eager 1F1B: sends overlap compute; what they still cost shows as a steady state above the slowest stage
+                own, slowest = pest.stage_s[k], max(pest.stage_s)
+                waits = {"sends": (mb - 1) * (tau - min(tau, slowest)), "imbalance": (mb - 1) * (min(tau, slowest) - own)}
             seconds = {
                 "useful": useful, "recompute": recompute,
-                "other_stage_work": mb * pest.stage_s[k] - useful - recompute, "sends": mb * sends,
-                "imbalance": (mb - 1) * (tau - own), "fill_drain": pest.time_s - (mb - 1) * tau - own,
+                "other_stage_work": mb * pest.stage_s[k] - useful - recompute, **waits,
+                "fill_drain": pest.time_s - (mb - 1) * tau - own,
                 "pipelines_done_early": est.pipeline_s - pest.time_s,
                 "sync_optimizer_step": T - est.pipeline_s,
             }

@@ -7,19 +7,15 @@ not help by itself: with 1F1B's minimum of micro-batches in flight (stage k keep
 more than the next stage), the activation going down and its gradient coming back are still on
 the critical path of the pair of stages. With stage k keeping two more in flight than stage
 k + 1, that round trip has a whole extra forward + backward of slack, and the boundary's sends
-are hidden as long as they take less than that compute (``eager_pipeline_terms``). The cost is
-memory: one more micro-batch of activations on every stage before an eager boundary. The
-planner decides per boundary (``solver.assemble.eager_in_flight``); the plan records it as each
-stage's ``in_flight``.
+are hidden as long as they take less than that compute (``hetrain.cost.costmodel.eager_pipeline_s``
+plays it out). The cost is memory: one more micro-batch of activations on every stage before
+such a boundary. The planner decides per boundary (``solver.assemble.eager_in_flight``); the
+plan records it as each stage's ``in_flight``, and plans without it run torch's 1F1B.
 
 The schedule runs torch's 1F1B order (``in_flight`` forwards, then a backward and a forward in
-turn, then the remaining backwards) and its stage's send/receive operations, with two changes:
-sends are posted and waited only when their buffers may be reused (before that stage's
-backward of the same micro-batch for activations, at the end of the step for gradients), and
-the receive for the next forward and the next backward is posted as soon as the previous one
-has arrived, so the data moves while the stage computes. Posting a receive early is safe
-against the peer's order: the peer sends what is received only after work that needs nothing
-this stage sends later (each stage keeps more in flight than the next; see the test).
+turn, then the remaining backwards) with its stage's send and receive operations; what differs
+is when they are posted and waited (``ScheduleEager1F1B``). It relies on the stage methods
+torch's own ``Schedule1F1B`` calls (``get_fwd_recv_ops``, ``forward_one_chunk``, ...).
 """
 
 from __future__ import annotations
@@ -30,64 +26,88 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
 
-
-def one_f_one_b_order(num_microbatches: int, in_flight: int) -> list[tuple[str, int]]:
-    """("F" | "B", micro-batch) in the order one stage runs them: ``in_flight`` forwards, then B, F in turn."""
-    warmup = min(num_microbatches, in_flight)
-    order = [("F", i) for i in range(warmup)]
-    fwd = warmup
-    for bwd in range(num_microbatches):
-        order.append(("B", bwd))
-        if fwd < num_microbatches:
-            order.append(("F", fwd))
-            fwd += 1
-    return order
+from hetrain.plan.eager import one_f_one_b_order, recv_split
 
 
 class ScheduleEager1F1B(Schedule1F1B):
-    """torch's 1F1B for one stage with ``in_flight`` micro-batches kept in flight and sends that do not block."""
+    """torch's 1F1B order on one stage with more micro-batches in flight, and sends that do not block.
 
-    def __init__(self, stage, n_microbatches: int, in_flight: int, loss_fn=None, scale_grads: bool = True):
+    ``in_flight``: every stage's count of its pipeline (decreasing), ``stage_index``: this one's.
+    Sends and receives between two stages go in one order on both (a deadlock under NCCL
+    otherwise: a pair's point-to-point runs on one stream, in order): on boundary k | k + 1 the
+    activation of micro-batch j + n_k - 1 - a before the gradient of j (``recv_split``). A stage
+    posts each receive as soon as that order allows, and waits for a send only before reusing
+    its buffer (an activation's before that micro-batch's backward; gradients once more than
+    ``n_k`` are out; all at the end of the step).
+    """
+
+    def __init__(self, stage, n_microbatches: int, in_flight: list[int], stage_index: int, loss_fn=None,
+                 scale_grads: bool = True):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-        if in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-        self.in_flight = in_flight
+        if any(a <= b for a, b in zip(in_flight, in_flight[1:])) or in_flight[-1] < 1:
+            raise ValueError(f"in_flight must decrease along the pipeline to at least 1, got {in_flight}")
+        self.in_flight = in_flight[stage_index]
+        # last activation received ahead before the first gradient goes back, and the slack split per boundary
+        self.up_split = recv_split(in_flight[stage_index - 1], self.in_flight) if stage_index else 0
+        self.up_in_flight = in_flight[stage_index - 1] if stage_index else 0
+        last = stage_index == len(in_flight) - 1
+        self.down_split = 0 if last else recv_split(self.in_flight, in_flight[stage_index + 1])
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
                            loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
                                loss_kwargs)
-        stage, count = self._stage, self._n_microbatches
+        stage, count, n = self._stage, self._n_microbatches, self.in_flight
         fwd_recvs: dict[int, list[dist.Work]] = {}
         bwd_recvs: dict[int, list[dist.Work]] = {}
         act_sends: dict[int, list[dist.Work]] = {}
         grad_sends: deque[list[dist.Work]] = deque()
+        posted = {"act": -1, "grad": -1}  # the last micro-batch whose activation / gradient receive is posted
 
-        def post_fwd_recv(i: int) -> None:
-            if i < count and not stage.is_first:
-                fwd_recvs[i] = _batch_p2p(stage.get_fwd_recv_ops(i), desc="fwd_recv")
+        def act_recvs(upto: int) -> list[tuple[int, list]]:
+            """(micro-batch, ops) for the activation receives not yet posted, up to ``upto``."""
+            out = []
+            while not stage.is_first and posted["act"] < min(upto, count - 1):
+                posted["act"] += 1
+                out.append((posted["act"], stage.get_fwd_recv_ops(posted["act"])))
+            return out
 
-        def post_bwd_recv(i: int) -> None:
-            if i < count and not stage.is_last:
-                bwd_recvs[i] = _batch_p2p(stage.get_bwd_recv_ops(i), desc="bwd_recv")
+        def grad_recvs(upto: int) -> list[tuple[int, list]]:
+            out = []
+            while not stage.is_last and posted["grad"] < min(upto, count - 1):
+                posted["grad"] += 1
+                out.append((posted["grad"], stage.get_bwd_recv_ops(posted["grad"])))
+            return out
 
-        post_fwd_recv(0)
-        post_bwd_recv(0)
-        for kind, i in one_f_one_b_order(count, self.in_flight):
+        def post(sends: list, recvs: list[tuple[int, list]], into: dict[int, list[dist.Work]], desc: str) -> list:
+            """Post a send with the receives beside it in the boundary's order in one batch (one NCCL group:
+            the two directions move at once); the receives' works go to ``into``, the send's are returned."""
+            ops = sends + [op for _, rops in recvs for op in rops]
+            works = _batch_p2p(ops, desc=desc)
+            at = len(sends)
+            for i, rops in recvs:
+                into[i] = works[at:at + len(rops)]
+                at += len(rops)
+            return works[:len(sends)]
+
+        post([], act_recvs(self.up_in_flight - 1 - self.up_split), fwd_recvs, "fwd_recv")
+        for kind, i in one_f_one_b_order(count, n):
             if kind == "F":
                 _wait_batch_p2p(fwd_recvs.pop(i, []))
-                post_fwd_recv(i + 1)
                 output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
                 self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
-                act_sends[i] = _batch_p2p(stage.get_fwd_send_ops(i), desc="fwd_send")
+                # the gradient of j goes after the activation of j + n - 1 - a on this boundary
+                upto = i - n + 1 + self.down_split if i < count - 1 else count - 1
+                act_sends[i] = post(stage.get_fwd_send_ops(i), grad_recvs(upto), bwd_recvs, "fwd_send_bwd_recv")
             else:
+                post([], grad_recvs(i), bwd_recvs, "bwd_recv")  # only where the micro-batches ran out first
                 _wait_batch_p2p(bwd_recvs.pop(i, []))
-                post_bwd_recv(i + 1)
                 _wait_batch_p2p(act_sends.pop(i, []))  # long done: its gradient has come back
                 stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == count - 1)
-                grad_sends.append(_batch_p2p(stage.get_bwd_send_ops(i), desc="bwd_send"))
-                while len(grad_sends) > self.in_flight:  # bound the gradients held for sending
+                upto = i + self.up_in_flight - self.up_split
+                grad_sends.append(post(stage.get_bwd_send_ops(i), act_recvs(upto), fwd_recvs, "bwd_send_fwd_recv"))
+                while len(grad_sends) > n:  # bound the gradients held for sending
                     _wait_batch_p2p(grad_sends.popleft())
         for work in [*act_sends.values(), *grad_sends]:
             _wait_batch_p2p(work)

@@ -1,0 +1,44 @@
+"""The order of eager 1F1B, shared by the runtime that runs it and the cost model that plays it.
+
+Eager 1F1B (``hetrain.runtime.pipeline``): stage k keeps ``n_k`` micro-batches in flight, more
+than the next stage; sends do not block. Two things must agree between the runtime and the cost
+model: the order of a stage's forwards and backwards, and the one order in which the messages
+of a boundary go (both of its stages post them in it: NCCL runs a pair's point-to-point on one
+stream, in order, so two different orders wait on each other forever).
+"""
+
+from __future__ import annotations
+
+
+def one_f_one_b_order(num_microbatches: int, in_flight: int) -> list[tuple[str, int]]:
+    """("F" | "B", micro-batch) in one stage's order: ``in_flight`` forwards, then a backward and a forward in turn."""
+    warmup = min(num_microbatches, in_flight)
+    order = [("F", i) for i in range(warmup)]
+    for b in range(num_microbatches):
+        order.append(("B", b))
+        if warmup + b < num_microbatches:
+            order.append(("F", warmup + b))
+    return order
+
+
+def recv_split(in_flight_here: int, in_flight_next: int) -> int:
+    """How a boundary shares its slack between its two directions.
+
+    On the boundary between stages k and k + 1 (d = n_k - n_{k+1}), the activation of micro-batch
+    j + n_k - 1 - a goes before the gradient of j. With a = d // 2 both directions get a forward +
+    backward of head start when d = 2: played out, the sends are then fully hidden whether a
+    pair's two directions share one stream (NCCL) or not (gloo). d = 1 (1F1B's counts) gives a = 0.
+    """
+    return (in_flight_here - in_flight_next) // 2
+
+
+def boundary_order(in_flight_here: int, in_flight_next: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The messages of one boundary, ("act" | "grad", micro-batch), in the order both its stages post them."""
+    last_act_before = in_flight_here - 1 - recv_split(in_flight_here, in_flight_next)
+    order, acts = [], 0
+    for j in range(num_microbatches):
+        while acts <= min(j + last_act_before, num_microbatches - 1):
+            order.append(("act", acts))
+            acts += 1
+        order.append(("grad", j))
+    return order + [("act", x) for x in range(acts, num_microbatches)]
