@@ -74,7 +74,8 @@ _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_siz
 
 def plan_table(plan, est, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "recompute", "micro-batches", "stage ms", "memory GB"):
+    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "recompute", "micro-batches", "in flight", "stage ms",
+                "memory GB"):
         table.add_column(col, justify="right" if col not in ("gpu", "devices", "recompute") else "left")
     from hetrain.cost.report import plan_rows
 
@@ -83,7 +84,7 @@ def plan_table(plan, est, title: str) -> Table:
         first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
                       f"{r['blocks']} ({r['num_blocks']})", r["recompute"], str(r["micro-batches"]) if first else "",
-                      f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
+                      str(r["in flight"]), f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
     return table
 
 

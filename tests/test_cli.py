@@ -18,7 +18,7 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
         assert key in plan
     assert set(plan["solver"]) >= {"planner", "status", "gap", "wall_s"}
     stage = plan["pipelines"][0]["stages"][0]
-    assert set(stage) == {"devices", "gpu", "layers", "recompute"}
+    assert set(stage) <= {"devices", "gpu", "layers", "recompute", "in_flight"} and "recompute" in stage
 
     est = cli("estimate", "--plan", str(out_file), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--json")
     assert est.returncode == 0, est.stderr

@@ -7,15 +7,18 @@ from hetrain.plan.schema import Plan
 
 
 def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
-    """pipeline, stage, gpu, devices, blocks, recompute, micro-batches, stage ms, peak GB (and the device's capacity)."""
+    """pipeline, stage, gpu, devices, blocks, recompute, micro-batches, in flight, stage ms, peak GB (and the device's
+    capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k)."""
     settings = plan.settings()
     rows = []
     for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
+        S = len(pipe.stages)
         for k, (stage, stage_s) in enumerate(zip(pipe.stages, pest.stage_s)):
             lo, hi = stage.layers
             rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": list(stage.devices),
                          "blocks": f"{lo}-{hi}", "num_blocks": hi - lo,
                          "recompute": settings.stage_recompute(stage.recompute), "micro-batches": pipe.num_microbatches,
+                         "in flight": min(stage.in_flight or S - k, pipe.num_microbatches),
                          "stage ms": round(stage_s * 1e3, 2),
                          "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2),
                          "capacity GB": est.capacity_gb[stage.devices[0]]})
