@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate, eager_pipeline_s
+from hetrain.cost.costmodel import CostModel, Estimate, eager_pipeline_s, one_f_one_b_play_s
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec
 from solver.space import Space, Template
@@ -227,10 +227,11 @@ def eager_in_flight(plan: Plan, cost: CostModel) -> Plan:
                             stage_s[k], backward_s[k] = u.stage_time_s(blocks, first, last), u.stage_backward_s(blocks, last)
                         chosen.append(mode)
                     played_s[extra] = (float("inf"), []) if chosen is None or counts[0] > m else (
-                        eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m)[1], chosen)
+                        eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m, cost.p2p_duplex)[1], chosen)
                 return played_s[extra][0]
 
-            best_s, best = pe.time_s, None  # torch's 1F1B
+            # torch's 1F1B played out the same way: like for like (its closed form overstates some fills)
+            best_s, best = one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, m), None
             if 2 ** (S - 1) <= EAGER_EXHAUSTIVE_UP_TO:
                 choices = itertools.product((0, 1), repeat=S - 1)
             else:  # coordinate descent from 1F1B's counts, slowest sends first, until nothing helps

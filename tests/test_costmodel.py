@@ -3,7 +3,7 @@
 import pytest
 
 from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, collective_steps, eager_pipeline_s,
-                                    pipeline_terms,
+                                    one_f_one_b_play_s, pipeline_terms,
                                     ring_allgather_s,
                                     ring_allreduce_s, train_flops_per_sequence)
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
@@ -101,6 +101,29 @@ def test_eager_1f1b_hides_sends_behind_two_more_micro_batches_in_flight():
     assert eager_pipeline_s(c, bwd, [0.8] * 3, [7, 5, 3, 1], M)[0] > 1.05
     with pytest.raises(Exception, match="decreasing"):
         eager_pipeline_s(c, bwd, e, [3, 3, 2, 1], M)
+
+
+def test_torch_1f1b_played_out_is_the_closed_form_but_where_an_early_stage_never_idles():
+    """The planner weighs eager 1F1B against torch's 1F1B played the same way: the closed form's fill
+    (sum c + 2 sum e) is exact for a balanced pipeline and overstates it when the first stage is the
+    slowest (it computes nonstop: 8 x 3 + the last backward's 2/3 + 2/3 on the two stages after it)."""
+    c, bwd, e = [1.0, 1.0, 1.0, 1.0], [2 / 3] * 4, [0.2, 0.2, 0.2]
+    tau, fill = pipeline_terms(c, e)
+    assert one_f_one_b_play_s(c, bwd, e, 8) == pytest.approx(8 * tau + fill, rel=0.02)
+    assert one_f_one_b_play_s([3.0, 1.0, 1.0], [2.0, 2 / 3, 2 / 3], [0.0, 0.0], 8) == pytest.approx(24.0)
+    assert pipeline_terms([3.0, 1.0, 1.0], [0.0, 0.0])[0] * 8 + pipeline_terms([3.0, 1.0, 1.0], [0.0, 0.0])[1] \
+        == pytest.approx(26.0)
+
+
+def test_nccl_sends_a_boundarys_two_directions_in_turn_gloo_at_once():
+    """A boundary whose sends outlast the compute (link-bound): under NCCL each message waits for the one
+    before it either way, under gloo each direction goes at its own pace (given slack for a 0.9 s send
+    each way: four more micro-batches in flight)."""
+    c, bwd, e = [1.0, 1.0], [2 / 3] * 2, [0.9]
+    one_lane = eager_pipeline_s(c, bwd, e, [5, 1], 32, duplex=False)[0]
+    two_lanes = eager_pipeline_s(c, bwd, e, [5, 1], 32, duplex=True)[0]
+    assert one_lane == pytest.approx(1.8, rel=0.05)  # both messages of a micro-batch, one after the other
+    assert two_lanes == pytest.approx(1.0, rel=0.05)  # each direction 0.9 per micro-batch, the compute 1.0
 
 
 def test_an_eager_plan_is_priced_played_out_and_holds_its_extra_micro_batches():

@@ -226,16 +226,16 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
 
 def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
                      p2p_s: list[float] | tuple[float, ...], in_flight: list[int] | tuple[int, ...],
-                     num_microbatches: int) -> tuple[float, float, list[float]]:
+                     num_microbatches: int, duplex: bool = False) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
 
     Played out op by op as the runtime runs it: stage k does ``in_flight[k]`` forwards, then a
     backward and a forward in turn; a forward waits for its activation, a backward for its
     gradient. On each boundary both stages post the messages in the runtime's one order
-    (``hetrain.plan.eager``); a message starts once its sender has computed it, its receiver has
-    posted the receive and the one before it the same way is through, and takes e_k: the two
-    directions at once (a full-duplex link; the runtime posts each send together with the receive
-    beside it in that order, so NCCL runs them in one group). Why not a closed form: a pair of stages whose
+    (``hetrain.plan.eager``); a message starts once its sender has computed it and its receiver
+    has posted the receive, and takes e_k. Under NCCL (``duplex`` False) a message also waits for
+    the one before it on the boundary, either way: NCCL runs two ranks' point-to-point on one stream
+    in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order. Why not a closed form: a pair of stages whose
     counts differ by d has d - 1 forward + backward of slack for its sends, but how much of the
     fill the extra micro-batches save depends on the stages' speeds; playing it is exact for this
     model at O(stages x micro-batches). tau: the steady-state time per micro-batch, the rest fill.
@@ -253,6 +253,7 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     done: list[dict[tuple[str, int], float]] = [{} for _ in range(S - 1)]
     head = [0] * (S - 1)
     last_done = [{"act": 0.0, "grad": 0.0} for _ in range(S - 1)]
+    lane = {"act": "act", "grad": "act" if not duplex else "grad"}  # one lane per boundary under NCCL
 
     def posts(k: int, kind: str, i: int) -> tuple[float | None, float | None]:
         """(sender posted, receiver posted) on boundary k, None while not yet known."""
@@ -267,8 +268,8 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
             sent, posted = posts(k, kind, i)
             if sent is None or posted is None:
                 return
-            last_done[k][kind] = max(last_done[k][kind], sent, posted) + p2p_s[k]
-            done[k][(kind, i)] = last_done[k][kind]
+            last_done[k][lane[kind]] = max(last_done[k][lane[kind]], sent, posted) + p2p_s[k]
+            done[k][(kind, i)] = last_done[k][lane[kind]]
             head[k] += 1
 
     orders = [one_f_one_b_order(M, n[k]) for k in range(S)]
@@ -301,6 +302,100 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     total = max(clock)
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
+                       p2p_s: list[float] | tuple[float, ...], num_microbatches: int) -> float:
+    """T_pipe of torch's ``Schedule1F1B`` played out op by op, as ``eager_pipeline_s`` plays eager 1F1B.
+
+    What ``pipeline_terms`` prices in closed form, without its one simplification: the fill is
+    ``sum c_k + 2 sum e_k`` there, which overstates it where an early stage is the slowest (it never
+    idles). The planner compares the two schedules like for like with this (``solver.assemble``).
+    Stage k runs S - k forwards, then a backward and a forward in turn; each send waits with the
+    receive it is fused with (``Schedule1F1B``: the last warm-up activation with the first gradient,
+    then each gradient with the next activation and each activation with the next gradient); a
+    message takes e_k once both ends have posted it.
+    """
+    S, M = len(stage_s), num_microbatches
+    fwd = [c - b for c, b in zip(stage_s, backward_s)]
+    posted: dict[tuple, dict[str, float]] = {}  # (kind, boundary, micro-batch) -> {"send": t, "recv": t}
+    clock = [0.0] * S
+    plans = [_one_f_one_b_actions(S, k, M) for k in range(S)]
+    pos = [0] * S
+
+    def done_at(msg) -> float | None:
+        ends = posted.get(msg, {})
+        return max(ends["send"], ends["recv"]) + p2p_s[msg[1]] if len(ends) == 2 else None
+
+    moved = True
+    while moved:
+        moved = False
+        for k in range(S):
+            while pos[k] < len(plans[k]):
+                what, arg = plans[k][pos[k]]
+                if what == "post":
+                    for msg, side in arg:
+                        posted.setdefault(msg, {})[side] = clock[k]
+                elif what == "wait":
+                    ends = [done_at(msg) for msg in arg]
+                    if any(t is None for t in ends):
+                        break
+                    clock[k] = max([clock[k], *ends])
+                else:
+                    clock[k] += fwd[k] if what == "F" else backward_s[k]
+                pos[k] += 1
+                moved = True
+    return max(clock)
+
+
+def _one_f_one_b_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
+    """Stage k's posts, waits and computes in torch's ``Schedule1F1B._step_microbatches`` (torch 2.13)."""
+    acts: list[tuple[str, object]] = []
+    first, last = k == 0, k == S - 1
+    send_act = lambda i: [] if last else [(("act", k, i), "send")]  # noqa: E731
+    recv_act = lambda i: [] if first else [(("act", k - 1, i), "recv")]  # noqa: E731
+    send_grad = lambda i: [] if first else [(("grad", k - 1, i), "send")]  # noqa: E731
+    recv_grad = lambda i: [] if last else [(("grad", k, i), "recv")]  # noqa: E731
+
+    def post_wait(ops):
+        acts.append(("post", ops))
+        acts.append(("wait", [msg for msg, _ in ops]))
+
+    warmup = min(M, S - k)
+    pending: list = []
+    fwd_sends: list = []
+    f = b = 0
+    for _ in range(warmup):
+        post_wait(recv_act(f))
+        acts.append(("F", f))
+        acts.append(("wait", [msg for msg, _ in pending]))
+        fwd_sends = send_act(f)
+        if f != warmup - 1:
+            acts.append(("post", fwd_sends))
+            pending = fwd_sends
+        f += 1
+    while True:
+        post_wait(fwd_sends + recv_grad(b))
+        acts.append(("B", b))
+        bwd_sends = send_grad(b)
+        b += 1
+        if f == M:
+            break
+        post_wait(bwd_sends + recv_act(f))
+        acts.append(("F", f))
+        fwd_sends = send_act(f)
+        f += 1
+    acts.append(("post", bwd_sends))
+    pending = bwd_sends
+    while b < M:
+        post_wait(recv_grad(b))
+        acts.append(("B", b))
+        acts.append(("wait", [msg for msg, _ in pending]))
+        pending = send_grad(b)
+        acts.append(("post", pending))
+        b += 1
+    acts.append(("wait", [msg for msg, _ in pending]))
+    return acts
 
 
 def drain_ahead_s(backward_s: list[float] | tuple[float, ...]) -> tuple[float, ...]:
@@ -463,6 +558,9 @@ class CostModel:
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
+        # Eager 1F1B's two directions of a boundary move at once under gloo (CPU ranks: every node
+        # emulated), one after the other under NCCL, which runs two ranks' sends and receives on one stream
+        self.p2p_duplex = all(n.emulate is not None for n in cluster.nodes)
 
     # ------------------------------------------------------------------ building blocks
 
@@ -672,7 +770,7 @@ class CostModel:
                 ends = [total - ahead for ahead in drain_ahead_s(backward_s)]
             else:  # eager 1F1B, played out
                 tau, total, ends = eager_pipeline_s(stage_s, backward_s, p2p, [st.in_flight for st in pipe.stages],
-                                                    pipe.num_microbatches)
+                                                    pipe.num_microbatches, duplex=self.p2p_duplex)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))

@@ -74,14 +74,17 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
             if pipe.stages[0].in_flight is None:  # 1F1B: a stage waits for its own sends
                 sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
                 own = pest.stage_s[k] + sends
-                waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own)}
-            else:  # eager 1F1B: sends overlap compute; what they still cost shows as a steady state above the slowest stage
-                own, slowest = pest.stage_s[k], max(pest.stage_s)
-                waits = {"sends": (mb - 1) * (tau - min(tau, slowest)), "imbalance": (mb - 1) * (min(tau, slowest) - own)}
+                waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own),
+                         "fill_drain": pest.time_s - (mb - 1) * tau - own}
+            else:  # eager 1F1B, played out: sends overlap compute; what they still cost is a steady state
+                # above the slowest stage, the rest of the stage's idle time is fill and drain
+                slowest = max(pest.stage_s)
+                waits = {"sends": (mb - 1) * max(0.0, tau - slowest),
+                         "imbalance": (mb - 1) * max(0.0, min(tau, slowest) - pest.stage_s[k])}
+                waits["fill_drain"] = pest.time_s - mb * pest.stage_s[k] - waits["sends"] - waits["imbalance"]
             seconds = {
                 "useful": useful, "recompute": recompute,
                 "other_stage_work": mb * pest.stage_s[k] - useful - recompute, **waits,
-                "fill_drain": pest.time_s - (mb - 1) * tau - own,
                 "pipelines_done_early": est.pipeline_s - pest.time_s,
                 "sync_optimizer_step": T - est.pipeline_s,
             }

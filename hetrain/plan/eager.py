@@ -26,8 +26,9 @@ def recv_split(in_flight_here: int, in_flight_next: int) -> int:
 
     On the boundary between stages k and k + 1 (d = n_k - n_{k+1}), the activation of micro-batch
     j + n_k - 1 - a goes before the gradient of j. With a = d // 2 both directions get a forward +
-    backward of head start when d = 2: played out, the sends are then fully hidden whether a
-    pair's two directions share one stream (NCCL) or not (gloo). d = 1 (1F1B's counts) gives a = 0.
+    backward of head start when d = 2: played out (sends shorter than half a forward + backward),
+    the sends are then fully hidden whether a pair's two directions share one stream (NCCL) or not
+    (gloo); a = 0 or a = d leave one direction on the critical path. d = 1 (1F1B's counts) gives a = 0.
     """
     return (in_flight_here - in_flight_next) // 2
 

@@ -31,8 +31,9 @@ class StagePlan(BaseModel):
         default=None, description="activation recompute of this stage's blocks; absent: the training settings' mode")
     in_flight: PositiveInt | None = Field(
         default=None, description="micro-batches the stage keeps in flight (forwards before its first backward) under "
-        "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage hides the "
-        "sends between them. Absent on every stage of a pipeline: torch's 1F1B (S - k on stage k of S)")
+        "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage give the "
+        "sends between them a forward + backward of slack. Absent on every stage of a pipeline: torch's 1F1B "
+        "(S - k on stage k of S)")
 
 
 class PipelinePlan(BaseModel):

@@ -29,16 +29,21 @@ from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
 from hetrain.plan.eager import one_f_one_b_order, recv_split
 
 
+# Input gradients a stage lets wait to be sent (each 1/t of an activation): bounds what the sends hold
+# (they are not in the memory model; the activations their backward consumed are freed).
+GRAD_SENDS_OUT = 2
+
+
 class ScheduleEager1F1B(Schedule1F1B):
     """torch's 1F1B order on one stage with more micro-batches in flight, and sends that do not block.
 
     ``in_flight``: every stage's count of its pipeline (decreasing), ``stage_index``: this one's.
-    Sends and receives between two stages go in one order on both (a deadlock under NCCL
-    otherwise: a pair's point-to-point runs on one stream, in order): on boundary k | k + 1 the
-    activation of micro-batch j + n_k - 1 - a before the gradient of j (``recv_split``). A stage
-    posts each receive as soon as that order allows, and waits for a send only before reusing
-    its buffer (an activation's before that micro-batch's backward; gradients once more than
-    ``n_k`` are out; all at the end of the step).
+    Both stages of a boundary post its messages in one order (``hetrain.plan.eager.boundary_order``:
+    the activation of micro-batch j + n_k - 1 - a before the gradient of j): NCCL runs the point-to-
+    point operations between two ranks on one stream, in the order posted, so two orders would wait
+    on each other forever. A stage posts each receive as soon as that order allows and waits for a
+    send only before reusing its buffer: an activation's before that micro-batch's backward, an
+    input gradient's once ``GRAD_SENDS_OUT`` newer ones are out, all at the end of the step.
     """
 
     def __init__(self, stage, n_microbatches: int, in_flight: list[int], stage_index: int, loss_fn=None,
@@ -80,18 +85,17 @@ class ScheduleEager1F1B(Schedule1F1B):
                 out.append((posted["grad"], stage.get_bwd_recv_ops(posted["grad"])))
             return out
 
-        def post(sends: list, recvs: list[tuple[int, list]], into: dict[int, list[dist.Work]], desc: str) -> list:
-            """Post a send with the receives beside it in the boundary's order in one batch (one NCCL group:
-            the two directions move at once); the receives' works go to ``into``, the send's are returned."""
-            ops = sends + [op for _, rops in recvs for op in rops]
-            works = _batch_p2p(ops, desc=desc)
-            at = len(sends)
+        def post(sends: list, recvs: list[tuple[int, list]], into: dict[int, list[dist.Work]]) -> list[dist.Work]:
+            """Post a send, then the receives after it in the boundary's order; the receives' works go to
+            ``into``, the send's are returned. Each alone, never a send and a receive in one batch: NCCL
+            sends a lone operation over the two ranks' own communicator and a mixed batch over the
+            group's, so both ends of a message must post it the same way (torch's 1F1B pairs them)."""
+            works = _batch_p2p(sends, desc="send")
             for i, rops in recvs:
-                into[i] = works[at:at + len(rops)]
-                at += len(rops)
-            return works[:len(sends)]
+                into[i] = _batch_p2p(rops, desc="recv")
+            return works
 
-        post([], act_recvs(self.up_in_flight - 1 - self.up_split), fwd_recvs, "fwd_recv")
+        post([], act_recvs(self.up_in_flight - 1 - self.up_split), fwd_recvs)
         for kind, i in one_f_one_b_order(count, n):
             if kind == "F":
                 _wait_batch_p2p(fwd_recvs.pop(i, []))
@@ -99,15 +103,15 @@ class ScheduleEager1F1B(Schedule1F1B):
                 self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
                 # the gradient of j goes after the activation of j + n - 1 - a on this boundary
                 upto = i - n + 1 + self.down_split if i < count - 1 else count - 1
-                act_sends[i] = post(stage.get_fwd_send_ops(i), grad_recvs(upto), bwd_recvs, "fwd_send_bwd_recv")
+                act_sends[i] = post(stage.get_fwd_send_ops(i), grad_recvs(upto), bwd_recvs)
             else:
-                post([], grad_recvs(i), bwd_recvs, "bwd_recv")  # only where the micro-batches ran out first
+                post([], grad_recvs(i), bwd_recvs)  # only where the micro-batches ran out first
                 _wait_batch_p2p(bwd_recvs.pop(i, []))
                 _wait_batch_p2p(act_sends.pop(i, []))  # long done: its gradient has come back
                 stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == count - 1)
                 upto = i + self.up_in_flight - self.up_split
-                grad_sends.append(post(stage.get_bwd_send_ops(i), act_recvs(upto), fwd_recvs, "bwd_send_fwd_recv"))
-                while len(grad_sends) > n:  # bound the gradients held for sending
+                grad_sends.append(post(stage.get_bwd_send_ops(i), act_recvs(upto), fwd_recvs))
+                while len(grad_sends) > GRAD_SENDS_OUT:
                     _wait_batch_p2p(grad_sends.popleft())
         for work in [*act_sends.values(), *grad_sends]:
             _wait_batch_p2p(work)
