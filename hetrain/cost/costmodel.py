@@ -274,29 +274,29 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
 
     orders = [one_f_one_b_order(M, n[k]) for k in range(S)]
     clock, pos = [0.0] * S, [0] * S
-    moved = True
-    while moved:
-        moved = False
-        for k in range(S):
-            while pos[k] < len(orders[k]):
-                kind, i = orders[k][pos[k]]
-                if kind == "F":
-                    ready = done[k - 1].get(("act", i)) if k else 0.0
-                    if ready is None:
-                        break
-                    clock[k] = max(clock[k], ready) + fwd[k]
-                    f_end[k][i] = clock[k]
-                else:
-                    ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
-                    if ready is None:
-                        break
-                    clock[k] = max(clock[k], ready) + backward_s[k]
-                    b_end[k][i] = clock[k]
-                pos[k] += 1
-                moved = True
-                for b in (k - 1, k):
-                    if 0 <= b < S - 1:
-                        advance(b)
+
+    def step(k: int) -> bool:
+        """Run stage k's next forward or backward if its input is in; False when it must wait."""
+        if pos[k] == len(orders[k]):
+            return False
+        kind, i = orders[k][pos[k]]
+        if kind == "F":
+            ready = done[k - 1].get(("act", i)) if k else 0.0
+            if ready is None:
+                return False
+            clock[k] = f_end[k][i] = max(clock[k], ready) + fwd[k]
+        else:
+            ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
+            if ready is None:
+                return False
+            clock[k] = b_end[k][i] = max(clock[k], ready) + backward_s[k]
+        pos[k] += 1
+        for b in (k - 1, k):
+            if 0 <= b < S - 1:
+                advance(b)
+        return True
+
+    _play(S, step)
     if any(p < len(o) for p, o in zip(pos, orders)):
         raise HetrainError(f"eager 1F1B with in_flight {list(in_flight)} did not finish")  # a bug, not a user error
     total = max(clock)
@@ -327,25 +327,36 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
         ends = posted.get(msg, {})
         return max(ends["send"], ends["recv"]) + p2p_s[msg[1]] if len(ends) == 2 else None
 
+    def step(k: int) -> bool:
+        """Run stage k's next post, wait or compute; False at a wait whose messages are not through."""
+        if pos[k] == len(plans[k]):
+            return False
+        what, arg = plans[k][pos[k]]
+        if what == "post":
+            for msg, side in arg:
+                posted.setdefault(msg, {})[side] = clock[k]
+        elif what == "wait":
+            ends = [done_at(msg) for msg in arg]
+            if any(t is None for t in ends):
+                return False
+            clock[k] = max([clock[k], *ends])
+        else:
+            clock[k] += fwd[k] if what == "F" else backward_s[k]
+        pos[k] += 1
+        return True
+
+    _play(S, step)
+    return max(clock)
+
+
+def _play(num_stages: int, step) -> None:
+    """Let every stage take steps (``step(k)``: True if stage k could) in turn until none can."""
     moved = True
     while moved:
         moved = False
-        for k in range(S):
-            while pos[k] < len(plans[k]):
-                what, arg = plans[k][pos[k]]
-                if what == "post":
-                    for msg, side in arg:
-                        posted.setdefault(msg, {})[side] = clock[k]
-                elif what == "wait":
-                    ends = [done_at(msg) for msg in arg]
-                    if any(t is None for t in ends):
-                        break
-                    clock[k] = max([clock[k], *ends])
-                else:
-                    clock[k] += fwd[k] if what == "F" else backward_s[k]
-                pos[k] += 1
+        for k in range(num_stages):
+            while step(k):
                 moved = True
-    return max(clock)
 
 
 def _one_f_one_b_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
