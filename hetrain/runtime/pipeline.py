@@ -69,33 +69,28 @@ class ScheduleEager1F1B(Schedule1F1B):
         act_sends: dict[int, list[dist.Work]] = {}
         grad_sends: deque[list[dist.Work]] = deque()
         posted = {"act": -1, "grad": -1}  # the last micro-batch whose activation / gradient receive is posted
+        recv_ops = {"act": None if stage.is_first else stage.get_fwd_recv_ops,
+                    "grad": None if stage.is_last else stage.get_bwd_recv_ops}
 
-        def act_recvs(upto: int) -> list[tuple[int, list]]:
-            """(micro-batch, ops) for the activation receives not yet posted, up to ``upto``."""
+        def recvs(kind: str, upto: int) -> list[tuple[int, list]]:
+            """(micro-batch, ops) for the activation or gradient receives not yet posted, up to ``upto``."""
             out = []
-            while not stage.is_first and posted["act"] < min(upto, count - 1):
-                posted["act"] += 1
-                out.append((posted["act"], stage.get_fwd_recv_ops(posted["act"])))
+            while recv_ops[kind] is not None and posted[kind] < min(upto, count - 1):
+                posted[kind] += 1
+                out.append((posted[kind], recv_ops[kind](posted[kind])))
             return out
 
-        def grad_recvs(upto: int) -> list[tuple[int, list]]:
-            out = []
-            while not stage.is_last and posted["grad"] < min(upto, count - 1):
-                posted["grad"] += 1
-                out.append((posted["grad"], stage.get_bwd_recv_ops(posted["grad"])))
-            return out
-
-        def post(sends: list, recvs: list[tuple[int, list]], into: dict[int, list[dist.Work]]) -> list[dist.Work]:
+        def post(sends: list, ready: list[tuple[int, list]], into: dict[int, list[dist.Work]]) -> list[dist.Work]:
             """Post a send, then the receives after it in the boundary's order; the receives' works go to
             ``into``, the send's are returned. Each alone, never a send and a receive in one batch: NCCL
             sends a lone operation over the two ranks' own communicator and a mixed batch over the
             group's, so both ends of a message must post it the same way (torch's 1F1B pairs them)."""
             works = _batch_p2p(sends, desc="send")
-            for i, rops in recvs:
+            for i, rops in ready:
                 into[i] = _batch_p2p(rops, desc="recv")
             return works
 
-        post([], act_recvs(self.up_in_flight - 1 - self.up_split), fwd_recvs)
+        post([], recvs("act", self.up_in_flight - 1 - self.up_split), fwd_recvs)
         for kind, i in one_f_one_b_order(count, n):
             if kind == "F":
                 _wait_batch_p2p(fwd_recvs.pop(i, []))
@@ -103,14 +98,14 @@ class ScheduleEager1F1B(Schedule1F1B):
                 self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
                 # the gradient of j goes after the activation of j + n - 1 - a on this boundary
                 upto = i - n + 1 + self.down_split if i < count - 1 else count - 1
-                act_sends[i] = post(stage.get_fwd_send_ops(i), grad_recvs(upto), bwd_recvs)
+                act_sends[i] = post(stage.get_fwd_send_ops(i), recvs("grad", upto), bwd_recvs)
             else:
-                post([], grad_recvs(i), bwd_recvs)  # only where the micro-batches ran out first
+                post([], recvs("grad", i), bwd_recvs)  # only where the micro-batches ran out first
                 _wait_batch_p2p(bwd_recvs.pop(i, []))
                 _wait_batch_p2p(act_sends.pop(i, []))  # long done: its gradient has come back
                 stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == count - 1)
                 upto = i + self.up_in_flight - self.up_split
-                grad_sends.append(post(stage.get_bwd_send_ops(i), act_recvs(upto), fwd_recvs))
+                grad_sends.append(post(stage.get_bwd_send_ops(i), recvs("act", upto), fwd_recvs))
                 while len(grad_sends) > GRAD_SENDS_OUT:
                     _wait_batch_p2p(grad_sends.popleft())
         for work in [*act_sends.values(), *grad_sends]:
