@@ -48,6 +48,9 @@ Pipeline, per stage k of pipeline p and micro-batch:
     compute, as in Megatron:
           T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
           tau_p = max_k (c_k + e_{k-1} + e_k)   (the slowest stage with its sends both ways).
+    Eager 1F1B (a plan's per-stage ``in_flight``, ``hetrain.runtime.pipeline``): sends do not
+    block and stages keep more micro-batches in flight; T_pipe is played out op by op
+    (``eager_pipeline_s``), the same e_k per message, and each stage's end is where the play ends it.
 
 Data parallelism across pipelines of different shapes. D = number of pipelines. Block l's
     gradients are all-reduced among exactly the D stages (same TP rank) that hold it, over
@@ -81,7 +84,7 @@ Iteration time. Each GPU starts its gradient all-reduces when it leaves its sche
     all-reduce over all W GPUs, lat ceil(log2 max(W, 2)).
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
-micro-batches in flight on stage k, k = 0 first), counted as the runtime holds it (bf16/fp16
+micro-batches in flight on stage k, k = 0 first; eager 1F1B min(in_flight_k, m_p)), counted as the runtime holds it (bf16/fp16
 run under autocast over fp32 parameters, see hetrain.runtime.precision):
     states = bytes_per_param * (P_blocks / t + P_embed + P_head)   (TP splits only the blocks)
     activations per block per micro-batch (``block_activation_bytes``): the fp32 LayerNorm
