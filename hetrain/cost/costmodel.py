@@ -302,6 +302,8 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     _play(S, step)
     if any(p < len(o) for p, o in zip(pos, orders)):
         raise HetrainError(f"eager 1F1B with in_flight {list(in_flight)} did not finish")  # a bug, not a user error
+    # a stage leaves the schedule once its last input gradient has gone through (the runtime waits for it)
+    clock = [max(c, done[k - 1][("grad", M - 1)]) if k else c for k, c in enumerate(clock)]
     total = max(clock)
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
@@ -349,6 +351,8 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
         return True
 
     _play(S, step)
+    if any(p < len(a) for p, a in zip(pos, plans)):
+        raise HetrainError("torch's 1F1B play did not finish")  # a bug, not a user error
     return max(clock)
 
 

@@ -30,7 +30,8 @@ from hetrain.plan.eager import one_f_one_b_order, recv_split
 
 
 # Input gradients a stage lets wait to be sent (each 1/t of an activation): bounds what the sends hold
-# (they are not in the memory model; the activations their backward consumed are freed).
+# (they are not in the memory model; the activations their backward consumed are freed). The cost
+# model's play leaves this wait out: it can bind only where a boundary's counts differ by 7 or more.
 GRAD_SENDS_OUT = 2
 
 
