@@ -142,7 +142,7 @@ def compute_ratios(plan: Plan, est, profile, records: list[dict]) -> dict[str, f
 def if_sends_overlapped(plan: Plan, est) -> float:
     """The estimate's iteration time had sends overlapped compute (tau = max(max c_k, max 2 e_k)), as the
     cost model assumed before it was measured: the pipelines' part recomputed, the rest as estimated."""
-    if any(p.stages[0].in_flight for p in plan.pipelines):
+    if any(p.eager for p in plan.pipelines):
         return est.iteration_time_s  # eager 1F1B: the estimate already has them overlap
     pipes = []
     for pipe, pe in zip(plan.pipelines, est.pipelines):
@@ -307,7 +307,7 @@ def same_plan(a: Plan, b: Plan) -> bool:
 def describe(plan: Plan) -> str:
     """tp, micro-batch, and per pipeline its stages (node x blocks), micro-batches and eager 1F1B's counts."""
     def pipeline(p) -> str:
-        eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.stages[0].in_flight else ""
+        eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.eager else ""
         return "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages) \
             + f" ({p.num_microbatches}{eager})"
     return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(pipeline(p) for p in plan.pipelines)

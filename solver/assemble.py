@@ -118,9 +118,9 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     )
 
 
-def finish(plan: Plan, cost: CostModel, solver_info: dict) -> tuple[Plan, Estimate]:
-    """Attach the cost model's prediction and the solver report to a plan."""
-    est = cost.estimate(plan)
+def finish(plan: Plan, cost: CostModel, solver_info: dict, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """Attach the cost model's prediction (``est``, where the caller has it) and the solver report to a plan."""
+    est = est or cost.estimate(plan)
     plan = plan.model_copy(update={"predicted": Predicted(**est.to_predicted()), "solver": SolverInfo(**solver_info)})
     return plan, est
 
@@ -175,28 +175,27 @@ def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> boo
 EAGER_EXHAUSTIVE_UP_TO = 64
 
 
-def eager_in_flight(plan: Plan, cost: CostModel) -> Plan:
-    """The plan with eager 1F1B on the pipelines it makes faster (``hetrain.runtime.pipeline``).
+def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """The plan with eager 1F1B on the pipelines it makes faster (``hetrain.runtime.pipeline``), and its estimate.
 
     In torch's 1F1B a stage waits for its sends; with two more micro-batches in flight than the
     next stage (d = 2 on a boundary), the boundary's sends overlap compute, at the price of one
     more micro-batch of activations on every stage before it. Per pipeline: the counts whose
     played-out pipeline (``eager_pipeline_s``) finishes soonest with every stage still fitting in
     memory, a stage taking more recompute than the planner gave it where that makes room
-    (``activation_recompute: auto``); the whole plan is kept only if the cost model predicts it faster. Copies of a pipeline get the same answer.
-    Every choice of d in {1, 2} per boundary is played on pipelines of up to
-    log2(EAGER_EXHAUSTIVE_UP_TO) + 1 stages (a boundary's extra micro-batch pays off only with its
-    neighbours': one at a time misses it), coordinate descent on deeper ones.
+    (``activation_recompute: auto``), weighed against torch's 1F1B played out the same way
+    (``one_f_one_b_play_s``: its closed form overstates some fills); the whole plan is kept only if
+    the cost model predicts it faster. Copies of a pipeline get the same answer. Every choice of d
+    in {1, 2} per boundary is played on pipelines of up to log2(EAGER_EXHAUSTIVE_UP_TO) + 1 stages
+    (a boundary's extra micro-batch pays off only with its neighbours': one at a time misses it),
+    coordinate descent on deeper ones. ``est``: the plan's estimate, where the caller has it.
     """
-    est = cost.estimate(plan)
+    est = est or cost.estimate(plan)
     node_of = cost.cluster.node_by_name
     device_node = cost.cluster.node_of
     pipes = list(plan.pipelines)
-    seen: dict[tuple, tuple[list[int], list[str]] | None] = {}
-
-    def modes_of(stage: StagePlan) -> str:
-        return cost.settings.stage_recompute(stage.recompute)
-
+    # per distinct pipeline: None (torch's 1F1B) or, per stage, (count, recompute: None where unchanged)
+    seen: dict[tuple, list[tuple[int, str | None]] | None] = {}
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
         if S < 2:
@@ -204,33 +203,23 @@ def eager_in_flight(plan: Plan, cost: CostModel) -> Plan:
         key = (tuple((st.gpu, st.layers, st.recompute) for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))
         if key not in seen:
             bws = [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps for st in pipe.stages]
-            modes = [RECOMPUTE_MODES[RECOMPUTE_MODES.index(cost.settings.stage_recompute(st.recompute)):]
-                     if cost.settings.activation_recompute == "auto" else (cost.settings.stage_recompute(st.recompute),)
-                     for st in pipe.stages]
-            played_s: dict[tuple[int, ...], tuple[float, list[str]]] = {}
+            played_s: dict[tuple[int, ...], tuple[float, list[tuple[int, str | None]]]] = {}
 
             def played(extra: tuple[int, ...]) -> float:
                 """The pipeline's time with these extra micro-batches, each stage at the least recompute that fits."""
                 if extra not in played_s:
                     counts = _in_flight_counts(list(extra))
-                    stage_s, backward_s, chosen = list(pe.stage_s), list(pe.backward_s), []
-                    for k, (st, n) in enumerate(zip(pipe.stages, counts)):
-                        blocks, first, last = st.layers[1] - st.layers[0], k == 0, k == S - 1
-                        for mode in modes[k]:
-                            u = cost.unit_costs(st.gpu, bws[k], plan.tp, plan.micro_batch_size, mode)
-                            if u.stage_memory_bytes(blocks, first, last, min(n, m)) <= u.capacity_bytes:
-                                break
-                        else:
-                            chosen = None
-                            break
-                        if mode != modes[k][0]:  # more recompute than the planner chose: slower, but room for n
-                            stage_s[k], backward_s[k] = u.stage_time_s(blocks, first, last), u.stage_backward_s(blocks, last)
-                        chosen.append(mode)
-                    played_s[extra] = (float("inf"), []) if chosen is None or counts[0] > m else (
-                        eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m, cost.p2p_duplex)[1], chosen)
+                    fitted = [_least_recompute_that_fits(cost, plan, st, bws[k], k == 0, k == S - 1, min(n, m))
+                              for k, (st, n) in enumerate(zip(pipe.stages, counts))] if counts[0] <= m else [None]
+                    if any(f is None for f in fitted):
+                        played_s[extra] = (float("inf"), [])
+                    else:
+                        stage_s = [s if f[1] is None else f[1] for s, f in zip(pe.stage_s, fitted)]
+                        backward_s = [b if f[1] is None else f[2] for b, f in zip(pe.backward_s, fitted)]
+                        played_s[extra] = (eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m, cost.p2p_duplex)[1],
+                                           [(n, f[0]) for n, f in zip(counts, fitted)])
                 return played_s[extra][0]
 
-            # torch's 1F1B played out the same way: like for like (its closed form overstates some fills)
             best_s, best = one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, m), None
             if 2 ** (S - 1) <= EAGER_EXHAUSTIVE_UP_TO:
                 choices = itertools.product((0, 1), repeat=S - 1)
@@ -239,20 +228,36 @@ def eager_in_flight(plan: Plan, cost: CostModel) -> Plan:
             for extra in choices:
                 total_s = played(tuple(extra))
                 if total_s < best_s * (1 - 1e-9):
-                    best_s, best = total_s, (_in_flight_counts(list(extra)), played_s[tuple(extra)][1])
+                    best_s, best = total_s, played_s[tuple(extra)][1]
             seen[key] = best
         if seen[key] is not None:
-            counts, chosen = seen[key]
-            stages = [st.model_copy(update={"in_flight": n, "recompute": mode if mode != modes_of(st) else st.recompute})
-                      for st, n, mode in zip(pipe.stages, counts, chosen)]
+            stages = [st.model_copy(update={"in_flight": n, "recompute": mode or st.recompute})
+                      for st, (n, mode) in zip(pipe.stages, seen[key])]
             pipes[p] = pipe.model_copy(update={"stages": stages})
     if all(a is b for a, b in zip(pipes, plan.pipelines)):
-        return plan
+        return plan, est
     eager = plan.model_copy(update={"pipelines": pipes})
     eager_est = cost.estimate(eager)
     if eager_est.over_capacity() or eager_est.iteration_time_s >= est.iteration_time_s:
-        return plan
-    return eager
+        return plan, est
+    return eager, eager_est
+
+
+def _least_recompute_that_fits(cost: CostModel, plan: Plan, stage: StagePlan, intra_bw_gbps: float, first: bool,
+                               last: bool, in_flight: int) -> tuple[str | None, float | None, float | None] | None:
+    """(recompute, stage seconds, backward seconds) for ``in_flight`` micro-batches on this stage: its own mode
+    where that fits (None, the times unchanged), else the least more recompute (``activation_recompute: auto``)
+    that does; None if nothing fits."""
+    own = cost.settings.stage_recompute(stage.recompute)
+    modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(own):] if cost.settings.activation_recompute == "auto" else (own,)
+    blocks = stage.layers[1] - stage.layers[0]
+    for mode in modes:
+        u = cost.unit_costs(stage.gpu, intra_bw_gbps, plan.tp, plan.micro_batch_size, mode)
+        if u.stage_memory_bytes(blocks, first, last, in_flight) <= u.capacity_bytes:
+            if mode == own:
+                return None, None, None
+            return mode, u.stage_time_s(blocks, first, last), u.stage_backward_s(blocks, last)
+    return None
 
 
 def _in_flight_counts(extra: list[int]) -> list[int]:

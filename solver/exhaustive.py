@@ -49,10 +49,11 @@ def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12
                 raise HetrainError(f"more than {MAX_CANDIDATES:,} candidate plans: cluster too large to enumerate")
             scored = score(cluster, cost, space, combo)
             if scored is not None and (best is None or scored[1].iteration_time_s < best[0]):
-                best = (scored[1].iteration_time_s, scored[0])
+                best = (scored[1].iteration_time_s, scored[0], scored[1])
     if best is None:
         raise NoPlanError(explain_no_plan(cluster, cost))
     info = {"planner": "exhaustive", "status": "optimal", "gap": 0.0,
             "wall_s": round(time.perf_counter() - t0, 4), "candidates": seen}
-    plan, est = finish(eager_in_flight(best[1], cost), cost, info)
+    plan, est = eager_in_flight(best[1], cost, best[2])
+    plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

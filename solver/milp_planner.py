@@ -205,5 +205,6 @@ def plan_milp(
         "templates": templates,
         **extra,
     }
-    plan, est = finish(eager_in_flight(plan, cost), cost, info)
+    plan, est = eager_in_flight(plan, cost)
+    plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

@@ -761,7 +761,7 @@ class CostModel:
                 node = node_of[stage.devices[0]]
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
-                in_flight = min(stage.in_flight or S - k, pipe.num_microbatches)
+                in_flight = pipe.in_flight(k)
                 key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight)
                 if key not in stages_seen:
                     u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute)
@@ -783,7 +783,7 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            if pipe.stages[0].in_flight is None:  # torch's 1F1B
+            if not pipe.eager:  # torch's 1F1B
                 tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
                 ends = [total - ahead for ahead in drain_ahead_s(backward_s)]
             else:  # eager 1F1B, played out

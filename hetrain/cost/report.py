@@ -12,13 +12,12 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
     settings = plan.settings()
     rows = []
     for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
-        S = len(pipe.stages)
         for k, (stage, stage_s) in enumerate(zip(pipe.stages, pest.stage_s)):
             lo, hi = stage.layers
             rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": list(stage.devices),
                          "blocks": f"{lo}-{hi}", "num_blocks": hi - lo,
                          "recompute": settings.stage_recompute(stage.recompute), "micro-batches": pipe.num_microbatches,
-                         "in flight": min(stage.in_flight or S - k, pipe.num_microbatches),
+                         "in flight": pipe.in_flight(k),
                          "stage ms": round(stage_s * 1e3, 2),
                          "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2),
                          "capacity GB": est.capacity_gb[stage.devices[0]]})
@@ -71,7 +70,7 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
             mode = st.stage_recompute(stage.recompute)
             recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
                                        - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
-            if pipe.stages[0].in_flight is None:  # 1F1B: a stage waits for its own sends
+            if not pipe.eager:  # 1F1B: a stage waits for its own sends
                 sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
                 own = pest.stage_s[k] + sends
                 waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own),

@@ -42,6 +42,15 @@ class PipelinePlan(BaseModel):
     num_microbatches: PositiveInt
     stages: list[StagePlan] = Field(min_length=1)
 
+    @property
+    def eager(self) -> bool:
+        """Runs eager 1F1B (its stages set ``in_flight``; ``_check_in_flight``: all or none), else torch's 1F1B."""
+        return self.stages[0].in_flight is not None
+
+    def in_flight(self, k: int) -> int:
+        """Micro-batches stage k keeps in flight: eager 1F1B's count, else 1F1B's S - k, at most the pipeline's."""
+        return min(self.stages[k].in_flight or len(self.stages) - k, self.num_microbatches)
+
 
 class Predicted(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -150,12 +150,12 @@ class Trainer:
         self.tp_group = groups.tp if plan.tp > 1 else None
         self.vocab_start = vocab_shard(plan.model.vocab_size, plan.tp, role.tp_rank)[0]
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
-        in_flight = [st.in_flight for st in plan.pipelines[role.pipeline].stages]
-        if in_flight[0] is None:
+        pipe = plan.pipelines[role.pipeline]
+        if not pipe.eager:
             self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         else:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
-            self.schedule = ScheduleEager1F1B(stage, role.num_microbatches, in_flight, role.stage,
-                                              loss_fn=self._loss, scale_grads=False)
+            self.schedule = ScheduleEager1F1B(stage, role.num_microbatches, [st.in_flight for st in pipe.stages],
+                                              role.stage, loss_fn=self._loss, scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
