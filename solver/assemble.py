@@ -64,10 +64,12 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     keeps their layers' gradient all-reduces inside nodes where possible.
 
     Pipeline-major (default): each copy takes all its stages before the next copy starts, so a
-    pipeline's stages share a node and its sends stay inside it. ``stage_major``: the copies of
-    a template take stage 0 each, then stage 1 each, ..., each stage's copies on one node where
-    they fit: every block's gradient all-reduce then stays inside a node, and the sends cross
-    nodes instead. Which is faster depends on sync volume against send volume: ``score`` tries both.
+    pipeline's stages share a node and its sends stay inside it. ``stage_major``: pipelines that
+    cut the model at the same places (copies of a template, or templates that differ only in
+    which class of a GPU type a stage runs on) take stage 0 each, then stage 1 each, ..., each
+    stage's copies on one node where they fit: those layers' gradient all-reduce then stays
+    inside a node, and the sends cross nodes instead. Which is faster depends on sync volume
+    against send volume: ``score`` tries both.
     """
     settings, model = cost.settings, cost.model
     M = settings.global_batch_size // space.micro_batch_size
@@ -81,30 +83,33 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     first_of: dict[int, int] = {}  # copies of one template side by side, even where another has the same classes
     for i, tpl in enumerate(templates):
         first_of.setdefault(id(tpl), i)
-    order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, first_of[id(templates[i])], i))
-    # pipeline-major: one copy at a time; stage-major: the copies of one template together
-    batches = ([list(copies) for _, copies in itertools.groupby(order, key=lambda i: id(templates[i]))]
-               if stage_major else [[i] for i in order])
+    if stage_major:  # pipelines with the same cuts take each stage together
+        order = sorted(range(len(templates)),
+                       key=lambda i: (templates[i].blocks, templates[i].classes, first_of[id(templates[i])], i))
+        batches = [list(same) for _, same in itertools.groupby(order, key=lambda i: templates[i].blocks)]
+    else:  # one copy at a time
+        order = sorted(range(len(templates)), key=lambda i: (templates[i].classes, first_of[id(templates[i])], i))
+        batches = [[i] for i in order]
     stages_of: dict[int, list[StagePlan]] = {i: [] for i in order}
     for batch in batches:
-        tpl = templates[batch[0]]
-        recompute = tpl.recompute or (None,) * len(tpl.classes)
         prev_node: dict[int, str | None] = dict.fromkeys(batch)
         start = 0
-        for cls_idx, blocks, mode in zip(tpl.classes, tpl.blocks, recompute):
-            pool = free[cls_idx]
-            stage_node = None  # where this stage's previous copy went
+        for k, blocks in enumerate(templates[batch[0]].blocks):
+            stage_node: dict[int, str] = {}  # per class: where this stage's previous copy went
             for i in batch:
+                tpl = templates[i]
+                cls_idx = tpl.classes[k]
+                pool = free[cls_idx]
                 if not pool:
                     raise ValueError("templates use more groups than the cluster has")
-                node = next((n for n in (stage_node, prev_node[i]) if n in pool), None) or next(iter(pool))
+                node = next((n for n in (stage_node.get(cls_idx), prev_node[i]) if n in pool), None) or next(iter(pool))
                 g = pool[node].pop(0)
                 if not pool[node]:
                     del pool[node]
-                stages_of[i].append(StagePlan(devices=[f"{node}/{k}" for k in range(g * t, (g + 1) * t)],
+                stages_of[i].append(StagePlan(devices=[f"{node}/{d}" for d in range(g * t, (g + 1) * t)],
                                               gpu=space.classes[cls_idx].gpu, layers=(start, start + blocks),
-                                              recompute=mode))
-                prev_node[i] = stage_node = node
+                                              recompute=tpl.recompute[k] if tpl.recompute else None))
+                prev_node[i] = stage_node[cls_idx] = node
             start += blocks
     pipelines = [PipelinePlan(num_microbatches=counts[i], stages=stages_of[i]) for i in range(len(templates))]
     return Plan(
@@ -163,11 +168,11 @@ def _compute_only_s(plan: Plan, est: Estimate) -> float:
 
 
 def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> bool:
-    """Whether some stage's copies (pipelines of one template) sit on more than one node."""
-    nodes: dict[tuple[int, int], set[str]] = {}
+    """Whether some stage's copies (the stage of pipelines with the same cuts) sit on more than one node."""
+    nodes: dict[tuple[tuple[int, ...], int], set[str]] = {}
     for tpl, pipe in zip(templates, plan.pipelines):
         for k, stage in enumerate(pipe.stages):
-            nodes.setdefault((id(tpl), k), set()).add(stage.devices[0].split("/")[0])
+            nodes.setdefault((tpl.blocks, k), set()).add(stage.devices[0].split("/")[0])
     return any(len(n) > 1 for n in nodes.values())
 
 

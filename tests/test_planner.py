@@ -338,3 +338,38 @@ def test_copies_of_a_template_are_placed_stage_major_when_that_keeps_gradient_ri
     # gets the pipeline-major plan without stage-major being tried
     _, skipped = score(cluster, cost, space, [tpl, tpl], must_beat_s=fast.pipeline_s / 10)
     assert skipped.iteration_time_s == pytest.approx(slow.iteration_time_s)
+
+
+def test_pipelines_that_cut_the_model_alike_are_placed_stage_major_even_as_different_templates():
+    """paper-32gpu gpt-13b: both pipelines cut the model alike (A100, V100, V100, RTX), but the two RTX
+    nodes are two group classes (a link of their own joins them), so the pipelines are two templates.
+    Stage-major placement takes them together: each V100 stage's copies share a node, so their
+    gradient all-reduce stays inside it, and the plan beats the pipeline-major one (each pipeline's
+    V100 stages on one node), eager 1F1B on both."""
+    from hetrain.plan.schema import Plan
+    from solver.assemble import eager_in_flight
+
+    cluster = load_cluster(EXAMPLES / "clusters" / "paper-32gpu.yaml")
+    model = load_model(EXAMPLES / "models" / "gpt-13b.yaml")
+    cost = CostModel(cluster, model, TrainingSettings(global_batch_size=512))
+    result = make_plan("hetrain", cluster, model, cost.settings)
+    node = lambda dev: dev.split("/")[0]  # noqa: E731
+    pipes = result.plan.pipelines
+    assert [p.stages[k].gpu for p in pipes for k in (1, 2)] == ["V100-32G"] * 4
+    for k in (1, 2):
+        assert node(pipes[0].stages[k].devices[0]) == node(pipes[1].stages[k].devices[0])
+    # the same pipelines placed pipeline-major (each pipeline's V100 stages on one node), eager too
+    d = result.plan.model_dump()
+    d.pop("predicted"), d.pop("solver")
+    p0, p1 = d["pipelines"]
+    p0["stages"][2]["devices"], p1["stages"][1]["devices"] = p1["stages"][1]["devices"], p0["stages"][2]["devices"]
+    for p in d["pipelines"]:
+        for st in p["stages"]:
+            st["in_flight"] = None
+    by_pipeline = Plan.model_validate(d)
+    validate_plan(by_pipeline, cluster)
+    assert {node(st.devices[0]) for st in by_pipeline.pipelines[0].stages[1:3]} == {"v100-0"}
+    _, pipeline_major = eager_in_flight(by_pipeline, cost)
+    assert result.estimate.iteration_time_s < pipeline_major.iteration_time_s * 0.995
+    assert max(result.estimate.sync_s[s.devices[0]] for s in pipes[0].stages[1:3]) < \
+        min(pipeline_major.sync_s[s.devices[0]] for s in by_pipeline.pipelines[0].stages[1:3]) / 10
