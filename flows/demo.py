@@ -147,6 +147,12 @@ BED_NODES = [
      "emulate": {"slowdown": 2.0}},
 ]
 BED_LINK_MBIT, BED_BUCKET_MBIT = 400, 200
+# Sequences per step on the bed's three equal nodes: 24 split evenly into micro-batches of 4 (2 each).
+# gpt-tiny's fixed costs per micro-batch make micro-batches of 4 the planner's choice, and with the
+# train flow's default of 16 that is 4 micro-batches: a third pipeline would get 1 while the others
+# keep 2, and its extra all-reduce member would only cost, so the planner rightly left the spot
+# node out and there was nothing to recover.
+BED_GLOBAL_BATCH = 24
 
 
 def _devices_by_node(plan: dict) -> dict[str, list[str]]:
@@ -195,6 +201,7 @@ def bed_main(args, home: Path, started: float) -> None:
                       f"node's disk and s3://{BUCKET}/{run_id}")
         train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
             "cluster": str(bc.cluster_file), "run_id": run_id, "steps": args.steps, "checkpoint_every": 25,
+            "global_batch_size": BED_GLOBAL_BATCH,
             "launch": "per-node", "planner": "hetrain", "remote": f"s3://{BUCKET}/{run_id}",
             "remote_endpoint": bc.s3_inside})
         deadline = time.monotonic() + args.timeout_s
