@@ -31,3 +31,28 @@ def test_demo_trains_preempts_recovers_and_finishes(tmp_path: Path):
     assert "recovered plan" in out and "slow/" not in out.split("recovered plan")[1].splitlines()[0]
     for phase in ("replan", "fetch", "load", "first step"):
         assert phase in out
+
+
+def test_the_bed_demo_plans_a_pipeline_on_the_spot_node():
+    """`make demo` on the test bed preempts the spot node, so the plan it trains under must use it: with
+    gpt-tiny's measured fixed costs the planner takes micro-batches of 4, and the batch must split over
+    all three equal nodes (16 sequences did not: the planner rightly left the spot node out)."""
+    import torch
+    import yaml
+
+    from flows.demo import BED_GLOBAL_BATCH, BED_NODES
+    from hetrain.profiling.profiler import gpus_from_cluster, profile_model
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_model
+    from solver.planner import make_plan
+
+    torch.set_num_threads(1)  # as the training ranks
+    types = yaml.safe_load((ROOT / "examples" / "clusters" / "cpu-emulated.yaml").read_text())
+    cluster = ClusterSpec.model_validate({"name": "bed", "nodes": BED_NODES,
+                                          **{k: v for k, v in types.items() if k not in ("name", "nodes")}})
+    model = load_model(ROOT / "examples" / "models" / "gpt-tiny.yaml")
+    settings = TrainingSettings(global_batch_size=BED_GLOBAL_BATCH, precision="fp32")
+    profile = profile_model(model, gpus=gpus_from_cluster(cluster), micro_batch_sizes=settings.micro_batch_sizes,
+                            tp_degrees=[1], activation_recompute=False)
+    plan = make_plan("hetrain", cluster, model, settings, profile).plan
+    nodes = {d.split("/")[0] for p in plan.pipelines for st in p.stages for d in st.devices}
+    assert "spot" in nodes, plan.pipelines
