@@ -127,3 +127,14 @@ def test_node_start_refuses_a_bad_name_or_runs_root(cli, tmp_path):
                            (["--name", "a", "--runs-root", str(tmp_path / "runs")], "PREFECT_API_URL is not set")):
         r = cli("node", "start", *args)
         assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_check_that_names_the_bad_value_is_not_told_it_twice():
+    from pydantic import ValidationError
+
+    from hetrain.spec.specs import TrainingSettings, describe_validation_error
+
+    with pytest.raises(ValidationError) as e:
+        TrainingSettings(global_batch_size=8, tp_degrees=[1, 3])
+    line = describe_validation_error("--tp", e.value)
+    assert line == "--tp: tp_degrees: expected powers of two, got 3", line

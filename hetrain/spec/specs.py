@@ -434,7 +434,7 @@ def describe_validation_error(source: str, err: ValidationError) -> str:
         else:
             msg = re.sub(r"^Value error, ", "", first["msg"])
             what = f"expected {msg[0].lower() + msg[1:]}" if not msg.lower().startswith("expected") else msg
-            if "input" in first and kind not in ("missing",):
+            if "input" in first and kind not in ("missing",) and ", got " not in what:  # unless the check said it
                 what += f", got {first['input']!r}"
     more = len(err.errors()) - 1
     tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
