@@ -229,6 +229,8 @@ def main() -> None:
                 overlapped = if_sends_overlapped(plan, scaled)
                 row = {"group": group, "model": model.name, "link": f"{rate:g} Mbit/s" if rate else "loopback",
                        "plan": name, "layout": describe(plan), "predicted_s": est.iteration_time_s,
+                       "multi_stage": any(len(p.stages) > 1 for p in plan.pipelines),
+                       "eager": any(p.eager for p in plan.pipelines),
                        "measured_s": measured, "rounds_s": [r[0] for r in plan_runs],
                        "rounds_text": " / ".join(f"{r[0]:.4f}" for r in plan_runs),
                        "error_pct": 100 * (est.iteration_time_s - measured) / measured,
@@ -280,14 +282,14 @@ def main() -> None:
             print(f"\n{label}: {len(rows)} plans, median |error| {statistics.median(errors):.1f} %, "
                   f"max {max(errors):.1f} %, within 15 %: {sum(e <= 15 for e in errors)} of {len(errors)}")
     # plans with multi-stage pipelines under torch's 1F1B: their sends matter
-    piped = [r for r in rows if "+" in r["layout"] and "in flight" not in r["layout"]]
+    piped = [r for r in rows if r["multi_stage"] and not r["eager"]]
     if piped:
         for key, label in (("error_at_measured_speed_pct", "sends block (the cost model)"),
                            ("error_if_overlapped_pct", "sends overlap compute")):
             errors = [abs(r[key]) for r in piped]
             print(f"{len(piped)} plans with pipeline sends, at the devices' measured speed, if {label}: median |error| "
                   f"{statistics.median(errors):.1f} %, max {max(errors):.1f} %")
-    eager = [r for r in rows if "in flight" in r["layout"]]
+    eager = [r for r in rows if r["eager"]]
     if eager:
         errors = [abs(r["error_pct"]) for r in eager]
         print(f"{len(eager)} plans under eager 1F1B (sends overlap compute): median |error| "

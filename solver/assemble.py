@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from hetrain.cost.costmodel import CostModel, Estimate, eager_pipeline_s, one_f_one_b_play_s
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
-from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec
+from hetrain.spec.specs import ClusterSpec
 from solver.space import Space, Template
 
 
@@ -254,7 +254,8 @@ def _least_recompute_that_fits(cost: CostModel, plan: Plan, stage: StagePlan, in
     where that fits (None, the times unchanged), else the least more recompute (``activation_recompute: auto``)
     that does; None if nothing fits."""
     own = cost.settings.stage_recompute(stage.recompute)
-    modes = RECOMPUTE_MODES[RECOMPUTE_MODES.index(own):] if cost.settings.activation_recompute == "auto" else (own,)
+    allowed = cost.settings.recompute_modes  # least recompute first
+    modes = allowed[allowed.index(own):] if own in allowed else (own,)
     blocks = stage.layers[1] - stage.layers[0]
     for mode in modes:
         u = cost.unit_costs(stage.gpu, intra_bw_gbps, plan.tp, plan.micro_batch_size, mode)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from hetrain.cost.costmodel import CostModel
+from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
@@ -103,7 +103,7 @@ def plan_milp(
 ) -> PlanResult:
     """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
     t0 = time.perf_counter()
-    best: tuple[float, Plan, dict] | None = None
+    best: tuple[float, Plan, dict, Estimate] | None = None  # + the plan's estimate
     templates, best_gap, statuses = 0, 0.0, set()
     stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
     best_milp_s: float | None = None
@@ -121,7 +121,7 @@ def plan_milp(
         if best is None or est.iteration_time_s < best[0]:
             best_gap = gap
             extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
-            best = (est.iteration_time_s, plan, extra)
+            best = (est.iteration_time_s, plan, extra, est)
         return True
 
     # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
@@ -192,9 +192,9 @@ def plan_milp(
     for _, space, chosen in begin:
         found = improve(cluster, cost, space, chosen, max_scores=per_start)
         if found is not None and found[0] < best[0] * (1 - 1e-9):
-            best = (found[0], found[1], {"scope": "local improvement"})
+            best = (found[0], found[1], {"scope": "local improvement"}, found[2])
             best_gap = 0.0
-    _, plan, extra = best
+    _, plan, extra, est = best
     info = {
         "planner": "milp",
         "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
@@ -205,6 +205,6 @@ def plan_milp(
         "templates": templates,
         **extra,
     }
-    plan, est = eager_in_flight(plan, cost)
+    plan, est = eager_in_flight(plan, cost, est)
     plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

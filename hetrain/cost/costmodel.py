@@ -238,10 +238,11 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     (``hetrain.plan.eager``); a message starts once its sender has computed it and its receiver
     has posted the receive, and takes e_k. Under NCCL (``duplex`` False) a message also waits for
     the one before it on the boundary, either way: NCCL runs two ranks' point-to-point on one stream
-    in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order. Why not a closed form: a pair of stages whose
-    counts differ by d has d - 1 forward + backward of slack for its sends, but how much of the
-    fill the extra micro-batches save depends on the stages' speeds; playing it is exact for this
-    model at O(stages x micro-batches). tau: the steady-state time per micro-batch, the rest fill.
+    in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order.
+    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward
+    of slack for its sends, but how much of the fill the extra micro-batches save depends on the
+    stages' speeds; playing it is exact for this model at O(stages x micro-batches).
+    tau: the steady-state time per micro-batch, the rest fill.
     """
     S, M = len(stage_s), num_microbatches
     n = [min(c, M) for c in in_flight]
