@@ -2,14 +2,20 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the versions the tests passed with, so a fresh clone gets them (not next month's releases)
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0   # the CPU wheel on this machine; pyproject keeps torch>=2.5
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
+
+# Rewrite constraints.txt from what the venv holds now (after a deliberate upgrade that passed `make test`).
+lock: setup
+	{ grep '^#' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: setup
 	$(PY) -m flows.demo
