@@ -23,14 +23,14 @@ from flows.report import Progress, artifact_key, profile_from_markdown, publish_
 from hetrain.config import build_run_config
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, TransientError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
 from hetrain.recovery.runs import backup_problem, check_run_paths, load_run, run_dir_of, start_or_resume
 from hetrain.runtime.launch import RunStopped, launch
-from hetrain.runtime.schedule import DEFAULT_LR
+from hetrain.runtime.schedule import DEFAULT_LR, describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 from hetrain.testing.spot import LocalSpotRun
 
@@ -41,6 +41,16 @@ def _path(p: str) -> Path:
     """Paths in parameters are relative to the repository, where deployments run."""
     path = Path(p)
     return path if path.is_absolute() else ROOT / path
+
+
+def worth_retrying(_task, _task_run, state) -> bool:
+    """Prefect's retry condition: retry what may not happen again, never the user's input or environment.
+
+    A HetrainError that is not a ``TransientError`` (a missing bucket, a plan that does not fit, bad
+    data) fails the same way every time: retrying it only delays the message.
+    """
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, HetrainError) or isinstance(error, TransientError)
 
 
 @task(cache_policy=INPUTS, persist_result=True, retries=1)
@@ -59,7 +69,7 @@ def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[in
     return json.loads(prof.to_json())
 
 
-@task(retries=2, retry_delay_seconds=[1, 5])
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=worth_retrying)
 def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, planner: str, run_id: str) -> dict:
     from solver.planner import make_plan
 
@@ -73,7 +83,7 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
     return json.loads(result.plan.to_json())
 
 
-@task(retries=1, retry_delay_seconds=5)  # a retry resumes from the newest committed checkpoint
+@task(retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)  # a retry resumes from the newest committed checkpoint
 def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps: int, checkpoint_every: int,
               keep: int, remote: str | None, remote_endpoint: str | None, spot_metadata_url: str | None,
               cloud: str, lr: float, predicted_s: float, data: str | None = None,
@@ -96,6 +106,8 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
 
     def on_record(r: dict) -> None:
         progress.update(r["step"])
+        if "lr_schedule_extended" in r:
+            logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
         for failure in r.get("backup_failed", []):
             logger.error("backup of %s to %s failed: %s", run_id, remote, failure)
         if r["step"] % every == 0 or r["step"] == config.steps - 1:

@@ -16,7 +16,7 @@ from rich.table import Table
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir, check_output_file, write_text_atomic
 from hetrain.recovery.preemption import MIN_POLL_S
-from hetrain.runtime.schedule import DEFAULT_LR
+from hetrain.runtime.schedule import DEFAULT_LR, describe_extension
 
 # Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
 MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
@@ -360,8 +360,11 @@ def train(
     dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
     trace_memory: Annotated[bool, typer.Option(hidden=True, help="CPU: count every allocation for the peak "
                                                                   "memory (slow; tests and benchmarks)")] = False,
+    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="checkpoint the run (off: "
+                                              "a preempted or failed run cannot resume)")] = True,
     checkpoint_dir: Annotated[str | None, typer.Option(
-        help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name)")] = None,
+        help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name; default "
+             "RUN_DIR/checkpoints/{node})")] = None,
     checkpoint_every: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="checkpoint every N steps (and at the "
                                                                            "end)")] = 50,
     keep: Annotated[int, typer.Option(min=1, max=1000, help="committed checkpoints to keep, locally and remotely")] = 2,
@@ -414,12 +417,14 @@ def train(
                            f"'-' (at most 64), starting with a letter or digit")
     config = build_run_config(
         run_dir, plan_file, steps=steps, run_id=run_id, cluster=cluster, data=data, metrics=metrics,
-        checkpoints=False, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
+        checkpoints=checkpoints, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
         remote_endpoint=remote_endpoint, upload_retries=upload_retries, peers=_peer_urls(peer),
         background_checkpoints=not sync_checkpoints, optimizer=optimizer, lr=lr, lr_min=lr_min,
         warmup_steps=warmup_steps, decay_steps=decay_steps, precision=precision, compile=compile_blocks,
         trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
         dump_dir=str(dump_dir.resolve()) if dump_dir else None)
+    if not checkpoints and (checkpoint_dir or remote):
+        raise HetrainError(f"--no-checkpoints: cannot be given with {'--checkpoint-dir' if checkpoint_dir else '--remote'}")
     if print_launch:
         check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
     else:
@@ -430,6 +435,10 @@ def train(
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=data)  # bad data: one line now, not per rank
     if resume and restart:
         raise HetrainError("give --resume or --restart, not both")
+    if config.checkpoint is not None and not print_launch:
+        from hetrain.checkpoint.backup import probe_remote
+
+        probe_remote(config.checkpoint)  # before --restart archives or a resume reassembles (launch probes again)
     from hetrain.recovery.runs import archive_run, previous_run_files, start_or_resume
 
     resumed_step = None
@@ -453,8 +462,8 @@ def train(
                 if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
         if config.start_step >= config.steps:
             raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is "
-                               f"already at --steps {steps}; raise --steps to train on (at the schedule's floor "
-                               f"once past its decay steps)")
+                               f"already at --steps {steps}; raise --steps to train on (the learning-rate decay is "
+                               f"stretched to the new total)")
     if precision is not None and pl.training is not None and precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in {precision}",
                   highlight=False)
@@ -477,6 +486,12 @@ def train(
         def show(record: dict) -> None:
             progress.update(task, completed=record["step"] + 1,
                             info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+            if "lr_schedule_extended" in record:
+                progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
+                                       highlight=False, soft_wrap=True)
+            for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
+                progress.console.print(f"[bold red]backup failed:[/] {failure} ({config.checkpoint.remote_url})",
+                                       highlight=False, soft_wrap=True)
 
         received: list[int] = []
 
@@ -493,7 +508,7 @@ def train(
             name = signal.Signals(received[0]).name if received else "interrupted"
             err.print(f"{name}: every training process of this run has been stopped; "
                       + ("the same command resumes it from its newest checkpoint" if config.checkpoint else
-                         "it kept no checkpoints (--checkpoint-dir), so --restart starts it over"))
+                         "it kept no checkpoints (--no-checkpoints), so --restart starts it over"))
             raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
         finally:
             for sig, handler in previous_handlers.items():

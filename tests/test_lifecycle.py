@@ -34,7 +34,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, list[dict], str]:
     """
     directory = tmp_path_factory.mktemp("finished")
     asymmetric_plan(1).write(directory / "plan.json")
-    r = _train(directory, "--steps", "6")
+    r = _train(directory, "--steps", "6", "--no-checkpoints")
     assert r.returncode == 0, r.stderr
     return directory, _records(directory / "run"), (directory / "run" / "metrics.jsonl").read_text()
 
@@ -58,7 +58,7 @@ def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path, finished_run
 def test_rerun_without_checkpoints_is_refused_and_restart_archives(finished_run):
     run_root, _, before = finished_run
     assert (run_root / "run" / "metrics.jsonl").read_text() == before
-    r = _train(run_root, "--steps", "6")
+    r = _train(run_root, "--steps", "6", "--no-checkpoints")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "holds a previous run (config.json, metrics.jsonl with 6 steps) with no committed checkpoint" in r.stderr
     assert "--restart" in r.stderr and (run_root / "run" / "metrics.jsonl").read_text() == before
@@ -105,3 +105,76 @@ def test_sigterm_stops_every_worker(tmp_path: Path):
     assert "SIGTERM: every training process of this run has been stopped" in stderr
     time.sleep(0.5)
     assert not worker_pids(run_dir)
+
+
+def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_path: Path):
+    from hetrain.checkpoint.manifest import committed_steps
+    from hetrain.runtime.schedule import LRSchedule
+
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--lr", "3e-3"]
+    r = run_cli(*argv, "--steps", "4")  # no checkpoint option at all
+    assert r.returncode == 0, r.stderr
+    roots = sorted((run_dir / "checkpoints").iterdir())
+    assert roots and all(committed_steps(str(root)) == [3] for root in roots)
+    r = run_cli(*argv, "--steps", "8")  # the same command, a longer run: resumes after step 3
+    assert r.returncode == 0, r.stderr
+    assert "planned for 4 steps and now trains to 8" in r.stdout
+    records = _records(run_dir)
+    planned = LRSchedule.for_run(4, lr=3e-3)
+    extended = planned.extended_to(8)
+    assert [x["step"] for x in records] == list(range(8))
+    assert [x["lr"] for x in records[4:]] == pytest.approx([extended.lr_at(s) for s in range(4, 8)])
+    assert records[4]["lr"] > 2 * planned.lr_min  # not the floor the 4-step run ended at
+    assert records[4]["lr_schedule_extended"]["to_steps"] == 8
+
+
+def test_no_checkpoints_cannot_be_combined_with_a_checkpoint_place(tmp_path: Path):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    r = _train(tmp_path, "--steps", "2", "--no-checkpoints", "--remote", str(tmp_path / "backup"))
+    assert r.returncode == 2 and "--no-checkpoints: cannot be given with --remote" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """An S3 API on loopback (moto server mode) with one bucket, 'backups'."""
+    import os
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from hetrain.runtime.launch import free_port
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("backups")
+    yield endpoint
+    server.stop()
+
+
+def test_a_missing_bucket_is_one_line_before_any_step(tmp_path: Path, s3_endpoint):
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    r = _train(tmp_path, "--steps", "2", "--remote", "s3://no-such-bucket/run", "--remote-endpoint", s3_endpoint)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --remote s3://no-such-bucket/run: cannot write there (no such bucket or directory); expected an "
+        "existing bucket or directory this machine's credentials can write to"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_local_remote_is_made_and_backed_up(tmp_path: Path):
+    from hetrain.checkpoint.manifest import committed_steps
+
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    backup = tmp_path / "backup" / "run"  # neither exists yet: a directory remote is made as for a local disk
+    r = _train(tmp_path, "--steps", "2", "--remote", f"file://{backup}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert committed_steps(f"file://{backup}") == [1]
+    assert not [p for p in backup.iterdir() if p.name.startswith(".hetrain-probe")]

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,20 +25,65 @@ from fsspec.core import url_to_fs
 
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest, prune, step_name
 from hetrain.config import CheckpointConfig
+from hetrain.errors import HetrainError
 
 log = logging.getLogger("hetrain.checkpoint.backup")
 T = TypeVar("T")
 
 
+# What a retry meets again: no such bucket or directory (s3fs maps NoSuchBucket to FileNotFoundError),
+# access denied, no credentials. Retrying them only hides the problem for minutes.
+PERMANENT_ERRORS = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+PERMANENT_ERROR_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
+PROBE_NAME = ".hetrain-probe"  # written and removed under the remote root before the first step
+
+
+def is_permanent(e: BaseException) -> bool:
+    """True for a store error that retrying cannot fix (see ``PERMANENT_ERRORS``)."""
+    return isinstance(e, PERMANENT_ERRORS) or type(e).__name__ in PERMANENT_ERROR_NAMES
+
+
+def remote_fs(url: str, options: dict | None = None):
+    """``(fs, root)`` of a remote store; a local one (``file://``, a path) makes the directories it writes into."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, root = url_to_fs(url, **(options or {}))
+    if isinstance(fs, LocalFileSystem):
+        fs = LocalFileSystem(auto_mkdir=True)
+    return fs, root
+
+
+def probe_remote(config: CheckpointConfig) -> None:
+    """Before the first step: the remote store exists, takes a write and a delete with these credentials.
+
+    Raises HetrainError (one line naming the URL) otherwise; a bucket is never created here.
+    """
+    url = config.remote_url
+    if not url:
+        return
+    try:
+        fs, root = remote_fs(url, config.remote_options)
+        probe = join(root, f"{PROBE_NAME}-{uuid.uuid4().hex[:12]}")
+        fs.pipe_file(probe, b"hetrain")
+        fs.rm_file(probe)
+    except Exception as e:  # the store's errors are many (botocore, aiohttp, OSError, ValueError for a bad URL)
+        why = "no such bucket or directory" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
+        raise HetrainError(f"--remote {url}: cannot write there ({why}); expected an existing bucket or directory "
+                           f"this machine's credentials can write to") from None
+
+
 def with_retries(what: str, fn: Callable[[], T], retries: int, first_delay_s: float = 0.5,
                  max_delay_s: float = 8.0) -> T:
-    """Call ``fn``; on an error wait 0.5, 1, 2, ... s (capped) and try again, ``retries`` more times."""
+    """Call ``fn``; on an error wait 0.5, 1, 2, ... s (capped) and try again, ``retries`` more times.
+
+    Errors that a retry meets again (``is_permanent``) are raised at once.
+    """
     delay = first_delay_s
     for attempt in range(retries + 1):
         try:
             return fn()
         except Exception as e:  # the store's errors are many (botocore, aiohttp, OSError)
-            if attempt == retries:
+            if attempt == retries or is_permanent(e):
                 raise
             log.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(e).__name__, e, attempt + 1,
                         retries, delay)
@@ -105,14 +151,14 @@ class Uploader:
     def upload(self, step: int, manifest_bytes: bytes) -> None:
         cfg = self.config
         manifest = parse_manifest(manifest_bytes, "manifest")
-        remote_fs, remote_root = url_to_fs(cfg.remote_url, **cfg.remote_options)
+        store, remote_root = remote_fs(cfg.remote_url, cfg.remote_options)
         local_fs, local_dir = url_to_fs(join(self.local_root, step_name(step)))
         remote_dir = join(remote_root, step_name(step))
         started = time.perf_counter()
         mine = [f for f in manifest.files if f.path != METADATA and f.nodes[0] == self.node]
         for f in mine:
             with_retries(f"upload {f.path} of step {step}",
-                         lambda f=f: remote_fs.put_file(join(local_dir, f.path), join(remote_dir, f.path)),
+                         lambda f=f: store.put_file(join(local_dir, f.path), join(remote_dir, f.path)),
                          cfg.upload_retries)
         if not self.coordinator:
             return
@@ -121,7 +167,7 @@ class Uploader:
         while others:
             for path, size in list(others.items()):
                 try:
-                    if remote_fs.size(join(remote_dir, path)) == size:
+                    if store.size(join(remote_dir, path)) == size:
                         del others[path]
                 except (FileNotFoundError, OSError):
                     pass
@@ -130,13 +176,13 @@ class Uploader:
                     raise TimeoutError(f"other nodes did not upload {', '.join(sorted(others))} "
                                        f"within {cfg.upload_timeout_s:g} s")
                 time.sleep(0.2)
-                remote_fs.invalidate_cache()
+                store.invalidate_cache()
         with_retries(f"upload {METADATA} of step {step}",
-                     lambda: remote_fs.put_file(join(local_dir, METADATA), join(remote_dir, METADATA)),
+                     lambda: store.put_file(join(local_dir, METADATA), join(remote_dir, METADATA)),
                      cfg.upload_retries)
         with_retries(f"upload {MANIFEST} of step {step}",
-                     lambda: remote_fs.pipe_file(join(remote_dir, MANIFEST), manifest_bytes), cfg.upload_retries)
-        remote_fs.invalidate_cache()
+                     lambda: store.pipe_file(join(remote_dir, MANIFEST), manifest_bytes), cfg.upload_retries)
+        store.invalidate_cache()
         prune(cfg.remote_url, cfg.keep, cfg.remote_options, run_id=manifest.run_id)
         log.info("step %d backed up to %s (%.1f MB, %.1f s)", step, cfg.remote_url, manifest.total_bytes / 1e6,
                  time.perf_counter() - started)

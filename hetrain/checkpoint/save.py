@@ -50,12 +50,13 @@ FAULT_KILL_IN_SAVE = "HETRAIN_FAULT_KILL_IN_SAVE"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-TRAIN_STATE = "train_state"  # float64: LR schedule (lr, lr_min, warmup, decay steps), fp16 loss scale, good steps
-TRAIN_STATE_LEN = 6
+TRAIN_STATE = "train_state"  # named float64 scalars: the LR schedule's numbers, the fp16 loss scale, good steps
+# Checkpoints written before the train state had names keep one float64 tensor in this order.
+POSITIONAL_TRAIN_STATE = ("lr", "lr_min", "warmup_steps", "decay_steps", "loss_scale", "good_steps")
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   train_state: torch.Tensor | None = None) -> dict:
+                   train_state: dict[str, torch.Tensor] | None = None) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     if train_state is not None:
@@ -63,22 +64,41 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return state
 
 
+def _stored_train_state(keys) -> tuple[str, ...] | None:
+    """The train state's names in a checkpoint's metadata keys; None when it has none (an old checkpoint)."""
+    prefix = TRAIN_STATE + "."
+    named = tuple(k[len(prefix):] for k in keys if k.startswith(prefix))
+    if named:
+        return named
+    return POSITIONAL_TRAIN_STATE if TRAIN_STATE in keys else None
+
+
 def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        storage_options: dict | None = None) -> torch.Tensor | None:
+                        storage_options: dict | None = None) -> dict[str, float] | None:
     """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding.
 
-    Returns the checkpoint's train state (schedule and loss scale), or None for a checkpoint
-    written before it was kept.
+    Returns the checkpoint's train state by name (schedule and loss scale; a checkpoint from
+    before the names is read by position), or None for a checkpoint written before it was kept.
     """
     reader = SafeFsspecReader(url, **(storage_options or {}))
-    has_train_state = TRAIN_STATE in reader.read_metadata().state_dict_metadata
-    state = training_state(model, optimizer,
-                           torch.zeros(TRAIN_STATE_LEN, dtype=torch.float64) if has_train_state else None)
+    keys = reader.read_metadata().state_dict_metadata.keys()
+    names = _stored_train_state(keys)
+    template = None
+    if names == POSITIONAL_TRAIN_STATE and TRAIN_STATE in keys:
+        template = torch.zeros(len(POSITIONAL_TRAIN_STATE), dtype=torch.float64)
+    elif names:
+        template = {name: torch.zeros((), dtype=torch.float64) for name in names}
+    state = training_state(model, optimizer, template)
     dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])
-    return state.get(TRAIN_STATE)
+    loaded = state.get(TRAIN_STATE)
+    if loaded is None:
+        return None
+    if isinstance(loaded, torch.Tensor):
+        return dict(zip(POSITIONAL_TRAIN_STATE, loaded.tolist()))
+    return {name: float(value) for name, value in loaded.items()}
 
 
 def _layout_of(state, prefix: str = "") -> list:
@@ -137,7 +157,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig, run_id: str, plan: Plan, layout: Layout, role: Role,
                  model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_name: str,
-                 train_state: Callable[[], torch.Tensor] | None = None) -> None:
+                 train_state: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         self.config, self.run_id, self.plan, self.role = config, run_id, plan, role
         self.train_state = train_state
         self.model, self.optimizer, self.optimizer_name = model, optimizer, optimizer_name

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from hetrain.checkpoint.backup import probe_remote
 from hetrain.config import RunConfig
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
 
@@ -260,6 +261,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     those from the step its switch names.
     """
     run_dir = run_dir.resolve()
+    if config.checkpoint is not None and config.standby_file is None:
+        probe_remote(config.checkpoint)  # a missing bucket is one line now, not a failed backup after the run
     if config.metrics is None:
         config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
     metrics = Path(config.metrics)
@@ -323,7 +326,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
         reason = next((r for r in map(_worker_error, ordered) if r), None)
         if reason:
             raise HetrainError(reason)
-        raise HetrainError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
+        raise TransientError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
     return records
 
 

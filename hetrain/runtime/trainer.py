@@ -137,6 +137,7 @@ class Trainer:
             self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
+        self.schedule_extended: dict | None = None  # from_steps, to_steps, lr_before, lr_now (at the first step)
         self._optimizer_impl = impl
         if config.resume_from:
             self.load(config.resume_from, config.start_step)
@@ -186,18 +187,24 @@ class Trainer:
             return lm_loss(logits, targets, scale=scale)
         return vocab_parallel_lm_loss(logits, targets, self.vocab_start, self.tp_group, scale=scale)
 
-    def train_state(self) -> torch.Tensor:
-        """What the checkpoint keeps besides weights and optimizer: the schedule and the loss scale."""
-        return torch.cat([self.lr_schedule.to_tensor(),
-                          torch.tensor([self.scaler.scale, self.scaler.good_steps], dtype=torch.float64)])
+    def train_state(self) -> dict[str, torch.Tensor]:
+        """What the checkpoint keeps besides weights and optimizer, by name: the schedule and the loss scale."""
+        return {**self.lr_schedule.to_state(),
+                "loss_scale": torch.tensor(float(self.scaler.scale), dtype=torch.float64),
+                "good_steps": torch.tensor(float(self.scaler.good_steps), dtype=torch.float64)}
 
-    def _restore_train_state(self, state: torch.Tensor) -> None:
-        restored = LRSchedule.from_tensor(state[:4])
-        if restored != self.lr_schedule:
-            self.restored_schedule = restored  # reported once in the first metrics record
-        self.lr_schedule = restored
-        if self.scaler.enabled and state[4] > 1:  # a bf16/fp32 checkpoint stores scale 1: start fp16 afresh
-            self.scaler.scale, self.scaler.good_steps = float(state[4]), int(state[5])
+    def _restore_train_state(self, state: dict[str, float]) -> None:
+        restored = LRSchedule.from_state(state)
+        extended = restored.extended_to(self.config.steps)  # a run trained past its planned length
+        if extended != restored:
+            step = self.config.start_step
+            self.schedule_extended = {"from_steps": restored.planned_steps, "to_steps": self.config.steps,
+                                      "lr_before": restored.lr_at(step), "lr_now": extended.lr_at(step)}
+        if extended != self.lr_schedule:
+            self.restored_schedule = extended  # reported once in the first metrics record
+        self.lr_schedule = extended
+        if self.scaler.enabled and state["loss_scale"] > 1:  # a bf16/fp32 checkpoint stores 1: start fp16 afresh
+            self.scaler.scale, self.scaler.good_steps = float(state["loss_scale"]), int(state["good_steps"])
 
     # -- one step
     def train_step(self, step: int) -> dict:
@@ -317,6 +324,8 @@ class Trainer:
                     record["resume_load_s"] = self.load_s  # rank 0's; all ranks load at once
                     if self.restored_schedule is not None:  # the checkpoint's schedule, not the options'
                         record["lr_schedule"] = self.restored_schedule.model_dump()
+                    if self.schedule_extended is not None:  # the control plane says so to the user
+                        record["lr_schedule_extended"] = self.schedule_extended
                 if stop and "checkpoint_s" in record:
                     record["stopped"] = "preemption notice"  # the run ends at its emergency checkpoint
                 if metrics is not None:

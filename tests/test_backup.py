@@ -1,0 +1,52 @@
+"""The backup's retry rule and the remote probe, without training (fast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetrain.checkpoint.backup import PROBE_NAME, is_permanent, probe_remote, with_retries
+from hetrain.config import CheckpointConfig
+from hetrain.errors import HetrainError
+
+
+class NoCredentialsError(Exception):  # botocore's name: matched by name, botocore is s3fs's business
+    pass
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("The specified bucket does not exist"), PermissionError("denied"),
+                                   NotADirectoryError("x"), NoCredentialsError("Unable to locate credentials")])
+def test_errors_a_retry_meets_again_are_raised_at_once(error):
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        with_retries("upload", fail, retries=5, first_delay_s=0.001)
+    assert len(calls) == 1 and is_permanent(error)
+
+
+def test_other_errors_are_retried_until_they_pass():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset by peer")
+        return "ok"
+
+    assert with_retries("upload", flaky, retries=5, first_delay_s=0.001) == "ok" and len(calls) == 3
+
+
+def test_the_probe_leaves_nothing_behind_and_names_the_url(tmp_path: Path):
+    target = tmp_path / "backups" / "run"
+    probe_remote(CheckpointConfig(local_dir=str(tmp_path / "ckpt"), remote_url=f"file://{target}"))
+    assert target.is_dir() and not [p for p in target.iterdir() if p.name.startswith(PROBE_NAME)]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(HetrainError, match=f"--remote file://{blocker}/run: cannot write there"):
+        probe_remote(CheckpointConfig(local_dir=str(tmp_path / "ckpt"), remote_url=f"file://{blocker}/run"))
+    assert blocker.read_text() == "not a directory"
