@@ -50,3 +50,29 @@ def test_the_probe_leaves_nothing_behind_and_names_the_url(tmp_path: Path):
     with pytest.raises(HetrainError, match=f"--remote file://{blocker}/run: cannot write there"):
         probe_remote(CheckpointConfig(local_dir=str(tmp_path / "ckpt"), remote_url=f"file://{blocker}/run"))
     assert blocker.read_text() == "not a directory"
+
+
+def test_train_state_is_named_and_old_positional_checkpoints_still_load(tmp_path: Path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from hetrain.checkpoint.save import load_training_state, training_state
+    from hetrain.runtime.schedule import LRSchedule
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = LRSchedule.for_run(30)
+    named = {**schedule.to_state(), "loss_scale": torch.tensor(1024.0, dtype=torch.float64),
+             "good_steps": torch.tensor(7.0, dtype=torch.float64)}
+    dcp.save(training_state(model, opt, named), storage_writer=FsspecWriter(str(tmp_path / "new")))
+    old = torch.tensor([schedule.lr, schedule.lr_min, schedule.warmup_steps, schedule.decay_steps, 512.0, 3.0],
+                       dtype=torch.float64)  # what checkpoints held before the names
+    dcp.save(training_state(model, opt, old), storage_writer=FsspecWriter(str(tmp_path / "old")))
+
+    new_state = load_training_state(str(tmp_path / "new"), model, opt)
+    assert LRSchedule.from_state(new_state) == schedule and new_state["loss_scale"] == 1024.0
+    old_state = load_training_state(str(tmp_path / "old"), model, opt)
+    assert old_state["loss_scale"] == 512.0 and old_state["good_steps"] == 3.0
+    restored = LRSchedule.from_state(old_state)
+    assert restored.total_steps is None and restored.planned_steps == 30 and restored.lr_at(5) == schedule.lr_at(5)
