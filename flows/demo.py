@@ -200,10 +200,10 @@ def bed_main(args, home: Path, started: float) -> None:
                       f"rendezvous on the first node; {args.steps} steps, checkpoints every 25 steps to each "
                       f"node's disk and s3://{BUCKET}/{run_id}")
         train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "cluster": str(bc.cluster_file), "run_id": run_id, "steps": args.steps, "checkpoint_every": 25,
-            "global_batch_size": BED_GLOBAL_BATCH,
-            "launch": "per-node", "planner": "hetrain", "remote": f"s3://{BUCKET}/{run_id}",
-            "remote_endpoint": bc.s3_inside})
+            "cluster": str(bc.cluster_file), "run_id": run_id, "global_batch_size": BED_GLOBAL_BATCH,
+            "launch": "per-node", "planner": "hetrain",
+            "options": {"steps": args.steps, "checkpoint_every": 25, "remote": f"s3://{BUCKET}/{run_id}",
+                        "remote_endpoint": bc.s3_inside}})
         deadline = time.monotonic() + args.timeout_s
         plan_file = bc.roots["a"] / run_id / "plan.json"
         while not plan_file.exists():
@@ -357,10 +357,10 @@ def main() -> None:
                       f"slow x2 at 4x), {args.steps} steps, checkpoints every 10 steps to each node and to "
                       f"s3://hetrain-demo")
         train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "run_id": run_id, "runs_root": str(runs_root), "steps": args.steps, "checkpoint_every": 10,
-            "model": "examples/models/gpt-small.yaml", "global_batch_size": 48,
-            "remote": f"s3://hetrain-demo/{run_id}", "remote_endpoint": f"http://127.0.0.1:{s3_port}",
-            "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws"})
+            "run_id": run_id, "runs_root": str(runs_root), "model": "examples/models/gpt-small.yaml",
+            "global_batch_size": 48, "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws",
+            "options": {"steps": args.steps, "checkpoint_every": 10, "remote": f"s3://hetrain-demo/{run_id}",
+                        "remote_endpoint": f"http://127.0.0.1:{s3_port}"}})
         metrics = runs_root / run_id / "metrics.jsonl"
         deadline = time.monotonic() + args.timeout_s
 

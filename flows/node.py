@@ -25,7 +25,7 @@ from pydantic import Field
 
 from flows.report import Progress, artifact_key, publish_json, publish_profile
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps, step_name
-from hetrain.config import RUN_ID_PATTERN, build_run_config
+from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import build_layout
@@ -68,17 +68,19 @@ def node(
     cluster: dict,
     rendezvous: Annotated[str, Field(pattern=r"^[A-Za-z0-9.:_-]+:\d+$")],
     steps: Annotated[int, Field(gt=0)],
-    training: dict | None = None,
+    options: TrainOptions | None = None,
+    peers: dict[str, str] | None = None,
     runs_root: str = "runs",
     resume_step: Annotated[int | None, Field(ge=0)] = None,
     recover: dict | None = None,
 ) -> dict:
     """Train ``node``'s ranks of ``plan`` (run ``run_id``) up to step ``steps``, from step 0.
 
-    ``training``: ``hetrain.config.build_run_config`` options (checkpoint_every, keep, lr and
-    schedule, remote, data...), the same on every node. ``resume_step``: continue the run this
-    node already has from that checkpoint, which ``node_restore`` reassembled on this node (a
-    recovery onto a new plan; the run's own options stay, ``training`` is ignored).
+    ``options``: the run's ``TrainOptions``, the same on every node (``steps`` is the total they
+    train to); ``peers``: node -> URL where its checkpoint root is served. ``resume_step``:
+    continue the run this node already has from that checkpoint, which ``node_restore``
+    reassembled on this node (a recovery onto a new plan; the run's own options stay,
+    ``options`` is ignored).
     ``recover``: how a recovery restarts the run (launch, the cluster file on the control
     machine, nodes lost before...): recorded in the run directory while the ranks run, where
     the node's watcher (``hetrain watch --runs-root``) finds the run and puts it in the event.
@@ -92,8 +94,8 @@ def node(
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_step is None:
         plan_path, cluster_path = run_dir / "plan.json", run_dir / "cluster.json"
-        config = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=cluster_path,
-                                  **(training or {}))
+        config = build_run_config(run_dir, plan_path, options or TrainOptions(), steps=steps, run_id=run_id,
+                                  cluster=cluster_path, peers=peers)
         check_run_paths(run_dir, config, [node])
         if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
             raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "

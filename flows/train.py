@@ -20,17 +20,16 @@ from pydantic import Field
 from flows.events import emit_preempted
 from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes, run_tag
 from flows.report import Progress, artifact_key, profile_from_markdown, publish_plan, publish_timing
-from hetrain.config import build_run_config
-from hetrain.config import RUN_ID_PATTERN
+from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, TransientError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
-from hetrain.recovery.runs import backup_problem, check_run_paths, load_run, run_dir_of, start_or_resume
+from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
 from hetrain.runtime.launch import RunStopped, launch
-from hetrain.runtime.schedule import DEFAULT_LR, describe_extension
+from hetrain.runtime.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 from hetrain.testing.spot import LocalSpotRun
 
@@ -84,23 +83,22 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
 
 
 @task(retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)  # a retry resumes from the newest committed checkpoint
-def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps: int, checkpoint_every: int,
-              keep: int, remote: str | None, remote_endpoint: str | None, spot_metadata_url: str | None,
-              cloud: str, lr: float, predicted_s: float, data: str | None = None,
-              schedule: dict | None = None) -> dict:
+def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, options: TrainOptions,
+              spot_metadata_url: str | None, cloud: str, predicted_s: float) -> dict:
     logger = get_run_logger()
     run_dir = run_dir_of(runs_root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     the_plan = Plan.model_validate(plan_json)
     plan_path = run_dir / "plan.json"
-    base = build_run_config(run_dir, plan_path, steps=steps, run_id=run_id, cluster=_path(cluster),
-                            data=_path(data) if data else None, checkpoint_every=checkpoint_every, keep=keep,
-                            remote=remote, remote_endpoint=remote_endpoint, lr=lr, **(schedule or {}))
-    check_run_paths(run_dir, base, list(build_layout(the_plan).nodes))
-    config, resumed = start_or_resume(run_dir, base, the_plan, steps, warn=lambda w: logger.warning("resume: %s", w))
+    base = build_run_config(run_dir, plan_path, options, run_id=run_id, cluster=_path(cluster))
+    # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
+    prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),
+                           more_steps=options.more_steps, start_over_without_checkpoint=True,
+                           warn=lambda w: logger.warning("resume: %s", w))
+    config, resumed = prepared.config, prepared.resumed_step
     the_plan.write(plan_path)
     if resumed is not None:
-        logger.info("resuming run %s from its checkpoint of step %d", run_id, resumed)
+        logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id, resumed, config.steps)
     progress = Progress(run_id, config.start_step, config.steps)
     every = max(1, (config.steps - config.start_step) // 10)
 
@@ -109,7 +107,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, steps:
         if "lr_schedule_extended" in r:
             logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
         for failure in r.get("backup_failed", []):
-            logger.error("backup of %s to %s failed: %s", run_id, remote, failure)
+            logger.error("backup of %s to %s failed: %s", run_id, options.remote, failure)
         if r["step"] % every == 0 or r["step"] == config.steps - 1:
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
@@ -197,12 +195,12 @@ def profile_on_nodes(cl: ClusterSpec, spec, settings: TrainingSettings, tp_degre
     return json.loads(merged.to_json())
 
 
-def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, cluster_file: str, steps: int, training: dict,
-                   rendezvous_port: int, runs_root: str, predicted_s: float) -> dict:
+def train_on_nodes(run_id: str, the_plan: Plan, cl: ClusterSpec, cluster_file: str, options: TrainOptions,
+                   peers: dict[str, str], rendezvous_port: int, runs_root: str, predicted_s: float) -> dict:
     """One ``hetrain-node`` run per node of the plan (see ``flows.fanout``); rank 0's node streams its logs here."""
     logger = get_run_logger()
-    parameters, first = node_run_parameters(run_id, the_plan, cl, cluster_file, steps, runs_root, rendezvous_port,
-                                            training=training)
+    parameters, first = node_run_parameters(run_id, the_plan, cl, cluster_file, options.steps, runs_root,
+                                            rendezvous_port, options=options.model_dump(), peers=peers)
     artifacts = run_on_nodes(parameters, logger.info, run_id, stream_from=first, tags=[run_tag(run_id)])
     summaries = {node: first_row(a) for node, a in artifacts.items()}
     create_table_artifact(list(summaries.values()), key=artifact_key(run_id, "nodes"),
@@ -223,28 +221,23 @@ def train(
     cluster: str = "examples/clusters/cpu-emulated.yaml",
     model: str = "examples/models/gpt-tiny.yaml",
     run_id: Annotated[str, Field(pattern=RUN_ID_PATTERN)] = "demo",
-    steps: Annotated[int, Field(gt=0, le=1_000_000)] = 60,
+    options: TrainOptions = TrainOptions(),  # noqa: B008 (pydantic models are values; Prefect renders it as a form)
     global_batch_size: Annotated[int, Field(gt=0)] = 16,
     planner: Literal["hetrain", "megatron", "whale"] = "hetrain",
     use_profile: bool = True,
-    checkpoint_every: Annotated[int, Field(gt=0)] = 10,
-    keep: Annotated[int, Field(gt=0)] = 2,
-    remote: str | None = None,
-    remote_endpoint: str | None = None,
     spot_metadata_url: str | None = None,
     cloud: Literal["aws", "gcp", "azure"] = "aws",
-    lr: Annotated[float, Field(gt=0)] = DEFAULT_LR,
-    lr_min: Annotated[float | None, Field(ge=0)] = None,
-    warmup_steps: Annotated[int | None, Field(ge=0)] = None,
-    decay_steps: Annotated[int | None, Field(gt=0)] = None,
-    precision: Literal["bf16", "fp16", "fp32"] | None = None,
-    data: str | None = None,
     runs_root: str = "runs",
     launch: Literal["local", "per-node"] = "local",
     rendezvous_port: Annotated[int, Field(gt=0, lt=65536)] = 29500,
     peer_port: Annotated[int, Field(ge=0, lt=65536)] = 8470,
 ) -> dict:
-    """Profile the model per GPU type, plan, train ``steps`` (more) steps of run ``run_id``.
+    """Profile the model per GPU type, plan, train run ``run_id`` as ``options`` say (those of ``hetrain train``).
+
+    ``options.steps`` is the run's total, as in ``hetrain train``; a run that exists resumes after
+    its newest checkpoint. A scheduled run gives ``options.more_steps`` (train that many past the
+    checkpoint; the nightly deployment does), and the learning-rate decay is stretched to the
+    new total (``hetrain.runtime.schedule``).
 
     ``launch``: ``local`` runs every rank on the machine whose worker took this flow run (one
     machine, or the emulated cluster); ``per-node`` starts a ``hetrain-node`` flow run on each
@@ -253,20 +246,19 @@ def train(
     does, after stopping the others. Per-node runs start at step 0 on each node's own disk;
     ``peer_port`` is where each node serves its runs to peers (``hetrain node start``; 0: none).
 
-    ``data``: a token file (``.bin``/``.npy``, see ``hetrain data prepare``) or a text file read
-    as byte-level tokens (default: synthetic tokens); a scheduled run that resumes reads the
-    file as it is then, so refreshing it feeds the next run.
-    ``lr`` peaks after ``warmup_steps`` (default min(200, 10 % of ``steps``)) and decays by a
-    cosine to ``lr_min`` over ``decay_steps``; a resumed run keeps the schedule its checkpoint
-    holds. ``precision``: default fp32 on clusters of emulated (CPU) devices, bf16 on GPUs.
+    ``options.data``: a token file or a text file, relative to the repository (default:
+    synthetic tokens); a scheduled run that resumes reads the file as it is then, so refreshing
+    it feeds the next run. ``options.precision``: default fp32 on clusters of emulated (CPU)
+    devices, bf16 on GPUs.
     """
-    if data and not _path(data).is_file():
-        raise FileNotFoundError(f"data: {data}: file not found")
+    if options.data:
+        if not _path(options.data).is_file():
+            raise FileNotFoundError(f"options.data: {options.data}: file not found")
+        options = options.model_copy(update={"data": str(_path(options.data))})
     from hetrain.profiling.profiler import gpus_from_cluster
 
     cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
-    if precision is None:
-        precision = "fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16"
+    precision = options.precision or ("fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16")
     settings = TrainingSettings(global_batch_size=global_batch_size, precision=precision)
     prof = None
     tp_degrees = [t for t in settings.tp_degrees if spec.tp_divides(t)]
@@ -284,13 +276,9 @@ def train(
             get_run_logger().warning("spot_metadata_url is for launch=local: per node, each spot node's own watcher "
                                      "(`hetrain node start --cloud ...`) polls its metadata endpoint; %s is ignored",
                                      spot_metadata_url)
-        training = {"checkpoint_every": checkpoint_every, "keep": keep, "remote": remote,
-                    "remote_endpoint": remote_endpoint, "lr": lr, "lr_min": lr_min, "warmup_steps": warmup_steps,
-                    "decay_steps": decay_steps, "data": data}
+        peers = {}
         if peer_port:  # each node's peer server serves its runs root: run/checkpoints/<node> below it
-            training["peers"] = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
-        return train_on_nodes(run_id, the_plan, cl, str(_path(cluster)), steps, training, rendezvous_port, runs_root,
+            peers = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
+        return train_on_nodes(run_id, the_plan, cl, str(_path(cluster)), options, peers, rendezvous_port, runs_root,
                               predicted)
-    return train_run(run_id, runs_root, plan_json, cluster, steps, checkpoint_every, keep, remote, remote_endpoint,
-                     spot_metadata_url, cloud, lr, predicted, data,
-                     {"lr_min": lr_min, "warmup_steps": warmup_steps, "decay_steps": decay_steps})
+    return train_run(run_id, runs_root, plan_json, cluster, options, spot_metadata_url, cloud, predicted)

@@ -13,14 +13,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from hetrain.cli_options import model_options
+from hetrain.config import TrainOptions
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir, check_output_file, write_text_atomic
 from hetrain.recovery.preemption import MIN_POLL_S
-from hetrain.runtime.schedule import DEFAULT_LR, describe_extension
+from hetrain.runtime.schedule import describe_extension
 
 # Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
 MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
-MAX_STEPS = 10**9  # optimizer steps of one run (a trillion-token run at 1k sequences of 1k tokens: 1M steps)
 MAX_TIMEOUT_S = 3600.0  # a peer silent for an hour is gone
 MAX_THREADS = 1024
 
@@ -327,64 +328,9 @@ def profile(
     out.print(f"profile written to {out_file}", highlight=False)
 
 
-@app.command()
-@user_errors
-def train(
-    plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
-    model: Annotated[Path | None, typer.Option(help="model YAML; must be the model the plan is for")] = None,
-    cluster: Annotated[Path | None, typer.Option(help="cluster YAML: checks the plan, applies `emulate` on CPU")] = None,
-    steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="train until this many steps are done")] = 100,
-    data: Annotated[Path | None, typer.Option(
-        help="token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as "
-             "byte-level tokens (default: synthetic)")] = None,
-    metrics: Annotated[Path | None, typer.Option(help="per-step JSONL (default RUN_DIR/metrics.jsonl)")] = None,
-    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<plan name>)")] = None,
-    optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
-    lr: Annotated[float, typer.Option(help="peak learning rate (after warmup)")] = DEFAULT_LR,
-    lr_min: Annotated[float | None, typer.Option(help="cosine floor (default: 10 % of --lr)")] = None,
-    warmup_steps: Annotated[int | None, typer.Option(min=0, help="linear warmup steps (default: min(200, 10 % of "
-                                                                 "--steps))")] = None,
-    decay_steps: Annotated[int | None, typer.Option(min=1, help="cosine decay steps after warmup (default: the "
-                                                                "rest of --steps)")] = None,
-    precision: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: the plan's; a plan without "
-                                                       "training settings: bf16 on GPU, fp32 on CPU)")] = None,
-    compile_blocks: Annotated[bool, typer.Option("--compile", help="torch.compile each block (GPU only)")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="require a resume: fail unless --run-dir has a committed "
-                                                          "checkpoint (an existing run resumes anyway)")] = False,
-    restart: Annotated[bool, typer.Option("--restart", help="start an existing run over from step 0; its files "
-                                                            "are moved to RUN_DIR/archive/<time>, never deleted")] = False,
-    max_grad_norm: Annotated[float, typer.Option(min=0.0, help="clip gradients to this global norm (0: off)")] = 1.0,
-    seed: Annotated[int, typer.Option(help="weights and data seed")] = 0,
-    print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
-    main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
-    dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
-    trace_memory: Annotated[bool, typer.Option(hidden=True, help="CPU: count every allocation for the peak "
-                                                                  "memory (slow; tests and benchmarks)")] = False,
-    checkpoints: Annotated[bool, typer.Option("--checkpoints/--no-checkpoints", help="checkpoint the run (off: "
-                                              "a preempted or failed run cannot resume)")] = True,
-    checkpoint_dir: Annotated[str | None, typer.Option(
-        help="each node's checkpoint root (path or fsspec URL; {node} becomes the node name; default "
-             "RUN_DIR/checkpoints/{node})")] = None,
-    checkpoint_every: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="checkpoint every N steps (and at the "
-                                                                           "end)")] = 50,
-    keep: Annotated[int, typer.Option(min=1, max=1000, help="committed checkpoints to keep, locally and remotely")] = 2,
-    remote: Annotated[str | None, typer.Option(help="back checkpoints up to this URL, e.g. s3://bucket/run")] = None,
-    remote_endpoint: Annotated[str | None, typer.Option(help="S3 endpoint URL (MinIO, R2, ...)")] = None,
-    upload_retries: Annotated[int, typer.Option(min=0, max=100, help="retries of each upload to --remote (backoff "
-                                                                    "0.5 s doubling to 8 s)")] = 5,
-    peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
-                                                         "(hetrain serve); repeatable")] = None,
-    run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
-    sync_checkpoints: Annotated[bool, typer.Option("--sync-checkpoints", help="write and commit each checkpoint "
-                                                   "before the next step (default: after a snapshot in host "
-                                                   "memory, in the background)")] = False,
-):
-    """Train the plan's model under the plan: one process per device, through accelerate launch."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from hetrain.plan.layout import build_layout
-    from hetrain.plan.schema import load_plan, validate_plan
-    from hetrain.runtime.launch import launch, node_commands, write_config
+def _checked_plan(plan_file: Path, model: Path | None, cluster: Path | None):
+    """The plan, checked against the model and cluster files when given (one line naming the plan otherwise)."""
+    from hetrain.plan.schema import load_plan, validate_plan, validate_plan_structure
     from hetrain.spec.specs import load_cluster, load_model
 
     pl = load_plan(plan_file)
@@ -395,93 +341,98 @@ def train(
                                if spec.name != pl.model.name else
                                f"{plan_file}: the plan's '{pl.model.name}' differs from {model} "
                                f"({', '.join(k for k in spec.model_fields if getattr(spec, k) != getattr(pl.model, k))})")
-    if cluster is not None:
-        try:
+    try:
+        if cluster is not None:
             validate_plan(pl, load_cluster(cluster))
-        except HetrainError as e:
-            raise HetrainError(f"{plan_file}: {e}") from None
-    else:
-        from hetrain.plan.schema import validate_plan_structure
-
-        try:
+        else:
             validate_plan_structure(pl)
-        except HetrainError as e:
-            raise HetrainError(f"{plan_file}: {e}") from None
+    except HetrainError as e:
+        raise HetrainError(f"{plan_file}: {e}") from None
+    return pl
+
+
+@app.command()
+@user_errors
+@model_options(TrainOptions, into="options")
+def train(
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
+    options: TrainOptions,
+    model: Annotated[Path | None, typer.Option(help="model YAML; must be the model the plan is for")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="cluster YAML: checks the plan, applies `emulate` on CPU")] = None,
+    metrics: Annotated[Path | None, typer.Option(help="per-step JSONL (default RUN_DIR/metrics.jsonl)")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<plan name>)")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="require a resume: fail unless --run-dir has a committed "
+                                                          "checkpoint (an existing run resumes anyway)")] = False,
+    restart: Annotated[bool, typer.Option("--restart", help="start an existing run over from step 0; its files "
+                                                            "are moved to RUN_DIR/archive/<time>, never deleted")] = False,
+    print_launch: Annotated[bool, typer.Option(help="print the per-node launch commands and exit")] = False,
+    main_address: Annotated[str, typer.Option(help="rendezvous host for --print-launch")] = "NODE0_ADDRESS",
+    dump_dir: Annotated[Path | None, typer.Option(hidden=True, help="tests: dump gradients and parameters")] = None,
+    trace_memory: Annotated[bool, typer.Option(hidden=True, help="CPU: count every allocation for the peak "
+                                                                  "memory (slow; tests and benchmarks)")] = False,
+    peer: Annotated[list[str] | None, typer.Option(help="NODE=URL where a node's checkpoint root is served "
+                                                         "(hetrain serve); repeatable")] = None,
+    run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
+):
+    """Train the plan's model under the plan: one process per device, through accelerate launch."""
+    from hetrain.config import RUN_ID, build_run_config
+    from hetrain.plan.layout import build_layout
+    from hetrain.recovery.runs import prepare_run
+
+    pl = _checked_plan(plan_file, model, cluster)
     layout = build_layout(pl)
     run_dir = run_dir or Path("runs") / plan_file.stem
-    from hetrain.config import RUN_ID, build_run_config
-    from hetrain.recovery.runs import check_run_paths
-
     if not RUN_ID.match(run_id or run_dir.resolve().name):
         raise HetrainError(f"--run-id '{run_id or run_dir.resolve().name}': expected letters, digits, '.', '_' or "
                            f"'-' (at most 64), starting with a letter or digit")
-    config = build_run_config(
-        run_dir, plan_file, steps=steps, run_id=run_id, cluster=cluster, data=data, metrics=metrics,
-        checkpoints=checkpoints, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, keep=keep, remote=remote,
-        remote_endpoint=remote_endpoint, upload_retries=upload_retries, peers=_peer_urls(peer),
-        background_checkpoints=not sync_checkpoints, optimizer=optimizer, lr=lr, lr_min=lr_min,
-        warmup_steps=warmup_steps, decay_steps=decay_steps, precision=precision, compile=compile_blocks,
-        trace_memory=trace_memory, max_grad_norm=max_grad_norm or None, seed=seed,
-        dump_dir=str(dump_dir.resolve()) if dump_dir else None)
-    if not checkpoints and (checkpoint_dir or remote):
-        raise HetrainError(f"--no-checkpoints: cannot be given with {'--checkpoint-dir' if checkpoint_dir else '--remote'}")
-    if print_launch:
-        check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
-    else:
-        check_run_paths(run_dir.resolve(), config, list(layout.nodes))
-    if data is not None:
+    config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
+                              peers=_peer_urls(peer), trace_memory=trace_memory,
+                              dump_dir=str(dump_dir.resolve()) if dump_dir else None)
+    if options.data is not None:
         from hetrain.runtime.data import TokenSource
 
-        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=data)  # bad data: one line now, not per rank
-    if resume and restart:
-        raise HetrainError("give --resume or --restart, not both")
-    if config.checkpoint is not None and not print_launch:
-        from hetrain.checkpoint.backup import probe_remote
-
-        probe_remote(config.checkpoint)  # before --restart archives or a resume reassembles (launch probes again)
-    from hetrain.recovery.runs import archive_run, previous_run_files, start_or_resume
-
-    resumed_step = None
-    nodes = list(layout.nodes)
-    previous = [] if print_launch else previous_run_files(run_dir.resolve(), config, nodes)
-    if previous and restart:
-        if config.checkpoint is not None and config.checkpoint.remote_url:
-            raise HetrainError(f"--restart: {config.checkpoint.remote_url} still holds the old run's checkpoints, which "
-                               f"a recovery would take for this run's; give the new run another --remote prefix")
-        archived = archive_run(run_dir.resolve(), config, nodes)
-        err.print(f"previous run moved to {archived}", highlight=False)
-    elif previous or (resume and not print_launch):
-        if config.checkpoint is not None:
-            config, resumed_step = start_or_resume(run_dir.resolve(), config, pl, steps, more=False,
-                                                   warn=lambda w: err.print(f"[yellow]note:[/] {w}", highlight=False,
-                                                                            soft_wrap=True))
-        if resumed_step is None:
-            raise HetrainError(
-                f"--run-dir {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
-                f"resume from; pass --restart to archive it and start over, or choose another --run-dir"
-                if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
-        if config.start_step >= config.steps:
-            raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is "
-                               f"already at --steps {steps}; raise --steps to train on (the learning-rate decay is "
-                               f"stretched to the new total)")
-    if precision is not None and pl.training is not None and precision != pl.training.precision:
-        err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in {precision}",
-                  highlight=False)
+        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
+    if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
+        err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
+                  f"{options.precision}", highlight=False)
     if print_launch:
-        path = write_config(config, run_dir.resolve())
-        out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
-        for cmd in node_commands(layout, str(path), main_address, 29500, run_dir.name):
-            out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
+        _print_launch(config, layout, run_dir, main_address)
         return
+    prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
+                           resume=resume, restart=restart,
+                           warn=lambda w: err.print(f"[yellow]note:[/] {w}", highlight=False, soft_wrap=True))
+    if prepared.archived is not None:
+        err.print(f"previous run moved to {prepared.archived}", highlight=False)
+    config = prepared.config
     out.print(f"training {pl.model.name} on {layout.world_size} processes "
               f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
-              + (f", resuming after step {resumed_step} (the learning-rate schedule is the one the run started "
-                 f"with; --lr and the schedule options apply to new runs)" if resumed_step is not None else "")
+              + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
+                 if prepared.resumed_step is not None else "")
               + f"; run directory {run_dir}", highlight=False)
+    records = _launch_with_progress(config, layout, run_dir)
+    _report_run(records, config, run_dir)
+
+
+def _print_launch(config, layout, run_dir: Path, main_address: str) -> None:
+    from hetrain.runtime.launch import node_commands, write_config
+
+    check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
+    path = write_config(config, run_dir.resolve())
+    out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
+    for cmd in node_commands(layout, str(path), main_address, 29500, run_dir.name):
+        out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
+
+
+def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
+    """Launch the run under a progress bar; a signal stops every worker and exits 128 + its number."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from hetrain.runtime.launch import launch
+
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)
     with progress:
-        task = progress.add_task("train", total=steps, completed=config.start_step, info="starting processes")
+        task = progress.add_task("train", total=config.steps, completed=config.start_step, info="starting processes")
 
         def show(record: dict) -> None:
             progress.update(task, completed=record["step"] + 1,
@@ -503,7 +454,7 @@ def train(
         previous_handlers = {sig: signal.signal(sig, terminate)
                              for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
-            records = launch(config, layout, run_dir, on_record=show)
+            return launch(config, layout, run_dir, on_record=show)
         except KeyboardInterrupt:
             name = signal.Signals(received[0]).name if received else "interrupted"
             err.print(f"{name}: every training process of this run has been stopped; "
@@ -513,14 +464,18 @@ def train(
         finally:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
+
+
+def _report_run(records: list[dict], config, run_dir: Path) -> None:
+    """The run's last line, and exit 3 when its newest checkpoint did not reach the remote store."""
+    from hetrain.recovery.runs import EXIT_NOT_BACKED_UP, backup_problem
+
     if records:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
                   f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
                   highlight=False)
-    from hetrain.recovery.runs import EXIT_NOT_BACKED_UP, backup_problem
-
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
         err.print(f"[bold red]backup:[/] {problem}", highlight=False, soft_wrap=True)

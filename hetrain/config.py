@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError)
+                      ValidationError, model_validator)
 
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
@@ -22,6 +22,62 @@ from hetrain.runtime.schedule import DEFAULT_LR, LRSchedule
 Precision = Literal["bf16", "fp16", "fp32"]
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a directory name, never a path
 RUN_ID = re.compile(RUN_ID_PATTERN)
+
+
+MAX_STEPS = 10**9  # optimizer steps of one run (a trillion-token run at 1k sequences of 1k tokens: 1M steps)
+DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
+DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
+
+
+class TrainOptions(BaseModel):
+    """How to train a run: the options of ``hetrain train`` and the train flow's ``options`` parameter.
+
+    Declared once, with one default each: the CLI's options are made from these fields
+    (``hetrain.cli_options``), Prefect renders the model as a form, and ``build_run_config``
+    turns it into the config every rank reads. ``steps`` is the run's total in both; a scheduled
+    run that trains a fixed amount more each time gives ``more_steps`` instead.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="train until this many steps are done (the run's total)")
+    more_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description=(
+        "train this many steps past the newest checkpoint instead of up to --steps (scheduled retraining)"))
+    data: str | None = Field(None, description=(
+        "token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
+        "tokens (default: synthetic)"))
+    seed: int = Field(0, description="weights and data seed")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
+    lr: float = Field(DEFAULT_LR, gt=0, description="peak learning rate (after warmup)")
+    lr_min: float | None = Field(None, ge=0, description="cosine floor (default: 10 % of --lr)")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warmup steps (default: min(200, 10 % of --steps))")
+    decay_steps: int | None = Field(None, ge=1, description="cosine decay steps after warmup (default: the rest of "
+                                                            "--steps)")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip gradients to this global norm (0: off)")
+    precision: Precision | None = Field(None, description=(
+        "default: the plan's (a plan without training settings: bf16 on GPU, fp32 on CPU)"))
+    compile: bool = Field(False, description="torch.compile each block (GPU only)")
+    checkpoints: bool = Field(True, description="checkpoint the run (off: a preempted or failed run cannot resume)")
+    checkpoint_dir: str | None = Field(None, description=(
+        "each node's checkpoint root (path or fsspec URL; {node} becomes the node name; default "
+        "RUN_DIR/checkpoints/{node})"))
+    checkpoint_every: int = Field(DEFAULT_CHECKPOINT_EVERY, ge=1, le=MAX_STEPS,
+                                  description="checkpoint every N steps (and at the end)")
+    keep: int = Field(DEFAULT_KEEP, ge=1, le=1000, description="committed checkpoints to keep, locally and remotely")
+    remote: str | None = Field(None, description="back checkpoints up to this URL, e.g. s3://bucket/run")
+    remote_endpoint: str | None = Field(None, description="S3 endpoint URL (MinIO, R2, ...)")
+    upload_retries: int = Field(5, ge=0, le=100, description="retries of each upload to --remote (backoff 0.5 s "
+                                                              "doubling to 8 s)")
+    sync_checkpoints: bool = Field(False, description=(
+        "write and commit each checkpoint before the next step (default: after a snapshot in host memory, in the "
+        "background)"))
+
+    @model_validator(mode="after")
+    def _checkpoint_places_need_checkpoints(self) -> TrainOptions:
+        if not self.checkpoints and (self.checkpoint_dir or self.remote):
+            raise ValueError(f"checkpoints is off: cannot be given with "
+                             f"{'checkpoint_dir' if self.checkpoint_dir else 'remote'}")
+        return self
 
 
 class CheckpointConfig(BaseModel):
@@ -117,42 +173,40 @@ class RunConfig(BaseModel):
 
 
 BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
-DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and a checkpoint costs seconds
-DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
+def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, steps: int | None = None,
+                     run_id: str | None = None, cluster: Path | None = None, metrics: Path | None = None,
+                     peers: dict[str, str] | None = None, **internal) -> RunConfig:
+    """The run's config from the user's ``options``, as ``hetrain train`` and the flows all build it.
 
-
-def build_run_config(run_dir: Path, plan_path: Path, *, steps: int, run_id: str | None = None,
-                     cluster: Path | None = None, data: Path | None = None, metrics: Path | None = None,
-                     checkpoints: bool = True, checkpoint_dir: str | None = None,
-                     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, keep: int = DEFAULT_KEEP,
-                     remote: str | None = None, remote_endpoint: str | None = None, upload_retries: int = 5,
-                     peers: dict[str, str] | None = None, background_checkpoints: bool = True,
-                     **training) -> RunConfig:
-    """The run's config, as ``hetrain train`` and the train flow both build it (one set of defaults).
-
-    Checkpoints go to ``checkpoint_dir`` (``{node}`` becomes each node's name; a path or fsspec
-    URL), by default ``RUN_DIR/checkpoints/{node}``. ``training`` holds ``RunConfig``'s own
-    fields (lr and schedule, precision, optimizer, seed...), whose defaults are ``RunConfig``'s.
+    ``steps`` (default ``options.steps``) is the total the ranks train to; the run service sets
+    it from ``more_steps`` on a resume. Checkpoints go to ``options.checkpoint_dir`` (``{node}``
+    becomes each node's name; a path or fsspec URL), by default ``RUN_DIR/checkpoints/{node}``.
+    ``internal`` holds ``RunConfig`` fields no user option sets (tests' dumps, memory tracing).
     A bad value is one HetrainError line naming the field.
     """
     from hetrain.spec.specs import describe_validation_error
 
     run_dir = run_dir.resolve()
+    o = options
     try:
         ckpt = None
-        if checkpoints or checkpoint_dir or remote:
+        if o.checkpoints:
+            checkpoint_dir = o.checkpoint_dir
             if checkpoint_dir is None:
                 checkpoint_dir = str(run_dir / "checkpoints" / "{node}")
             elif "://" not in checkpoint_dir:
                 checkpoint_dir = str(Path(checkpoint_dir).resolve())
-            ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=checkpoint_every, keep=keep,
-                                    remote_url=remote, remote_options=CheckpointConfig.endpoint_options(remote_endpoint),
-                                    upload_retries=upload_retries, peers=peers or {},
-                                    background=background_checkpoints)
+            ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=o.checkpoint_every, keep=o.keep,
+                                    remote_url=o.remote, remote_options=CheckpointConfig.endpoint_options(o.remote_endpoint),
+                                    upload_retries=o.upload_retries, peers=peers or {},
+                                    background=not o.sync_checkpoints)
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
-                         steps=steps, data=str(Path(data).resolve()) if data else None,
+                         steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,
                          checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"),
-                         backup_status_file=str(run_dir / BACKUP_STATUS) if remote else None, **training)
+                         backup_status_file=str(run_dir / BACKUP_STATUS) if o.remote else None,
+                         seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,
+                         decay_steps=o.decay_steps, max_grad_norm=o.max_grad_norm or None, precision=o.precision,
+                         compile=o.compile, **internal)
     except ValidationError as e:
         raise HetrainError(describe_validation_error("options", e)) from None

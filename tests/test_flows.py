@@ -31,6 +31,7 @@ from conftest import ROOT  # noqa: E402
 from flows.events import emit_preempted  # noqa: E402
 from flows.train import train  # noqa: E402
 from hetrain.checkpoint.manifest import committed_steps  # noqa: E402
+from hetrain.config import TrainOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +119,7 @@ def wait_for_runs(deployment_id, count: int, timeout_s: float = 240) -> list:
 
 
 def test_train_flow_end_to_end(server, tmp_path: Path):
-    result = train(steps=8, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4)
+    result = train(run_id="e2e", runs_root=str(tmp_path), options=TrainOptions(steps=8, checkpoint_every=4))
     assert result["status"] == "completed" and result["first_step"] == 0 and result["last_step"] == 7
     assert committed_steps(str(tmp_path / "e2e" / "checkpoints" / "fast")) == [3, 7]
     import anyio
@@ -131,7 +132,8 @@ def test_train_flow_end_to_end(server, tmp_path: Path):
     assert {"e2e-training-plan", "e2e-training-pipelines", "e2e-progress", "e2e-iteration-time"} <= set(arts)
     assert "pipeline 0:" in arts["e2e-training-pipelines"].data
     # run again, as the schedule does, on fresh data: the run resumes after its newest checkpoint, 4 more steps
-    again = train(steps=4, run_id="e2e", runs_root=str(tmp_path), checkpoint_every=4, data="examples/data/tiny.txt")
+    again = train(run_id="e2e", runs_root=str(tmp_path),
+                  options=TrainOptions(more_steps=4, checkpoint_every=4, data="examples/data/tiny.txt"))
     assert again["resumed_from"] == 7 and again["first_step"] == 8 and again["last_step"] == 11
 
 
@@ -177,8 +179,8 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     dep = anyio.run(_deployment, "hetrain-recover/recover")
     runs_root = tmp_path / "runs"
     # FLOP-based plan (no profile): all four devices, so the spot node's shards must come from the bucket
-    first = train(steps=6, run_id="spot", runs_root=str(runs_root), checkpoint_every=3, use_profile=False,
-                  remote="s3://flows/spot", remote_endpoint=bucket)
+    first = train(run_id="spot", runs_root=str(runs_root), use_profile=False,
+                  options=TrainOptions(steps=6, checkpoint_every=3, remote="s3://flows/spot", remote_endpoint=bucket))
     plan_before = json.loads((runs_root / "spot" / "plan.json").read_text())
     assert any(d.startswith("slow/") for p in plan_before["pipelines"] for s in p["stages"] for d in s["devices"])
     assert first["status"] == "completed"

@@ -133,7 +133,7 @@ def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_p
 def test_no_checkpoints_cannot_be_combined_with_a_checkpoint_place(tmp_path: Path):
     asymmetric_plan(1).write(tmp_path / "plan.json")
     r = _train(tmp_path, "--steps", "2", "--no-checkpoints", "--remote", str(tmp_path / "backup"))
-    assert r.returncode == 2 and "--no-checkpoints: cannot be given with --remote" in r.stderr
+    assert r.returncode == 2 and "checkpoints is off: cannot be given with remote" in r.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -79,8 +79,8 @@ def test_a_node_failing_mid_run_fails_the_parent_and_leaves_no_process(bed_clust
 
     with temporary_settings({PREFECT_API_URL: api}):
         run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "cluster": str(cluster_file), "run_id": "bedfail", "steps": 200, "use_profile": False,
-            "checkpoint_every": 100, "launch": "per-node", "planner": "whale"})
+            "cluster": str(cluster_file), "run_id": "bedfail", "use_profile": False,
+            "options": {"steps": 200, "checkpoint_every": 100}, "launch": "per-node", "planner": "whale"})
     metrics = [roots[n] / "bedfail" / "metrics.jsonl" for n in NODES]
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not any(m.exists() and m.read_text().count("\n") >= 2 for m in metrics):
@@ -132,8 +132,9 @@ def test_train_per_node_spot_notice_and_event_triggered_recovery(bed_cluster):
         # whale's plans use every GPU (hetrain's, with these profiles, may leave the slow node out);
         # no periodic checkpoint before the notice: the one to resume from is the emergency one
         run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "cluster": str(cluster_file), "run_id": "rec", "steps": STEPS, "checkpoint_every": 100_000,
-            "launch": "per-node", "planner": "whale", "remote": remote, "remote_endpoint": bc.s3_inside})
+            "cluster": str(cluster_file), "run_id": "rec", "launch": "per-node", "planner": "whale",
+            "options": {"steps": STEPS, "checkpoint_every": 100_000, "remote": remote,
+                        "remote_endpoint": bc.s3_inside}})
     # each node writes to its own disk, rank 0's node (the plan's first) the metrics: wait for a few steps
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (roots["a"] / "rec" / "plan.json").exists():

@@ -125,7 +125,7 @@ def test_the_server_schedules_the_nightly_runs_and_a_scheduled_run_finishes(serv
     from prefect.client.schemas.schedules import IntervalSchedule
 
     anchor = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
-    params = {"run_id": "scheduled", "steps": 4, "checkpoint_every": 2, "runs_root": str(tmp_path)}
+    params = {"run_id": "scheduled", "options": {"steps": 4, "checkpoint_every": 2}, "runs_root": str(tmp_path)}
 
     async def add_schedule(client):
         return await client.create_deployment_schedules(dep.id, [DeploymentScheduleCreate(

@@ -10,6 +10,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hetrain.checkpoint.manifest import committed_steps, restore_dir, step_owners
@@ -185,3 +186,58 @@ def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
                 (dest / "checkpoints").mkdir(exist_ok=True)
                 shutil.move(str(root), dest / "checkpoints" / node)
     return dest
+
+
+@dataclass
+class PreparedRun:
+    """What ``prepare_run`` decided: the config to launch, the step it resumes after, where an old run went."""
+
+    config: RunConfig
+    resumed_step: int | None = None
+    archived: Path | None = None
+
+
+def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], *, more_steps: int | None = None,
+                resume: bool = False, restart: bool = False, start_over_without_checkpoint: bool = False,
+                warn: Callable[[str], None] | None = None) -> PreparedRun:
+    """The one start-a-run sequence of ``hetrain train`` and the flows, before any process starts.
+
+    Checks every path the run writes and probes its remote store (one line, nothing written,
+    when either is wrong); then starts fresh, resumes after the newest committed checkpoint
+    (training to ``config.steps``, or ``more_steps`` past the checkpoint), or with ``restart``
+    archives what a previous run left. A previous run without a checkpoint is refused (the
+    CLI: the user chooses) or, with ``start_over_without_checkpoint`` (scheduled runs, whose
+    retries must not stop there), started over; its metrics are kept beside the new ones.
+    """
+    from hetrain.checkpoint.backup import probe_remote
+
+    if resume and restart:
+        raise HetrainError("give --resume or --restart, not both")
+    check_run_paths(run_dir, config, nodes)
+    if config.checkpoint is not None:
+        probe_remote(config.checkpoint)  # before --restart archives or a resume reassembles
+    fresh = config.model_copy(update={"start_step": 0, "steps": more_steps or config.steps, "resume_from": None})
+    previous = previous_run_files(run_dir, config, nodes)
+    if previous and restart:
+        if config.checkpoint is not None and config.checkpoint.remote_url:
+            raise HetrainError(f"--restart: {config.checkpoint.remote_url} still holds the old run's checkpoints, which "
+                               f"a recovery would take for this run's; give the new run another --remote prefix")
+        return PreparedRun(fresh, archived=archive_run(run_dir, config, nodes))
+    if not previous and not resume:
+        return PreparedRun(fresh)
+    resumed_step = None
+    if config.checkpoint is not None:
+        config, resumed_step = start_or_resume(run_dir, config, plan, more_steps or config.steps,
+                                               more=more_steps is not None, warn=warn)
+    if resumed_step is None:
+        if start_over_without_checkpoint and not resume:
+            return PreparedRun(fresh)
+        raise HetrainError(
+            f"--run-dir {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
+            f"resume from; pass --restart to archive it and start over, or choose another --run-dir"
+            if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
+    if config.start_step >= config.steps:
+        raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is already "
+                           f"at --steps {config.steps}; raise --steps (the learning-rate decay is stretched to the new "
+                           f"total) or give --more-steps")
+    return PreparedRun(config, resumed_step)
