@@ -12,7 +12,7 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
 from hetrain.cost.costmodel import Estimate
 from hetrain.cost.report import plan_rows
 from hetrain.plan.schema import Plan
-from hetrain.profiling.profile import Profile
+from hetrain.profiling.profile import ANALYTIC_NOTE, Profile
 
 
 def artifact_key(*parts: str) -> str:
@@ -37,11 +37,12 @@ def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
     return "\n".join(lines)
 
 
-def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str) -> None:
+def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str, measured: bool = True) -> None:
+    """The plan as a table and its pipelines; a plan of analytic costs says its times are not measured."""
     rows = [{**{k: v for k, v in r.items() if k not in ("num_blocks", "capacity GB")},
              "devices": ", ".join(r["devices"])} for r in plan_rows(plan, est)]
     create_table_artifact(rows, key=artifact_key(run_id, what, "plan"),
-                          description=f"{what} plan of run {run_id}")
+                          description=f"{what} plan of run {run_id}" + ("" if measured else f"; {ANALYTIC_NOTE}"))
     create_markdown_artifact(pipelines_markdown(plan, est, f"{what} plan of run {run_id}"),
                              key=artifact_key(run_id, what, "pipelines"), description="pipelines of the plan")
 

@@ -25,7 +25,7 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, TransientError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
-from hetrain.profiling.profile import PROFILER_MEASURES, Profile
+from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
 from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
 from hetrain.runtime.launch import RunStopped, launch
@@ -78,7 +78,9 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
     get_run_logger().info("%s plan: %d pipelines, tp %d, predicted %.3f s/iteration (%s)", planner,
                           len(result.plan.pipelines), result.plan.tp, result.estimate.iteration_time_s,
                           result.plan.solver.status if result.plan.solver else "")
-    publish_plan(result.plan, result.estimate, run_id, "training")
+    publish_plan(result.plan, result.estimate, run_id, "training", measured=prof is not None)
+    if prof is None:
+        get_run_logger().warning("plan of run %s: %s", run_id, ANALYTIC_NOTE)
     return json.loads(result.plan.to_json())
 
 

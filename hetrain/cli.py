@@ -179,6 +179,10 @@ def plan(
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
         out.print(summary_line(main.plan, main.estimate), highlight=False)
         out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
+    if prof is None:
+        from hetrain.profiling.profile import ANALYTIC_NOTE
+
+        err.print(f"note: {ANALYTIC_NOTE}", highlight=False, soft_wrap=True)
     if out_file:
         err.print(f"plan written to {out_file}", highlight=False)
 

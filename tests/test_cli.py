@@ -12,6 +12,7 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     for word in ("hetrain", "megatron", "whale", "tokens/s", "vs megatron", "useful work"):
         assert word in r.stdout
+    assert "these times are analytic estimates" in r.stderr and "not measured" in r.stderr  # no --profile
     plan = json.loads(out_file.read_text())
     assert plan["schema"] == "hetrain.plan/v1"
     for key in ("model", "cluster", "global_batch_size", "micro_batch_size", "tp", "pipelines", "predicted", "solver"):

@@ -41,6 +41,10 @@ from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json
 from hetrain.spec.specs import ModelSpec, describe_validation_error
 
+
+# What a plan made without a profile rests on, said wherever its times are shown (CLI, Prefect artifacts).
+ANALYTIC_NOTE = ("these times are analytic estimates (FLOPs at the catalog's TFLOPS), not measured: "
+                 "`hetrain profile` on each GPU type and --profile make them measured")
 PROFILE_SCHEMA = "hetrain.profile/v1"
 # What the profiler measures, for caches of profiles (the flows' profile task): raised whenever it
 # measures something new, so a cached profile without it is taken again. 2: per recompute mode;
