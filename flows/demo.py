@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hetrain.rundir import RunDir
 from hetrain.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def wait_final(flow_run_ids, deadline: float):
 
 
 def report(run_dir: Path, steps: int, notice_step: int, wall_s: float, ui: str, home: Path) -> None:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     (rec_path,) = sorted(run_dir.glob("recovery-from-step-*.json"))[-1:]
     rec = json.loads(rec_path.read_text())
     resumed_at = next(i for i, r in enumerate(records) if "resume_load_s" in r)
@@ -205,7 +206,7 @@ def bed_main(args, home: Path, started: float) -> None:
             "options": {"steps": args.steps, "checkpoint_every": 25, "remote": f"s3://{BUCKET}/{run_id}",
                         "remote_endpoint": bc.s3_inside}})
         deadline = time.monotonic() + args.timeout_s
-        plan_file = bc.roots["a"] / run_id / "plan.json"
+        plan_file = RunDir(bc.roots["a"] / run_id).plan
         while not plan_file.exists():
             if time.monotonic() > deadline or client.read_flow_run(train_run.id).state.is_final():
                 raise SystemExit(f"demo: the training run did not start on the nodes; logs in {home}")
@@ -215,7 +216,7 @@ def bed_main(args, home: Path, started: float) -> None:
             raise SystemExit("demo: the plan leaves the spot node out (its devices measured too slow to help): "
                              "nothing to recover")
         first = plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
-        metrics = bc.roots[first] / run_id / "metrics.jsonl"
+        metrics = RunDir(bc.roots[first] / run_id).metrics
 
         def records() -> list[dict]:
             return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -261,9 +262,9 @@ def bed_main(args, home: Path, started: float) -> None:
         data = found[0].data
         rows = {r["node"]: r for r in (json.loads(data) if isinstance(data, str) else data)}
         step = stopped["step"]
-        new_plan = json.loads((bc.roots["a"] / run_id / f"plan-from-step-{step}.json").read_text())
+        new_plan = json.loads(RunDir(bc.roots["a"] / run_id).plan_from_step(step).read_text())
         new_first = new_plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
-        after_all = [json.loads(line) for line in (bc.roots[new_first] / run_id / "metrics.jsonl").read_text().splitlines()]
+        after_all = [json.loads(line) for line in RunDir(bc.roots[new_first] / run_id).metrics.read_text().splitlines()]
         after = after_all[max(i for i, r in enumerate(after_all) if "resume_load_s" in r):]
 
     old_devices, new_devices = _devices_by_node(plan), _devices_by_node(new_plan)
@@ -361,7 +362,7 @@ def main() -> None:
             "global_batch_size": 48, "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws",
             "options": {"steps": args.steps, "checkpoint_every": 10, "remote": f"s3://hetrain-demo/{run_id}",
                         "remote_endpoint": f"http://127.0.0.1:{s3_port}"}})
-        metrics = runs_root / run_id / "metrics.jsonl"
+        metrics = RunDir(runs_root / run_id).metrics
         deadline = time.monotonic() + args.timeout_s
 
         def last_step() -> int:

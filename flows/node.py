@@ -24,8 +24,9 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
 from flows.report import Progress, artifact_key, publish_json, publish_profile
-from hetrain.checkpoint.manifest import MANIFEST, committed_steps, step_name
+from hetrain.checkpoint.manifest import MANIFEST, committed_steps
 from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
+from hetrain.rundir import RunDir
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import build_layout
@@ -93,7 +94,7 @@ def node(
     run_dir = run_dir_of(node_runs_root(runs_root), run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume_step is None:
-        plan_path, cluster_path = run_dir / "plan.json", run_dir / "cluster.json"
+        plan_path, cluster_path = RunDir(run_dir).plan, RunDir(run_dir).cluster
         config = build_run_config(run_dir, plan_path, options or TrainOptions(), steps=steps, run_id=run_id,
                                   cluster=cluster_path, peers=peers)
         check_run_paths(run_dir, config, [node])
@@ -101,9 +102,9 @@ def node(
             raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
                                f"per node start from step 0; pick a new run_id")
     else:
-        plan_path = run_dir / f"plan-from-step-{resume_step}.json"
-        cluster_path = run_dir / f"cluster-from-step-{resume_step}.json"
-        restored = run_dir / "restore" / step_name(resume_step)
+        plan_path = RunDir(run_dir).plan_from_step(resume_step)
+        cluster_path = RunDir(run_dir).cluster_from_step(resume_step)
+        restored = RunDir(run_dir).restored(resume_step)
         if not (restored / MANIFEST).is_file():
             raise HetrainError(f"node '{node}': step {resume_step} of run '{run_id}' was not restored here "
                                f"({restored}); the recovery restores before it resumes")
@@ -186,7 +187,7 @@ def node_restore(
     logger = get_run_logger()
     check_node(node)
     run_dir = run_dir_of(node_runs_root(runs_root), run_id)
-    if not (run_dir / "config.json").is_file():
+    if not RunDir(run_dir).config.is_file():
         create_table_artifact([{"node": node, "status": "no run here"}], key=artifact_key(run_id, "restore", node))
         return
     report, old_plan, config = restore_run_on_node(run_dir, node, lost_nodes, timeout_s=timeout_s,

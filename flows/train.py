@@ -28,6 +28,7 @@ from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
 from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
+from hetrain.rundir import RunDir
 from hetrain.runtime.launch import RunStopped, launch
 from hetrain.runtime.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
@@ -91,7 +92,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, option
     run_dir = run_dir_of(runs_root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     the_plan = Plan.model_validate(plan_json)
-    plan_path = run_dir / "plan.json"
+    plan_path = RunDir(run_dir).plan
     base = build_run_config(run_dir, plan_path, options, run_id=run_id, cluster=_path(cluster))
     # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
     prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),

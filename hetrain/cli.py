@@ -18,6 +18,7 @@ from hetrain.config import TrainOptions
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir, check_output_file, write_text_atomic
 from hetrain.recovery.preemption import MIN_POLL_S
+from hetrain.rundir import CONFIG, RunDir
 from hetrain.runtime.schedule import describe_extension
 
 # Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
@@ -478,7 +479,7 @@ def _report_run(records: list[dict], config, run_dir: Path) -> None:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
-                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or run_dir / 'metrics.jsonl'}",
+                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}",
                   highlight=False)
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
@@ -654,8 +655,8 @@ def export(
     from hetrain.checkpoint.export import check_dtype, export_run
 
     check_dtype(dtype)
-    if not (run / "config.json").is_file():
-        raise HetrainError(f"--run {run}: no config.json (not a run directory)")
+    if not RunDir.of(run).config.is_file():
+        raise HetrainError(f"--run {run}: no {CONFIG} (not a run directory)")
     check_output_dir(out_dir, "--out")
     result = export_run(run, out_dir, step=step, dtype=dtype, timeout_s=timeout_s)
     out.print(f"exported step {result.step} of {run}: {result.num_params:,} parameters, "
@@ -684,14 +685,13 @@ def restore(
     """
     import time
 
-    from hetrain.checkpoint.manifest import restore_dir
     from hetrain.recovery.recover import restore_run_on_node
 
     lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
     if not lost:
         raise HetrainError("--lost-nodes: expected at least one node name")
-    if not (run / "config.json").is_file():
-        raise HetrainError(f"--run {run}: no config.json (not a run directory of this node)")
+    if not RunDir.of(run).config.is_file():
+        raise HetrainError(f"--run {run}: no {CONFIG} (not a run directory of this node)")
     started = time.perf_counter()
     report, _, _ = restore_run_on_node(run, node, lost, timeout_s=timeout_s, use_peers=not no_peers,
                                        still_up=[n.strip() for n in still_up.split(",") if n.strip()])
@@ -699,7 +699,7 @@ def restore(
     kinds = report.by_kind(node)
     for warning in report.warnings():
         err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
-    summary = {"node": node, "step": report.step, "dest": str(restore_dir(run, report.step)), "seconds": seconds,
+    summary = {"node": node, "step": report.step, "dest": str(RunDir.of(run).restored(report.step)), "seconds": seconds,
                "local_bytes": kinds["local"], "peer_bytes": kinds["peers"], "bucket_bytes": kinds["remote"],
                "by_source": report.by_source()}
     if json_out:
@@ -759,13 +759,13 @@ def watch(
     def request_files() -> list[Path]:
         if runs_root is not None:
             runs[:] = [(d.resolve(), info) for d, info in active_runs(runs_root)]
-        return [d / "checkpoint.request" for d, _ in runs]
+        return [RunDir(d).checkpoint_request for d, _ in runs]
 
     def on_notice(notice, checkpoint: bool) -> None:
         left = notice.seconds_left()
         wait_s = wait_checkpoint_s if left is None else max(0.0, min(wait_checkpoint_s, left))
         for run_dir, info in runs or [(None, {})]:
-            request = run_dir / "checkpoint.request" if run_dir else None
+            request = RunDir(run_dir).checkpoint_request if run_dir else None
             step = wait_for_checkpoint(request, wait_s) if request in watcher.requested else None
             if request in watcher.requested:
                 err.print(f"{run_dir.name}: emergency checkpoint "
@@ -783,7 +783,7 @@ def watch(
 
     watcher = PreemptionWatcher(SOURCES[cloud](metadata_url), node,
                                 request_file=request_files if runs_root is not None else
-                                (runs[0][0] / "checkpoint.request" if runs else None),
+                                (RunDir(runs[0][0]).checkpoint_request if runs else None),
                                 min_checkpoint_s=min_checkpoint_s, on_notice=on_notice, poll_s=poll_s,
                                 log=lambda msg: err.print(msg, highlight=False),
                                 stop_after_checkpoint=stop_after_checkpoint, defer_checkpoint_s=defer_checkpoint_s)

@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
+from hetrain.rundir import RunDir
 from hetrain.runtime.schedule import DEFAULT_LR, LRSchedule
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -172,7 +173,6 @@ class RunConfig(BaseModel):
         return "bf16" if device_type == "cuda" else "fp32"
 
 
-BACKUP_STATUS = "backup.json"  # rank 0's account of what reached the remote store, written when the run ends
 def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, steps: int | None = None,
                      run_id: str | None = None, cluster: Path | None = None, metrics: Path | None = None,
                      peers: dict[str, str] | None = None, **internal) -> RunConfig:
@@ -186,14 +186,14 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
     """
     from hetrain.spec.specs import describe_validation_error
 
-    run_dir = run_dir.resolve()
+    run = RunDir.of(run_dir)
     o = options
     try:
         ckpt = None
         if o.checkpoints:
             checkpoint_dir = o.checkpoint_dir
             if checkpoint_dir is None:
-                checkpoint_dir = str(run_dir / "checkpoints" / "{node}")
+                checkpoint_dir = str(run.checkpoints / "{node}")
             elif "://" not in checkpoint_dir:
                 checkpoint_dir = str(Path(checkpoint_dir).resolve())
             ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=o.checkpoint_every, keep=o.keep,
@@ -202,9 +202,9 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
                                     background=not o.sync_checkpoints)
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
-                         metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run_dir.name,
-                         checkpoint=ckpt, request_file=str(run_dir / "checkpoint.request"),
-                         backup_status_file=str(run_dir / BACKUP_STATUS) if o.remote else None,
+                         metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
+                         checkpoint=ckpt, request_file=str(run.checkpoint_request),
+                         backup_status_file=str(run.backup_status) if o.remote else None,
                          seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,
                          decay_steps=o.decay_steps, max_grad_norm=o.max_grad_norm or None, precision=o.precision,
                          compile=o.compile, **internal)

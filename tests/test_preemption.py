@@ -125,7 +125,8 @@ def test_a_node_watcher_checkpoints_the_runs_active_on_the_node_and_hooks_each(f
     """`hetrain watch --runs-root` (what `hetrain node start --cloud` runs): on a notice, each run whose
     ranks run on the node now (marked by its node flow, its process alive) is asked for a checkpoint and
     gets the hook with its step and what the node flow recorded; finished or crashed runs are left alone."""
-    from hetrain.recovery.preemption import ACTIVE_FILE, active_runs, mark_active
+    from hetrain.recovery.preemption import active_runs, mark_active
+    from hetrain.rundir import ACTIVE_MARKER as ACTIVE_FILE
 
     root = tmp_path / "runs"
     for name in ("live", "crashed", "done"):

@@ -29,10 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import time
 import uuid
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import fsspec
@@ -101,16 +100,6 @@ class Manifest(BaseModel):
 
 def step_name(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
-
-
-def restore_dir(run_dir: Path, step: int) -> Path:
-    """``RUN/restore/step-N``, where a reassembled checkpoint lands; older restores are removed (one is enough)."""
-    base = run_dir / "restore"
-    if base.is_dir():
-        for old in base.iterdir():
-            if old.name != step_name(step):
-                shutil.rmtree(old, ignore_errors=True)
-    return base / step_name(step)
 
 
 def join(url: str, *parts: str) -> str:

@@ -42,6 +42,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from hetrain.errors import HetrainError
+from hetrain.rundir import ACTIVE_MARKER, RunDir, done_files, done_step
 
 DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.internal",
                 "azure": "http://169.254.169.254"}
@@ -238,7 +239,7 @@ class PreemptionWatcher:
                  and left > self.defer_checkpoint_s)
         if defer:  # the recovery asks; the watcher only if nobody has, min_checkpoint_s before the deadline
             for request in files:  # answers to earlier notices must not count as a request for this one
-                for old in request.parent.glob(request.name + ".done-*"):
+                for old in done_files(request):
                     old.unlink(missing_ok=True)
             self.deferred = threading.Timer(left - self.min_checkpoint_s, self._request_if_nobody_did, args=(files,))
             self.deferred.daemon = True
@@ -268,7 +269,7 @@ class PreemptionWatcher:
         """Ask the run of ``request`` for the emergency checkpoint; the problem, if it could not be asked."""
         try:
             request.parent.mkdir(parents=True, exist_ok=True)
-            for old in request.parent.glob(request.name + ".done-*"):
+            for old in done_files(request):
                 old.unlink(missing_ok=True)  # answers to earlier notices must not answer this one
             request.write_text(json.dumps({**self.notice.to_dict(), "stop": self.stop_after_checkpoint}))
             self.requested.append(request)
@@ -279,7 +280,7 @@ class PreemptionWatcher:
     def _request_if_nobody_did(self, files: list[Path]) -> None:
         """A deferred checkpoint's fallback: request it for each run no recovery has asked yet."""
         for request in files:
-            if request.exists() or any(request.parent.glob(request.name + ".done-*")):
+            if request.exists() or any(done_files(request)):
                 continue  # asked (a switch's request, pending or answered)
             problem = self._request(request)
             self.log(f"node {self.node}: " + (problem or f"no recovery asked for the emergency checkpoint of "
@@ -330,14 +331,13 @@ def wait_for_checkpoint(request_file: Path, timeout_s: float, poll_s: float = 0.
     """The step of the emergency checkpoint once the ranks answered the request (``.done-<step>``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done = list(request_file.parent.glob(request_file.name + ".done-*"))
+        done = done_files(request_file)
         if done:
-            return max(int(p.name.rsplit("-", 1)[1]) for p in done)
+            return max(map(done_step, done))
         time.sleep(poll_s)
     return None
 
 
-ACTIVE_FILE = "node-run.json"  # in a run directory while a node's ranks of the run are running
 
 
 @contextlib.contextmanager
@@ -348,7 +348,7 @@ def mark_active(run_dir: Path, info: dict) -> Iterator[None]:
     orchestration layer: how the run was launched, its cluster file); the file also holds the
     pid that runs it, so a run whose process died without cleaning up is not taken as active.
     """
-    path = run_dir / ACTIVE_FILE
+    path = RunDir.of(run_dir).active_marker
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
     os.replace(tmp, path)
@@ -373,7 +373,7 @@ def _alive(pid: object) -> bool:
 def active_runs(runs_root: Path) -> list[tuple[Path, dict]]:
     """The runs of ``runs_root`` whose ranks run on this node now, with their ``mark_active`` info."""
     found = []
-    for marker in sorted(Path(runs_root).glob(f"*/{ACTIVE_FILE}")):
+    for marker in sorted(Path(runs_root).glob(f"*/{ACTIVE_MARKER}")):
         try:
             info = json.loads(marker.read_text())
         except (OSError, ValueError):

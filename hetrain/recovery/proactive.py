@@ -38,7 +38,6 @@ from pathlib import Path
 # Imported now, not on the switch's critical path: verifying the fetched .metadata needs DCP's
 # metadata classes, a first import of several seconds on a loaded machine.
 import hetrain.checkpoint.safe_metadata  # noqa: F401
-from hetrain.checkpoint.manifest import restore_dir
 from hetrain.checkpoint.reassemble import Source, reassemble_newest
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
@@ -46,10 +45,9 @@ from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.recovery.preemption import wait_for_checkpoint
 from hetrain.recovery.recover import Planner, RecoveryResult, recover, sources_for, surviving_cluster, write_report
 from hetrain.recovery.runs import load_run
+from hetrain.rundir import RunDir, done_files, ready_file
 from hetrain.spec.specs import load_cluster
 
-STANDBY = "standby.json"  # in the run directory: the switch the warm start waits for
-STANDBY_CONFIG = "config-standby.json"  # a warm start's run config (its workers are found by it)
 # Kept free before the deadline for what follows the warm start's readiness: the emergency
 # checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
 DEFAULT_SWITCH_RESERVE_S = 20.0
@@ -79,7 +77,7 @@ def standby_config_name(run_dir: Path) -> str:
     from hetrain.runtime.launch import worker_pids
 
     k = 1
-    while worker_pids(run_dir, name := STANDBY_CONFIG if k == 1 else f"config-standby-{k}.json"):
+    while worker_pids(run_dir, name := RunDir(run_dir).standby_config(k).name):
         k += 1
     return name
 
@@ -133,16 +131,16 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     plan = planner(new_cluster, old_plan.model, old_plan.settings())
     validate_plan(plan, new_cluster)
     timings["replan_s"] = time.perf_counter() - started
-    plan_path = run_dir / "plan-standby.json"
+    plan_path = RunDir(run_dir).plan_standby
     plan.write(plan_path)
     say(f"re-planned for {len(plan.devices())} devices without {', '.join(leaving_nodes)}")
 
-    standby = run_dir / STANDBY
-    ready = standby.with_name(standby.name + ".ready")
+    standby = RunDir(run_dir).standby
+    ready = ready_file(standby)
     for stale in (standby, ready):
         stale.unlink(missing_ok=True)
     request = Path(config.request_file)
-    for done in request.parent.glob(request.name + ".done-*"):
+    for done in done_files(request):
         done.unlink()
     standby_config = config.model_copy(update={
         "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "steps": steps or config.steps,
@@ -158,7 +156,7 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
             outcome["error"] = e
 
-    metrics = Path(config.metrics) if config.metrics else run_dir / "metrics.jsonl"
+    metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
     thread = threading.Thread(target=run_standby, name="hetrain-standby", daemon=True)
     started = time.perf_counter()
     why_not = None
@@ -197,7 +195,7 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         peers, remote = sources_for(config, old_plan, leaving_nodes)
         leaving = [Source(n, config.checkpoint.peer_url(n)) for n in leaving_nodes]
         try:
-            report = reassemble_newest(peers + leaving, remote, lambda s: str(restore_dir(run_dir, s)),
+            report = reassemble_newest(peers + leaving, remote, lambda s: str(RunDir(run_dir).restore(s)),
                                        model=old_plan.model, timeout_s=timeout_s)
             if report.step != step:  # the bucket may have it once the old ranks finish their upload
                 why_not = f"step {step} could not be fetched whole ({'; '.join(report.passed_over)})"
@@ -221,7 +219,7 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         return out
     # The old ranks freed their GPU memory before answering (Trainer.release_device_memory) and
     # now only finish the checkpoint's bucket upload: the switch does not wait for them.
-    final_plan = run_dir / f"plan-from-step-{report.step}.json"
+    final_plan = RunDir(run_dir).plan_from_step(report.step)
     plan.write(final_plan)
     end = report.step + 1 + steps_after if steps_after else standby_config.steps
     write_text_atomic(standby, json.dumps({"resume_from": report.dest, "start_step": report.step + 1, "steps": end})

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetrain.checkpoint.manifest import restore_dir
+from hetrain.rundir import RunDir
 from hetrain.checkpoint.reassemble import FetchReport, Source, reassemble_newest
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
@@ -104,7 +104,7 @@ def restore_run_on_node(run_dir: Path, node: str, lost_nodes: list[str], *, time
     """``restore_on_node`` for this node's copy of a run: into ``RUN/restore/step-N``; the report, old plan and config."""
     config = load_run(run_dir)
     old_plan = load_plan(config.plan)
-    report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(restore_dir(run_dir, step)),
+    report = restore_on_node(config, old_plan, node, lost_nodes, lambda step: str(RunDir(run_dir).restore(step)),
                              timeout_s=timeout_s, still_up=still_up, use_peers=use_peers)
     return report, old_plan, config
 
@@ -144,14 +144,14 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
     peers, remote = sources_for(config, old_plan, lost_nodes, use_peers)
     if not peers and remote is None:
         raise HetrainError("nothing to recover from: no surviving peer and no remote store configured")
-    report = reassemble_newest(peers, remote, lambda s: str(restore_dir(run_dir, s)), model=old_plan.model,
+    report = reassemble_newest(peers, remote, lambda s: str(RunDir(run_dir).restore(s)), model=old_plan.model,
                                timeout_s=timeout_s,
                                progress=(lambda done, total: on_progress("fetch", done / max(total, 1)))
                                if on_progress else None)
     step = report.step
     timings["fetch_s"] = time.perf_counter() - t0
 
-    plan_path = run_dir / f"plan-from-step-{step}.json"
+    plan_path = RunDir(run_dir).plan_from_step(step)
     plan.write(plan_path)
     new_config = config.model_copy(update={
         "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "start_step": step + 1,

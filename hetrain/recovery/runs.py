@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetrain.checkpoint.manifest import committed_steps, restore_dir, step_owners
+from hetrain.checkpoint.manifest import committed_steps, step_owners
 from hetrain.checkpoint.reassemble import NoCheckpoint, reassemble_newest
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
+from hetrain.rundir import RunDir
 
 
 def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
@@ -28,7 +29,7 @@ def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
 
 def load_run(run_dir: Path, missing: str | None = None) -> RunConfig:
     """The config of the run in ``run_dir``; ``missing`` is the message when it has none."""
-    path = run_dir / "config.json"
+    path = RunDir(run_dir).config
     if not path.is_file():
         raise HetrainError(missing or f"--run {run_dir}: no config.json there (is it the run directory of "
                                       f"hetrain train?)")
@@ -37,7 +38,7 @@ def load_run(run_dir: Path, missing: str | None = None) -> RunConfig:
 
 def existing_run(runs_root: str | Path, run_id: str) -> tuple[Path, RunConfig]:
     run_dir = run_dir_of(runs_root, run_id)
-    return run_dir, load_run(run_dir, f"unknown run '{run_id}': {run_dir / 'config.json'} does not exist")
+    return run_dir, load_run(run_dir, f"unknown run '{run_id}': {RunDir(run_dir).config} does not exist")
 
 
 EXIT_NOT_BACKED_UP = 3  # `hetrain train`: trained and checkpointed locally, but the remote store lacks the newest
@@ -105,7 +106,7 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
     The checkpoint is reassembled (the previous run's plan may have used other nodes) into
     ``restore/step-N``; DCP reshards it onto ``plan``. Returns the config and the resumed step.
     """
-    previous = run_dir / "config.json"
+    previous = RunDir(run_dir).config
     if previous.is_file():
         before = RunConfig.load(previous)
         if before.checkpoint is not None:
@@ -114,7 +115,7 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
 
             peers, remote = sources_for(before, load_plan(before.plan), [])
             try:
-                report = reassemble_newest(peers, remote, lambda s: str(restore_dir(run_dir, s)), model=plan.model)
+                report = reassemble_newest(peers, remote, lambda s: str(RunDir(run_dir).restore(s)), model=plan.model)
             except NoCheckpoint as e:
                 if e.errors:  # a source did not answer: starting over could overwrite what it holds
                     raise
@@ -150,9 +151,10 @@ def _metrics_records(path: Path) -> int:
 def previous_run_files(run_dir: Path, config: RunConfig, nodes: list[str]) -> list[str]:
     """What a previous run left in ``run_dir`` (config, metrics, checkpoints), described for a message; [] if none."""
     found = []
-    if (run_dir / "config.json").is_file():
-        found.append("config.json")
-    metrics = Path(config.metrics) if config.metrics else run_dir / "metrics.jsonl"
+    run = RunDir(run_dir)
+    if run.config.is_file():
+        found.append(run.config.name)
+    metrics = Path(config.metrics) if config.metrics else run.metrics
     if metrics.is_file() and metrics.stat().st_size:
         found.append(f"{metrics.name} with {_metrics_records(metrics)} steps")
     ckpt = config.checkpoint
@@ -170,10 +172,11 @@ def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
     newer steps as "newest" for a later recovery).
     """
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest = run_dir / "archive" / stamp
+    archive = RunDir(run_dir).archive
+    dest = archive / stamp
     dest.mkdir(parents=True, exist_ok=False)
     for entry in list(run_dir.iterdir()):
-        if entry.name != "archive":
+        if entry != archive:
             shutil.move(str(entry), dest / entry.name)
     metrics = Path(config.metrics) if config.metrics else None
     if metrics is not None and metrics.is_file() and run_dir not in metrics.resolve().parents:

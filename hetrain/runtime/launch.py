@@ -30,6 +30,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
+from hetrain.rundir import CONFIG, RunDir
 
 WORKER = ["-m", "hetrain.runtime.worker"]
 
@@ -96,9 +97,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-CONFIG = "config.json"
 
 
 def write_config(config: RunConfig, run_dir: Path, name: str = CONFIG) -> Path:
@@ -184,7 +182,7 @@ def worker_pids(run_dir: Path, config_name: str | None = CONFIG) -> list[int]:
     """
     run_dir = run_dir.resolve()
     alive = []
-    for pid_file in (run_dir / "pids").glob("*.pid"):
+    for pid_file in RunDir(run_dir).pids.glob("*.pid"):
         try:
             pid = int(pid_file.read_text())
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -264,7 +262,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     if config.checkpoint is not None and config.standby_file is None:
         probe_remote(config.checkpoint)  # a missing bucket is one line now, not a failed backup after the run
     if config.metrics is None:
-        config = config.model_copy(update={"metrics": str(run_dir / "metrics.jsonl")})
+        config = config.model_copy(update={"metrics": str(RunDir(run_dir).metrics)})
     metrics = Path(config.metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)
     standby = Path(config.standby_file) if config.standby_file else None
@@ -281,8 +279,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     config_path = write_config(config, run_dir, config_name)
     cmds = commands(config_path) if commands is not None else [local_command(layout, str(config_path), free_port())]
     # a warm start's launcher writes beside the running plan's log, not over it
-    stem = "launch" if config_name == CONFIG else f"launch-{Path(config_name).stem.removeprefix('config-')}"
-    logs = [run_dir / (f"{stem}.log" if len(cmds) == 1 else f"{stem}-{c.node}.log") for c in cmds]
+    logs = [RunDir(run_dir).launch_log(config_name, None if len(cmds) == 1 else c.node) for c in cmds]
     records: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:

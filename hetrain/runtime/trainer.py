@@ -27,6 +27,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, build_layout
 from hetrain.plan.schema import Plan, load_plan
+from hetrain.rundir import done_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
@@ -315,7 +316,7 @@ class Trainer:
                         self.release_device_memory()
                     if config.request_file and ckpt.node_leader:
                         with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
-                            os.replace(config.request_file, config.request_file + f".done-{step}")
+                            os.replace(config.request_file, done_file(config.request_file, step))
                 if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
                     failures = ckpt.uploader.new_failures()
                     if failures:
@@ -405,7 +406,7 @@ def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device) -> 
     dist.barrier()
     standby = Path(config.standby_file)
     if dist.get_rank() == 0:
-        write_text_atomic(standby.with_name(standby.name + ".ready"), json.dumps({"time": time.time()}) + "\n",
+        write_text_atomic(ready_file(standby), json.dumps({"time": time.time()}) + "\n",
                           "standby ready")
     deadline = time.monotonic() + config.standby_timeout_s
     while True:

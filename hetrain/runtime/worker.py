@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
+from hetrain.rundir import run_dir_of_config
 from hetrain.runtime.trainer import run
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: python -m hetrain.runtime.worker RUN_CONFIG.json", file=sys.stderr)
         sys.exit(2)
     rank = os.environ.get("RANK", "0")
-    pids = Path(args[0]).resolve().parent / "pids"  # lets the launcher make sure no worker outlives it
+    pids = run_dir_of_config(args[0]).pids  # lets the launcher make sure no worker outlives it
     pids.mkdir(exist_ok=True)
     (pids / f"{os.getpid()}.pid").write_text(str(os.getpid()))
     try:

@@ -1,0 +1,164 @@
+"""The run directory: every file of a run, and every message file between the control plane and the ranks.
+
+One owner (nothing else builds these paths): ``hetrain train``, the flows, the recovery, the
+node's watcher and the training ranks all name a run's files through ``RunDir`` and the
+message helpers below. Torch-free, so the control plane and the ranks share it.
+
+    RUN/config.json                the run config every rank reads (``RunConfig``)
+    RUN/config-standby[-K].json    a warm start's config (the K-th switch of the run)
+    RUN/plan.json                  the plan the run started on; plan-from-step-N.json after a recovery,
+                                   plan-standby.json while a warm start waits
+    RUN/cluster.json               a node run's cluster; cluster-from-step-N.json after a recovery
+    RUN/metrics.jsonl              rank 0's per-step records (a path of the user's choice instead)
+    RUN/backup.json                rank 0's account of what reached the remote store, when the run ends
+    RUN/launch[-NODE].log          the launcher's output
+    RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)
+    RUN/pids/PID.pid               one per live worker: the launcher makes sure none outlives it
+    RUN/checkpoints/NODE/          each node's checkpoint root (unless --checkpoint-dir puts it elsewhere)
+    RUN/restore/step-N/            a reassembled checkpoint (one at a time)
+    RUN/archive/TIME/              what --restart moved aside
+
+Messages (each a file; a rename is the answer, so a reader never sees half of one):
+
+    RUN/checkpoint.request         the watcher asks for an emergency checkpoint ({"stop": bool})
+    RUN/checkpoint.request.done-N  the ranks answer: committed at step N
+    RUN/standby.json               the switch a warm start waits for ({"resume_from", "start_step"} or cancel)
+    RUN/standby.json.ready         the warm start says it is built and waiting
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetrain.checkpoint.manifest import step_name
+
+CONFIG = "config.json"
+STANDBY_CONFIG = "config-standby.json"  # a warm start's run config (its workers are found by it)
+STANDBY = "standby.json"
+BACKUP_STATUS = "backup.json"
+CHECKPOINT_REQUEST = "checkpoint.request"
+METRICS = "metrics.jsonl"
+READY_SUFFIX = ".ready"
+DONE_INFIX = ".done-"
+ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of the run in ``path`` (a resolved directory)."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, path: str | Path) -> RunDir:
+        return cls(Path(path).resolve())
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    def standby_config(self, k: int = 1) -> Path:
+        """The K-th warm start's config (K > 1: a run switched again while its last switch's workers run)."""
+        return self.path / (STANDBY_CONFIG if k == 1 else f"config-standby-{k}.json")
+
+    @property
+    def plan(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def plan_standby(self) -> Path:
+        """The plan a warm start trains on until its switch renames the run's plan."""
+        return self.path / "plan-standby.json"
+
+    @property
+    def active_marker(self) -> Path:
+        """Present while a node's ranks of the run are running (the node's watcher finds runs by it)."""
+        return self.path / ACTIVE_MARKER
+
+    def plan_from_step(self, step: int) -> Path:
+        return self.path / f"plan-from-step-{step}.json"
+
+    @property
+    def cluster(self) -> Path:
+        return self.path / "cluster.json"
+
+    def cluster_from_step(self, step: int) -> Path:
+        return self.path / f"cluster-from-step-{step}.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def backup_status(self) -> Path:
+        return self.path / BACKUP_STATUS
+
+    @property
+    def checkpoint_request(self) -> Path:
+        return self.path / CHECKPOINT_REQUEST
+
+    @property
+    def standby(self) -> Path:
+        return self.path / STANDBY
+
+    @property
+    def pids(self) -> Path:
+        return self.path / "pids"
+
+    def launch_log(self, config_name: str = CONFIG, node: str | None = None) -> Path:
+        """The launcher's log: a warm start's beside the running plan's, one per node where nodes run apart."""
+        stem = "launch" if config_name == CONFIG else f"launch-{Path(config_name).stem.removeprefix('config-')}"
+        return self.path / (f"{stem}.log" if node is None else f"{stem}-{node}.log")
+
+    @property
+    def checkpoints(self) -> Path:
+        """The default checkpoint roots' parent: ``checkpoints/{node}``."""
+        return self.path / "checkpoints"
+
+    @property
+    def archive(self) -> Path:
+        return self.path / "archive"
+
+    def restore(self, step: int) -> Path:
+        """``restore/step-N``, where a reassembled checkpoint lands; older restores are removed (one is enough)."""
+        base = self.path / "restore"
+        if base.is_dir():
+            for old in base.iterdir():
+                if old.name != step_name(step):
+                    shutil.rmtree(old, ignore_errors=True)
+        return base / step_name(step)
+
+    def restored(self, step: int) -> Path:
+        """Where ``restore(step)`` put a checkpoint (nothing removed)."""
+        return self.path / "restore" / step_name(step)
+
+
+def run_dir_of_config(config_path: str | Path) -> RunDir:
+    """The run directory a config file (the run's or a warm start's) lies in."""
+    return RunDir.of(Path(config_path).resolve().parent)
+
+
+# -- messages, on the paths the run config carries (``request_file``, ``standby_file``)
+def done_file(request: str | Path, step: int) -> Path:
+    """The ranks' answer to a checkpoint request: committed at ``step``."""
+    request = Path(request)
+    return request.with_name(f"{request.name}{DONE_INFIX}{step}")
+
+
+def done_files(request: str | Path) -> list[Path]:
+    """The answers to ``request`` present now."""
+    request = Path(request)
+    return list(request.parent.glob(f"{request.name}{DONE_INFIX}*"))
+
+
+def done_step(done: Path) -> int:
+    """The step a ``done_file`` names."""
+    return int(done.name.rsplit(DONE_INFIX, 1)[1])
+
+
+def ready_file(standby: str | Path) -> Path:
+    """Where a warm start says it is built and waiting for the switch."""
+    standby = Path(standby)
+    return standby.with_name(standby.name + READY_SUFFIX)
