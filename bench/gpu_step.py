@@ -120,7 +120,8 @@ def main() -> None:
 
     import torch
 
-    from hetrain.cost.costmodel import CostModel, train_flops_per_sequence
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.arithmetic import train_flops_per_sequence
     from hetrain.plan.schema import Plan
     from hetrain.profiling.profiler import profile_model
     from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings

@@ -9,9 +9,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hetrain.cost.costmodel import CostModel, Estimate, total_params
+from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
+from hetrain.spec.arithmetic import total_params
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 from solver.space import Space, build_space
 

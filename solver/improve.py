@@ -26,7 +26,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate, collective_steps
+from hetrain.cost.collectives import collective_steps
+from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
 from solver.assemble import score

@@ -47,7 +47,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
-from hetrain.cost.costmodel import collective_steps
+from hetrain.cost.collectives import collective_steps
 from solver.assemble import allocate_microbatches
 from solver.bounds import CoverLp
 from solver.space import Space, Template

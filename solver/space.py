@@ -24,7 +24,10 @@ from functools import cached_property
 
 import numpy as np
 
-from hetrain.cost.costmodel import CostModel, UnitCosts, collective_steps, drain_ahead_s, pipeline_terms
+from hetrain.cost.collectives import collective_steps
+from hetrain.cost.costmodel import CostModel
+from hetrain.cost.pipeline import drain_ahead_s, pipeline_terms
+from hetrain.cost.stage import UnitCosts
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
@@ -235,7 +238,7 @@ def split_layers_modes(
 class Template:
     """A pipeline shape: stage classes in order, blocks per stage, and its 1F1B time terms.
 
-    ``T_pipe(m) = m * tau_s + fill_s`` for m micro-batches (see hetrain.cost.costmodel).
+    ``T_pipe(m) = m * tau_s + fill_s`` for m micro-batches (see hetrain.cost.pipeline).
     """
 
     classes: tuple[int, ...]

@@ -2,12 +2,12 @@
 
 import pytest
 
-from hetrain.cost.costmodel import (CostModel, block_forward_flops, block_params, collective_steps, eager_pipeline_s,
-                                    one_f_one_b_play_s, pipeline_terms,
-                                    ring_allgather_s,
-                                    ring_allreduce_s, train_flops_per_sequence)
+from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s
+from hetrain.cost.costmodel import CostModel
+from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
+from hetrain.spec.arithmetic import block_forward_flops, block_params, train_flops_per_sequence
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
 
 MODEL = ModelSpec(name="m", num_layers=4, hidden_size=1024, num_heads=8, seq_length=512, vocab_size=1000)

@@ -27,18 +27,22 @@ def test_import_contracts_hold():
 
 
 def test_a_forbidden_import_breaks_the_contracts(tmp_path: Path):
-    """The cost model importing a planner (the cycle the layers forbid) and a flow importing the trainer."""
+    """The cost model importing a planner and the profiler importing the cost model (the cycles the layers
+    forbid), and a flow importing the trainer."""
     for package in ("hetrain", "solver", "flows"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
     with (tmp_path / "hetrain" / "cost" / "costmodel.py").open("a") as f:
         f.write("\nimport solver.planner  # noqa: E402\n")
+    with (tmp_path / "hetrain" / "profiling" / "profiler.py").open("a") as f:
+        f.write("\nimport hetrain.cost.stage  # noqa: E402\n")
     with (tmp_path / "flows" / "report.py").open("a") as f:
         f.write("\nimport hetrain.runtime.trainer  # noqa: E402\n")
     r = lint(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert r.returncode != 0
-    assert "Specs <- cost model <- planners BROKEN" in r.stdout
+    assert "Specs <- profiles <- cost model <- planners BROKEN" in r.stdout
     assert "hetrain.cost.costmodel -> solver.planner" in r.stdout
+    assert "hetrain.profiling.profiler -> hetrain.cost.stage" in r.stdout
     assert "training internals BROKEN" in r.stdout.replace("\n", " ")
     assert "flows.report -> hetrain.runtime.trainer" in r.stdout
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from hetrain.cost.costmodel import block_activation_bytes, block_params, total_params
 from hetrain.errors import HetrainError
 from hetrain.runtime.model import GPT
+from hetrain.spec.arithmetic import block_activation_bytes, block_params, total_params
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 
 LLAMA_TINY = EXAMPLES / "models" / "llama-tiny.yaml"
@@ -189,7 +189,7 @@ def test_a_llama_export_loads_in_transformers_with_the_same_logits(tmp_path):
 def test_the_profiler_times_a_llama_block_and_its_memory_matches_the_cost_model():
     """One rank's TP shard of a Llama block (q by query heads, k and v by key/value heads, SwiGLU's
     three projections), measured under each recompute mode: what it keeps is what the cost model counts."""
-    from hetrain.cost.costmodel import selective_activation_bytes
+    from hetrain.spec.arithmetic import selective_activation_bytes
     from hetrain.profiling.profiler import profile_entry, shard_block
 
     spec = load_model(LLAMA_TINY)

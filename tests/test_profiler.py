@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from conftest import EXAMPLES
-from hetrain.cost.costmodel import CostModel, selective_activation_bytes
+from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, validate_plan
 from hetrain.profiling.profile import load_profile
 from hetrain.profiling.profiler import gpus_from_cluster, profile_entry, profile_model, shard_block
 from hetrain.runtime.model import Block
+from hetrain.spec.arithmetic import selective_activation_bytes
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")

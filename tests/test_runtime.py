@@ -383,7 +383,7 @@ def test_eager_1f1b_posts_each_boundary_in_one_order_on_both_sides(monkeypatch, 
     training tests run on, does not show it). Each side's order, recorded, is the same, and is
     the one the cost model plays (``eager_pipeline_s``)."""
     import hetrain.runtime.pipeline as pipeline
-    from hetrain.cost.costmodel import eager_pipeline_s
+    from hetrain.cost.pipeline import eager_pipeline_s
     from hetrain.plan.eager import boundary_order
 
     log: list = []

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from hetrain.cost.costmodel import CostModel, Estimate, block_forward_flops, head_forward_flops
+from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.plan.schema import Plan
+from hetrain.spec.arithmetic import block_forward_flops, head_forward_flops
 
 
 def plan_rows(plan: Plan, est: Estimate) -> list[dict]:

@@ -212,7 +212,7 @@ def cpu_tp_block_overhead_s(precision: str, work: Path) -> float:
 def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeOverheads:
     """The runtime's per-step and per-micro-batch costs and optimizer speed on ``device`` (module docstring)."""
     opt_per_param = optimizer_s_per_param(device)
-    from hetrain.cost.costmodel import total_params
+    from hetrain.spec.arithmetic import total_params
 
     with tempfile.TemporaryDirectory() as tmp:
         if device.type == "cpu":

@@ -53,12 +53,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from hetrain.cost.costmodel import block_params
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry, RuntimeOverheads
 from hetrain.runtime.instrument import StageMeter
 from hetrain.runtime.model import final_norm, init_parameter, lm_loss, make_block, run_block
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
+from hetrain.spec.arithmetic import block_params
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
 
 Precision = Literal["bf16", "fp16", "fp32"]

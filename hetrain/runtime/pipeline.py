@@ -2,12 +2,12 @@
 
 Why: in torch.distributed.pipelining's ``Schedule1F1B`` (and Megatron's 1F1B) a stage waits for
 each send, fused with the receive its next compute needs, so every stage pays its sends each
-way per micro-batch (``hetrain.cost.costmodel.pipeline_terms``). Sending without waiting does
+way per micro-batch (``hetrain.cost.pipeline.pipeline_terms``). Sending without waiting does
 not help by itself: with 1F1B's minimum of micro-batches in flight (stage k keeps S - k, one
 more than the next stage), the activation going down and its gradient coming back are still on
 the critical path of the pair of stages. With stage k keeping two more in flight than stage
 k + 1, that round trip has a whole extra forward + backward of slack, and the boundary's sends
-are hidden as long as they take less than that compute (``hetrain.cost.costmodel.eager_pipeline_s``
+are hidden as long as they take less than that compute (``hetrain.cost.pipeline.eager_pipeline_s``
 plays it out). The cost is memory: one more micro-batch of activations on every stage before
 such a boundary. The planner decides per boundary (``solver.assemble.eager_in_flight``); the
 plan records it as each stage's ``in_flight``, and plans without it run torch's 1F1B.

@@ -1,0 +1,248 @@
+r"""The time of one pipeline: 1F1B in closed form, eager 1F1B and torch's 1F1B played out op by op.
+
+Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetrain.cost.collectives``):
+    c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
+          stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured),
+    e_k = one send over the boundary between stage k and k+1, one way (the gradient comes back
+          the same size).
+    1F1B as torch.distributed.pipelining runs it: a stage waits for its sends (each is fused
+    with the receive the next compute needs, and waited on with it), so sends do not overlap
+    compute, as in Megatron:
+          T_pipe(p) = (m_p - 1) * tau_p + sum_k c_k + 2 sum_k e_k,
+          tau_p = max_k (c_k + e_{k-1} + e_k)   (the slowest stage with its sends both ways).
+    Eager 1F1B (a plan's per-stage ``in_flight``, ``hetrain.runtime.pipeline``): sends do not
+    block and stages keep more micro-batches in flight; T_pipe is played out op by op
+    (``eager_pipeline_s``), the same e_k per message, and each stage's end is where the play ends it.
+    In 1F1B's drain stage k ends its last backward at least ahead_k = sum_{j<k} bwd_j before its
+    pipeline's end (``drain_ahead_s``): the cost model starts its gradient all-reduces there.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hetrain.errors import HetrainError
+from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split
+
+
+def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
+    """(tau, fill) of one 1F1B pipeline, ``T_pipe(m) = m * tau + fill``: sends block (module docstring).
+
+    Stage k's steady state per micro-batch: its compute c_k, its activation sent on and its
+    gradient sent back (e_k to the next stage, e_{k-1} to the previous), each waited for.
+    """
+    S = len(stage_s)
+    tau = max(stage_s[k] + (p2p_s[k - 1] if k > 0 else 0.0) + (p2p_s[k] if k < S - 1 else 0.0) for k in range(S))
+    return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
+
+
+def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
+                     p2p_s: list[float] | tuple[float, ...], in_flight: list[int] | tuple[int, ...],
+                     num_microbatches: int, duplex: bool = False) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
+
+    Played out op by op as the runtime runs it: stage k does ``in_flight[k]`` forwards, then a
+    backward and a forward in turn; a forward waits for its activation, a backward for its
+    gradient. On each boundary both stages post the messages in the runtime's one order
+    (``hetrain.plan.eager``); a message starts once its sender has computed it and its receiver
+    has posted the receive, and takes e_k. Under NCCL (``duplex`` False) a message also waits for
+    the one before it on the boundary, either way: NCCL runs two ranks' point-to-point on one stream
+    in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order.
+    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward
+    of slack for its sends, but how much of the fill the extra micro-batches save depends on the
+    stages' speeds; playing it is exact for this model at O(stages x micro-batches).
+    tau: the steady-state time per micro-batch, the rest fill.
+    """
+    S, M = len(stage_s), num_microbatches
+    n = [min(c, M) for c in in_flight]
+    if any(a <= b for a, b in zip(n, n[1:])):
+        raise HetrainError(f"eager 1F1B needs in_flight decreasing along the pipeline, got {list(in_flight)}")
+    fwd = [c - b for c, b in zip(stage_s, backward_s)]
+    f_end = [[None] * M for _ in range(S)]  # when stage k finished the forward (backward) of micro-batch i
+    b_end = [[None] * M for _ in range(S)]
+    msgs = _EagerBoundaries(n, M, p2p_s, duplex, f_end, b_end)
+    done = msgs.done
+    orders = [one_f_one_b_order(M, n[k]) for k in range(S)]
+    clock, pos = [0.0] * S, [0] * S
+
+    def step(k: int) -> bool:
+        """Run stage k's next forward or backward if its input is in; False when it must wait."""
+        if pos[k] == len(orders[k]):
+            return False
+        kind, i = orders[k][pos[k]]
+        if kind == "F":
+            ready = done[k - 1].get(("act", i)) if k else 0.0
+            if ready is None:
+                return False
+            clock[k] = f_end[k][i] = max(clock[k], ready) + fwd[k]
+        else:
+            ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
+            if ready is None:
+                return False
+            clock[k] = b_end[k][i] = max(clock[k], ready) + backward_s[k]
+        pos[k] += 1
+        for b in (k - 1, k):
+            if 0 <= b < S - 1:
+                msgs.advance(b)
+        return True
+
+    _play(S, step)
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise HetrainError(f"eager 1F1B with in_flight {list(in_flight)} did not finish")  # a bug, not a user error
+    # a stage leaves the schedule once its last input gradient has gone through (the runtime waits for it)
+    clock = [max(c, done[k - 1][("grad", M - 1)]) if k else c for k, c in enumerate(clock)]
+    total = max(clock)
+    fill = sum(stage_s) + 2 * sum(p2p_s)
+    return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+class _EagerBoundaries:
+    """The messages of an eager-1F1B play, per boundary: in the runtime's one order
+    (``hetrain.plan.eager``), ("act" | "grad", micro-batch), and each one's completion (``done``)."""
+
+    def __init__(self, n: list[int], num_microbatches: int, p2p_s: list[float] | tuple[float, ...], duplex: bool,
+                 f_end: list[list[float | None]], b_end: list[list[float | None]]):
+        M, B = num_microbatches, len(n) - 1
+        self.n, self.M, self.p2p_s, self.f_end, self.b_end = n, M, p2p_s, f_end, b_end
+        self.split = [recv_split(n[k], n[k + 1]) for k in range(B)]
+        self.queue = [boundary_order(n[k], n[k + 1], M) for k in range(B)]
+        self.done: list[dict[tuple[str, int], float]] = [{} for _ in range(B)]
+        self.head = [0] * B
+        self.last_done = [{"act": 0.0, "grad": 0.0} for _ in range(B)]
+        self.lane = {"act": "act", "grad": "act" if not duplex else "grad"}  # one lane per boundary under NCCL
+
+    def posts(self, k: int, kind: str, i: int) -> tuple[float | None, float | None]:
+        """(sender posted, receiver posted) on boundary k, None while not yet known."""
+        n, split = self.n, self.split
+        if kind == "act":
+            j = i - n[k] + split[k]  # the receiver posts it after sending the gradient of j
+            return self.f_end[k][i], (0.0 if j < 0 else self.b_end[k + 1][j])
+        return self.b_end[k + 1][i], self.f_end[k][min(i + n[k] - 1 - split[k], self.M - 1)]
+
+    def advance(self, k: int) -> None:
+        """Put boundary k's messages through, in order, up to the first that an end has not posted yet."""
+        queue, last_done, lane = self.queue[k], self.last_done[k], self.lane
+        while self.head[k] < len(queue):
+            kind, i = queue[self.head[k]]
+            sent, posted = self.posts(k, kind, i)
+            if sent is None or posted is None:
+                return
+            last_done[lane[kind]] = max(last_done[lane[kind]], sent, posted) + self.p2p_s[k]
+            self.done[k][(kind, i)] = last_done[lane[kind]]
+            self.head[k] += 1
+
+
+def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
+                       p2p_s: list[float] | tuple[float, ...], num_microbatches: int) -> float:
+    """T_pipe of torch's ``Schedule1F1B`` played out op by op, as ``eager_pipeline_s`` plays eager 1F1B.
+
+    What ``pipeline_terms`` prices in closed form, without its one simplification: the fill is
+    ``sum c_k + 2 sum e_k`` there, which overstates it where an early stage is the slowest (it never
+    idles). The planner compares the two schedules like for like with this (``solver.assemble``).
+    Stage k runs S - k forwards, then a backward and a forward in turn; each send waits with the
+    receive it is fused with (``Schedule1F1B``: the last warm-up activation with the first gradient,
+    then each gradient with the next activation and each activation with the next gradient); a
+    message takes e_k once both ends have posted it.
+    """
+    S, M = len(stage_s), num_microbatches
+    fwd = [c - b for c, b in zip(stage_s, backward_s)]
+    posted: dict[tuple, dict[str, float]] = {}  # (kind, boundary, micro-batch) -> {"send": t, "recv": t}
+    clock = [0.0] * S
+    plans = [_one_f_one_b_actions(S, k, M) for k in range(S)]
+    pos = [0] * S
+
+    def done_at(msg) -> float | None:
+        ends = posted.get(msg, {})
+        return max(ends["send"], ends["recv"]) + p2p_s[msg[1]] if len(ends) == 2 else None
+
+    def step(k: int) -> bool:
+        """Run stage k's next post, wait or compute; False at a wait whose messages are not through."""
+        if pos[k] == len(plans[k]):
+            return False
+        what, arg = plans[k][pos[k]]
+        if what == "post":
+            for msg, side in arg:
+                posted.setdefault(msg, {})[side] = clock[k]
+        elif what == "wait":
+            ends = [done_at(msg) for msg in arg]
+            if any(t is None for t in ends):
+                return False
+            clock[k] = max([clock[k], *ends])
+        else:
+            clock[k] += fwd[k] if what == "F" else backward_s[k]
+        pos[k] += 1
+        return True
+
+    _play(S, step)
+    if any(p < len(a) for p, a in zip(pos, plans)):
+        raise HetrainError("torch's 1F1B play did not finish")  # a bug, not a user error
+    return max(clock)
+
+
+def _play(num_stages: int, step) -> None:
+    """Let every stage take steps (``step(k)``: True if stage k could) in turn until none can."""
+    moved = True
+    while moved:
+        moved = False
+        for k in range(num_stages):
+            while step(k):
+                moved = True
+
+
+def _one_f_one_b_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
+    """Stage k's posts, waits and computes in torch's ``Schedule1F1B._step_microbatches`` (torch 2.13)."""
+    acts: list[tuple[str, object]] = []
+    first, last = k == 0, k == S - 1
+    send_act = lambda i: [] if last else [(("act", k, i), "send")]  # noqa: E731
+    recv_act = lambda i: [] if first else [(("act", k - 1, i), "recv")]  # noqa: E731
+    send_grad = lambda i: [] if first else [(("grad", k - 1, i), "send")]  # noqa: E731
+    recv_grad = lambda i: [] if last else [(("grad", k, i), "recv")]  # noqa: E731
+
+    def post_wait(ops):
+        acts.append(("post", ops))
+        acts.append(("wait", [msg for msg, _ in ops]))
+
+    warmup = min(M, S - k)
+    pending: list = []
+    fwd_sends: list = []
+    f = b = 0
+    for _ in range(warmup):
+        post_wait(recv_act(f))
+        acts.append(("F", f))
+        acts.append(("wait", [msg for msg, _ in pending]))
+        fwd_sends = send_act(f)
+        if f != warmup - 1:
+            acts.append(("post", fwd_sends))
+            pending = fwd_sends
+        f += 1
+    while True:
+        post_wait(fwd_sends + recv_grad(b))
+        acts.append(("B", b))
+        bwd_sends = send_grad(b)
+        b += 1
+        if f == M:
+            break
+        post_wait(bwd_sends + recv_act(f))
+        acts.append(("F", f))
+        fwd_sends = send_act(f)
+        f += 1
+    acts.append(("post", bwd_sends))
+    pending = bwd_sends
+    while b < M:
+        post_wait(recv_grad(b))
+        acts.append(("B", b))
+        acts.append(("wait", [msg for msg, _ in pending]))
+        pending = send_grad(b)
+        acts.append(("post", pending))
+        b += 1
+    acts.append(("wait", [msg for msg, _ in pending]))
+    return acts
+
+
+def drain_ahead_s(backward_s: list[float] | tuple[float, ...]) -> tuple[float, ...]:
+    """Per stage k, how long at least before its pipeline's end it ends its part of 1F1B: the last
+    micro-batch's backward still runs on the stages before it. (Its sends to them take time too,
+    but in the drain fewer share a NIC than in the steady state the sends are priced for: left
+    out, so the overlap is never overstated.)"""
+    return (0.0, *itertools.accumulate(backward_s[:-1]))
+

@@ -1,0 +1,244 @@
+r"""Per-stage unit costs: what one TP group of a GPU type costs per micro-batch, per block, per stage end.
+
+``UnitCosts`` holds a (GPU type, node's links, t, b, recompute mode)'s seconds and bytes; a stage's
+time and memory are linear in the number of blocks it holds. ``unit_costs`` computes them from a
+measured profile where there is one, else from FLOPs (``hetrain.spec.arithmetic``) and bandwidths.
+Symbols as in ``hetrain.spec.arithmetic``; ``F_g`` achievable FLOP/s of GPU type g
+(``tflops * efficiency``), ``bw_intra`` the node's link between its GPUs in GB/s.
+
+Compute per micro-batch: time = FLOPs / (t F_g); backward = 2 x forward, + 1 x forward with full
+    activation recompute; selective recompute + the elementwise ops it redoes, their bytes over
+    the memory bandwidth (``selective_recompute_bytes``).
+    A measured profile (hetrain.profile/v1) replaces these per (GPU type, t, b).
+
+Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
+    backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
+    2 (t-1)/t * bytes / bw_intra(node) + lat ceil(log2 t). The vocabulary-split embedding sums its fp32
+    output (b s h 4 bytes) in one all-reduce; the vocabulary-split head adds one for its input's
+    gradient and two of b s floats for the loss (each token's max logit; its target logit and
+    sum of exponentials).
+    The runtime's TP blocks run on DTensors: their dispatch adds ``tp_block_s`` per block and
+    micro-batch (measured, ``Profile.runtime``; a third more under full recompute).
+
+A stage's c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
+    stage, +LM head on the last) + o_mb, the runtime's own work per micro-batch (measured).
+
+Optimizer step: every byte of weight, gradient and optimizer state is read and written once:
+    opt_d = 2 * bytes_per_param * P_d / memory_bandwidth_g.
+    Optimizer step measured by the profiler (``Profile.runtime``) replaces this where present.
+
+Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
+micro-batches in flight on stage k, k = 0 first; eager 1F1B min(in_flight_k, m_p)), counted as the runtime holds it (bf16/fp16
+run under autocast over fp32 parameters, see hetrain.runtime.precision):
+    states = bytes_per_param * (P_blocks / t + P_embed + P_head)   (TP splits only the blocks)
+    activations per block per micro-batch (``hetrain.spec.arithmetic.block_activation_bytes``);
+        with recompute, during backward, one block recomputed and the gradient of the MLP hidden
+        activation s b f B_act / t;
+    stage boundaries: the received input and the sent output, s b h B_act each, per
+        micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
+        on the last stage;
+    peak = reserve + states + max(activations, optimizer temporaries), the temporaries being
+        half the states for foreach AdamW on CPU ranks (emulated GPU types) and none for the
+        fused AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
+        ``torch.cuda.max_memory_allocated`` (or ``AllocationTracker`` on CPU) measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetrain.cost.collectives import ring_allreduce_s
+from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
+from hetrain.spec.arithmetic import (RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
+                                     embed_params, head_forward_flops, head_params, selective_activation_bytes,
+                                     selective_recompute_bytes)
+from hetrain.spec.catalog import GPUType
+from hetrain.spec.specs import GB, ModelSpec, RecomputeMode, TrainingSettings
+
+FOREACH_TEMP_RATIO = 0.5  # foreach AdamW's temporaries: about two fp32 copies of the parameters = half of 16 B/param
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per-micro-batch costs of one TP group of a GPU type on a node, for one (t, b).
+
+    Stage time and memory are linear in the number of blocks it holds, which is what lets
+    the planner reason about layer counts without calling back into this module.
+    """
+
+    block_s: float  # forward + backward (+recompute) + TP all-reduces of one block
+    embed_s: float
+    head_s: float
+    block_param_bytes: float  # weights + grads + optimizer per rank
+    embed_param_bytes: float
+    head_param_bytes: float
+    block_act_bytes: float  # kept per in-flight micro-batch
+    boundary_bytes: float  # what a stage keeps of one boundary per micro-batch: 1/t of an activation
+    head_work_bytes: float  # the loss's fp32 logits copy, log-softmax output and gradient, during its backward
+    block_work_bytes: float  # backward's transient: one block recomputed (with recompute) + the widest activation gradient
+    reserve_bytes: float
+    capacity_bytes: float
+    opt_s_per_param: float  # optimizer step seconds per parameter held
+    head_out_bytes: float = 0.0  # the logits in the compute dtype
+    opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
+    recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
+    microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
+    # the backward part of block_s and head_s (with recompute and the backward's TP all-reduces;
+    # not the dispatch), what the stages before a stage still run after its last backward
+    # (``drain_ahead_s``); 0 credits no head start. The embedding's is left out: profiled on the
+    # whole table, it is more than a rank's vocabulary shard costs.
+    block_bwd_s: float = 0.0
+    head_bwd_s: float = 0.0
+
+    def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
+        return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
+                + self.microbatch_s)
+
+    def stage_backward_s(self, num_blocks: int, last: bool) -> float:
+        """The backward of one micro-batch on a stage, at most: blocks and head (``block_bwd_s``)."""
+        return num_blocks * self.block_bwd_s + (self.head_bwd_s if last else 0.0)
+
+    def _states(self, num_blocks: int, first: bool, last: bool) -> float:
+        return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
+                + (self.head_param_bytes if last else 0.0))
+
+    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+        # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
+        boundaries = (0 if first else 1) + (0 if last else 1)
+        mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.boundary_bytes
+        if last:  # the last micro-batch's logits stay referenced by the schedule through backward
+            mem += self.head_out_bytes
+        # backward's transients come one after another: the loss's fp32 tensors first, then block by block
+        return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
+
+    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries)."""
+        states = self._states(num_blocks, first, last)
+        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight),
+                                                 self.opt_temp_ratio * states)
+
+    def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
+        """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
+        free_bwd = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
+            - self._activations(0, first, last, in_flight)
+        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes
+        free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
+        per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
+        if free_bwd < 0 or free_opt < 0:
+            return -1
+        return int(min(free_bwd // per_bwd, free_opt // per_opt))
+
+
+
+def block_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType,
+                  entry: ProfileEntry | None, t: int, b: int, recompute: RecomputeMode) -> tuple[float, float, float]:
+    """(forward + backward seconds, bytes kept per micro-batch, bytes kept without recompute) of one block.
+
+    Measured per mode when the profile has it; an older profile's one mode gives the others
+    (full = none + one more forward); without a profile, from FLOPs and memory bandwidth.
+    """
+    m, st = model, settings
+    no_recompute_bytes = block_activation_bytes(m, st, t, b)
+    if entry is not None and recompute in entry.recompute:
+        measured = entry.recompute[recompute]
+        kept_bytes = float(measured.block_activation_bytes)
+        if recompute == "selective" and t > 1:  # the all-reduced copies the profiler's lone shard has not
+            kept_bytes += 2 * m.seq_length * b * m.hidden_size * st.activation_bytes
+        if "none" in entry.recompute:
+            no_recompute_bytes = entry.recompute["none"].block_activation_bytes
+        return entry.block_forward_s + measured.block_backward_s, kept_bytes, no_recompute_bytes
+    if entry is not None:
+        fwd = entry.block_forward_s
+        plain = fwd + entry.block_backward_s - (fwd if profile.activation_recompute else 0.0)
+        if not profile.activation_recompute and entry.block_activation_bytes is not None:
+            no_recompute_bytes = float(entry.block_activation_bytes)
+    else:
+        fwd = block_forward_flops(m, b) / (t * g.achievable_flops(st.precision))
+        plain = 3 * fwd
+    if recompute == "none":
+        return plain, no_recompute_bytes, no_recompute_bytes
+    if recompute == "full":  # only the block input stays: the residual stream, fp32 in every precision
+        return plain + fwd, m.seq_length * b * m.hidden_size * RESIDUAL_BYTES, no_recompute_bytes
+    redo_s = selective_recompute_bytes(m, st, t, b) / (g.memory_bandwidth_gbps * GB)
+    return plain + redo_s, selective_activation_bytes(m, st, t, b), no_recompute_bytes
+
+
+def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: ProfileEntry | None, t: int, b: int,
+                  flops: float, msg: float) -> tuple[float, float, float, float]:
+    """(block forward, embedding forward + backward, head forward + backward, head backward) seconds
+    on one TP rank: measured where the profile has them, else from FLOPs and memory bandwidth."""
+    m = model
+    if entry is not None:
+        blk_fwd = entry.block_forward_s
+        embed_compute = entry.embed_forward_s + entry.embed_backward_s
+        head_compute = entry.head_forward_s + entry.head_backward_s
+        head_bwd = entry.head_backward_s
+        if not profile.head_split:  # an older profile timed the whole head at every tp
+            head_compute /= t
+            head_bwd /= t
+    else:
+        blk_fwd = block_forward_flops(m, b) / (t * flops)
+        head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
+        embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
+        head_bwd = 2 / 3 * head_compute
+    return blk_fwd, embed_compute, head_compute, head_bwd
+
+
+def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
+               bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
+               overheads: RuntimeOverheads | None, cpu_ranks: bool) -> UnitCosts:
+    """Costs of one TP group of GPU type ``gpu`` (``g``) whose node links its GPUs at ``bw`` GB/s, for
+    (t, b) and one recompute mode. ``overheads``: the runtime's measured costs on it (None: not
+    measured); ``cpu_ranks``: it is emulated on CPU ranks (foreach AdamW's temporaries)."""
+    m, st = model, settings
+    h, s, V, f = m.hidden_size, m.seq_length, m.vocab_size, m.ffn_size
+    act = st.activation_bytes
+    flops = g.achievable_flops(st.precision)
+    msg = b * s * h * act  # one activation tensor of a micro-batch
+    tp_ar = ring_allreduce_s(msg, t, bw, latency_s)
+    entry = profile.lookup(gpu, t, b) if profile else None
+    blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute)
+    blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, profile, g, entry, t, b, flops, msg)
+    # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
+    # target logit + sum of exponentials (8)
+    head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8))
+
+    # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
+    # gate's, the up projection's and silu's
+    widest_grad = (4 if m.arch == "llama" else 2) * s * b * f * act / t
+    # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the
+    # gradient: of this rank's vocabulary shard.
+    head_work = s * b * V * (4 + 4) / t
+    return UnitCosts(
+        # full recompute repeats the forward's two TP all-reduces; selective keeps their outputs
+        block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar
+        + (overheads.tp_block_s * (4 / 3 if recompute == "full" else 1) if overheads is not None and t > 1 else 0.0),
+        # the vocabulary-split embedding sums its fp32 outputs over the TP group
+        embed_s=embed_compute + ring_allreduce_s(b * s * h * RESIDUAL_BYTES, t, bw, latency_s),
+        head_s=head_compute + head_comm,
+        # backward: the rest of the block's compute (recompute included) and its TP all-reduces
+        # (two, four under full recompute); the head's input-gradient all-reduce
+        block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
+        head_bwd_s=head_bwd + tp_ar,
+        block_param_bytes=st.bytes_per_param * block_params(m) / t,
+        # the runtime splits the token embedding and the head by vocabulary
+        embed_param_bytes=st.bytes_per_param * embed_params(m, t),
+        head_param_bytes=st.bytes_per_param * head_params(m) / t,
+        block_act_bytes=blk_act,
+        boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
+        head_work_bytes=head_work,
+        head_out_bytes=s * b * V * act / t,
+        # backward's transient: what recompute rebuilds for the one block in backward (all it would
+        # have saved but the kept input, which is counted above, plus the input's fp32 copy the
+        # rebuilt norm saves), then its gradients
+        block_work_bytes=(0.0 if recompute == "none" else
+                          max(no_recompute_act - blk_act, 0.0) + s * b * h * RESIDUAL_BYTES) + widest_grad,
+        reserve_bytes=st.framework_reserve_gb * GB,
+        capacity_bytes=g.memory_gb * GB,
+        opt_s_per_param=(overheads.optimizer_s_per_param
+                         if overheads is not None and overheads.optimizer_s_per_param is not None
+                         else 2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB)),
+        microbatch_s=overheads.microbatch_s if overheads is not None else 0.0,
+        opt_temp_ratio=FOREACH_TEMP_RATIO if cpu_ranks else 0.0,
+        recompute=recompute,
+    )
