@@ -54,7 +54,7 @@ def plain_loop(spec_json: str, steps: int, global_batch: int, micro_batch: int, 
 
     from hetrain.runtime.data import TokenSource
     from hetrain.runtime.model import GPT, lm_loss
-    from hetrain.runtime.schedule import LRSchedule
+    from hetrain.spec.schedule import LRSchedule
     from hetrain.spec.specs import ModelSpec
 
     cuda = torch.cuda.is_available()

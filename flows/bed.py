@@ -163,7 +163,7 @@ class BedCluster:
         """``node`` is gone: every process in its namespace killed, its disk deleted."""
         import shutil
 
-        netbed._kill_namespace_processes(self.bed.nodes[node].namespace)
+        netbed.kill_namespace_processes(self.bed.nodes[node].namespace)
         shutil.rmtree(self.roots[node], ignore_errors=True)
 
     def training_processes(self) -> list[str]:

@@ -28,11 +28,11 @@ from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
 from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
+from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir
 from hetrain.runtime.launch import RunStopped, launch
-from hetrain.runtime.schedule import describe_extension
+from hetrain.spec.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
-from hetrain.testing.spot import LocalSpotRun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,7 +240,7 @@ def train(
     ``options.steps`` is the run's total, as in ``hetrain train``; a run that exists resumes after
     its newest checkpoint. A scheduled run gives ``options.more_steps`` (train that many past the
     checkpoint; the nightly deployment does), and the learning-rate decay is stretched to the
-    new total (``hetrain.runtime.schedule``).
+    new total (``hetrain.spec.schedule``).
 
     ``launch``: ``local`` runs every rank on the machine whose worker took this flow run (one
     machine, or the emulated cluster); ``per-node`` starts a ``hetrain-node`` flow run on each

@@ -19,7 +19,7 @@ from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir, check_output_file, write_text_atomic
 from hetrain.recovery.preemption import MIN_POLL_S
 from hetrain.rundir import CONFIG, RunDir
-from hetrain.runtime.schedule import describe_extension
+from hetrain.spec.schedule import describe_extension
 
 # Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
 MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
@@ -652,7 +652,7 @@ def export(
                                              help="seconds before a silent peer counts as gone")] = 10.0,
 ):
     """Write a run's committed checkpoint as one model.safetensors (+ a transformers config.json for Llama)."""
-    from hetrain.checkpoint.export import check_dtype, export_run
+    from hetrain.export import check_dtype, export_run
 
     check_dtype(dtype)
     if not RunDir.of(run).config.is_file():

@@ -18,7 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.rundir import RunDir
-from hetrain.runtime.schedule import DEFAULT_LR, LRSchedule
+from hetrain.spec.schedule import DEFAULT_LR, LRSchedule
 
 Precision = Literal["bf16", "fp16", "fp32"]
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # a directory name, never a path

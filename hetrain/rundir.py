@@ -15,7 +15,7 @@ message helpers below. Torch-free, so the control plane and the ranks share it.
     RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)
     RUN/pids/PID.pid               one per live worker: the launcher makes sure none outlives it
     RUN/checkpoints/NODE/          each node's checkpoint root (unless --checkpoint-dir puts it elsewhere)
-    RUN/restore/step-N/            a reassembled checkpoint (one at a time)
+    RUN/restore/step-N/            a reassembled checkpoint of step N (one at a time)
     RUN/archive/TIME/              what --restart moved aside
 
 Messages (each a file; a rename is the answer, so a reader never sees half of one):
@@ -32,7 +32,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetrain.checkpoint.manifest import step_name
 
 CONFIG = "config.json"
 STANDBY_CONFIG = "config-standby.json"  # a warm start's run config (its workers are found by it)
@@ -123,16 +122,16 @@ class RunDir:
 
     def restore(self, step: int) -> Path:
         """``restore/step-N``, where a reassembled checkpoint lands; older restores are removed (one is enough)."""
-        base = self.path / "restore"
-        if base.is_dir():
-            for old in base.iterdir():
-                if old.name != step_name(step):
+        mine = self.restored(step)
+        if mine.parent.is_dir():
+            for old in mine.parent.iterdir():
+                if old != mine:
                     shutil.rmtree(old, ignore_errors=True)
-        return base / step_name(step)
+        return mine
 
     def restored(self, step: int) -> Path:
         """Where ``restore(step)`` put a checkpoint (nothing removed)."""
-        return self.path / "restore" / step_name(step)
+        return self.path / "restore" / f"step-{step}"
 
 
 def run_dir_of_config(config_path: str | Path) -> RunDir:

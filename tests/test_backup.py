@@ -58,7 +58,7 @@ def test_train_state_is_named_and_old_positional_checkpoints_still_load(tmp_path
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from hetrain.checkpoint.save import load_training_state, training_state
-    from hetrain.runtime.schedule import LRSchedule
+    from hetrain.spec.schedule import LRSchedule
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

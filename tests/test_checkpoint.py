@@ -14,7 +14,7 @@ from hetrain.checkpoint.manifest import MANIFEST, METADATA, committed_steps, rea
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
-from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.schedule import LRSchedule
 
 # Four processes on three nodes: pipeline 0 = a/0 (blocks 0-2) + b/0 (2-6), pipeline 1 = a/1 (0-4) + c/0 (4-6).
 SAVE_PP = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])

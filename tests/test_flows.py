@@ -32,6 +32,7 @@ from flows.events import emit_preempted  # noqa: E402
 from flows.train import train  # noqa: E402
 from hetrain.checkpoint.manifest import committed_steps  # noqa: E402
 from hetrain.config import TrainOptions  # noqa: E402
+from hetrain.rundir import RunDir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +223,6 @@ def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, 
 
     from ckpt_helpers import CLUSTER_YAML, plan, run
     from flows.recover import _merge_key
-    from hetrain.checkpoint.manifest import step_name
     from hetrain.config import CheckpointConfig
     from hetrain.plan.schema import Plan
     from hetrain.runtime.launch import worker_pids
@@ -280,7 +280,7 @@ def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, 
     assert records[switch_step].get("stopped")
     new_plan = Plan.model_validate_json(Path(report["plan"]).read_text())
     cold = run(new_plan, tmp_path / "cold", steps=switch_step + 4, start_step=switch_step + 1,
-               resume_from=str(run_dir / "restore" / step_name(switch_step)))
+               resume_from=str(RunDir(run_dir).restored(switch_step)))
     assert [r["loss"] for r in cold] == [r["loss"] for r in records[switch_step + 1:switch_step + 4]]
 
 

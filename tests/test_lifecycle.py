@@ -109,7 +109,7 @@ def test_sigterm_stops_every_worker(tmp_path: Path):
 
 def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_path: Path):
     from hetrain.checkpoint.manifest import committed_steps
-    from hetrain.runtime.schedule import LRSchedule
+    from hetrain.spec.schedule import LRSchedule
 
     asymmetric_plan(1).write(tmp_path / "plan.json")
     run_dir = tmp_path / "run"

@@ -94,7 +94,7 @@ def test_export_of_a_trained_llama_round_trips_exactly(tmp_path):
 
     from ckpt_helpers import dumped_state, plan, run
     from conftest import run_cli
-    from hetrain.checkpoint.export import HF_CONFIG, WEIGHTS, load_export
+    from hetrain.export import HF_CONFIG, WEIGHTS, load_export
     from hetrain.config import CheckpointConfig
     from hetrain.plan.schema import Plan
 
@@ -167,7 +167,7 @@ def test_a_llama_export_loads_in_transformers_with_the_same_logits(tmp_path):
     LlamaForCausalLM built from the exported config.json and model.safetensors computes the logits
     hetrain's model computes with the same weights."""
     transformers = pytest.importorskip("transformers")
-    from hetrain.checkpoint.export import HF_CONFIG, WEIGHTS, exported_name, hf_config
+    from hetrain.export import HF_CONFIG, WEIGHTS, exported_name, hf_config
 
     from safetensors.torch import save_file
 

@@ -21,7 +21,7 @@ from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource, prepare_tokens
 from hetrain.runtime.model import GPT, lm_loss
-from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 
 from test_runtime import asymmetric_plan

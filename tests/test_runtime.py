@@ -20,7 +20,7 @@ from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource
 from hetrain.runtime.launch import free_port, worker_pids
 from hetrain.runtime.model import GPT, lm_loss
-from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import load_model
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"

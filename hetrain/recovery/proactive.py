@@ -43,8 +43,8 @@ from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.recovery.preemption import wait_for_checkpoint
-from hetrain.recovery.recover import Planner, RecoveryResult, recover, sources_for, surviving_cluster, write_report
-from hetrain.recovery.runs import load_run
+from hetrain.recovery.recover import Planner, RecoveryResult, recover, surviving_cluster, write_report
+from hetrain.recovery.runs import load_run, sources_for
 from hetrain.rundir import RunDir, done_files, ready_file
 from hetrain.spec.specs import load_cluster
 

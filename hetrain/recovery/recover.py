@@ -24,7 +24,7 @@ from hetrain.checkpoint.reassemble import FetchReport, Source, reassemble_newest
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan, load_plan, validate_plan
-from hetrain.recovery.runs import load_run
+from hetrain.recovery.runs import load_run, sources_for
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
 
 Planner = Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]
@@ -57,17 +57,6 @@ def surviving_cluster(cluster: ClusterSpec, lost_nodes: list[str], source: str) 
     data["nodes"] = [n.model_dump() for n in nodes]
     data["links"] = [link.model_dump() for link in cluster.links if not set(link.nodes) & set(lost_nodes)]
     return ClusterSpec.model_validate(data)
-
-
-def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
-                use_peers: bool = True) -> tuple[list[Source], Source | None]:
-    ckpt = config.checkpoint
-    if ckpt is None:
-        raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
-    nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
-    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes] if use_peers else []
-    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
-    return peers, remote
 
 
 def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: list[str], dest_of: Callable[[int], str],

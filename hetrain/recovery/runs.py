@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetrain.checkpoint.manifest import committed_steps, step_owners
-from hetrain.checkpoint.reassemble import NoCheckpoint, reassemble_newest
+from hetrain.checkpoint.reassemble import NoCheckpoint, Source, reassemble_newest
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
@@ -25,6 +25,18 @@ def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
     if not RUN_ID.match(run_id):
         raise HetrainError(f"run_id '{run_id}': expected letters, digits, '.', '_' or '-' (at most 64)")
     return Path(runs_root).resolve() / run_id
+
+
+def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
+                use_peers: bool = True) -> tuple[list[Source], Source | None]:
+    """Where a run's checkpoints can be read: the surviving nodes' roots (or peer servers), then its remote store."""
+    ckpt = config.checkpoint
+    if ckpt is None:
+        raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
+    nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
+    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes] if use_peers else []
+    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
+    return peers, remote
 
 
 def load_run(run_dir: Path, missing: str | None = None) -> RunConfig:
@@ -111,8 +123,6 @@ def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: in
         before = RunConfig.load(previous)
         if before.checkpoint is not None:
             from hetrain.plan.schema import load_plan
-            from hetrain.recovery.recover import sources_for
-
             peers, remote = sources_for(before, load_plan(before.plan), [])
             try:
                 report = reassemble_newest(peers, remote, lambda s: str(RunDir(run_dir).restore(s)), model=plan.model)

@@ -37,7 +37,7 @@ from hetrain.runtime.parallelize import (bucket_params, local_tensor, paralleliz
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B
-from hetrain.runtime.schedule import LRSchedule
+from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
 
 

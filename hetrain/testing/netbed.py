@@ -78,7 +78,8 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _kill_namespace_processes(ns: str, grace_s: float = 3.0) -> None:
+def kill_namespace_processes(ns: str, grace_s: float = 3.0) -> None:
+    """Stop every process in network namespace ``ns`` (SIGTERM, then SIGKILL after ``grace_s``); a node that is lost."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         if not pids:
@@ -101,7 +102,7 @@ def remove_stale() -> list[str]:
             continue
         tag = ns[len(PREFIX):].split("-")[0]
         if tag.isdigit() and not os.path.exists(f"/proc/{tag}"):
-            _kill_namespace_processes(ns)
+            kill_namespace_processes(ns)
             _ip("netns", "delete", ns, check=False)
             removed.append(ns)
     return removed
@@ -190,7 +191,7 @@ class NetBed:
             proc.wait()
         self._relays.clear()
         for ns in reversed(self._made):
-            _kill_namespace_processes(ns)
+            kill_namespace_processes(ns)
             _ip("netns", "delete", ns, check=False)
         self._made.clear()
 

@@ -1,9 +1,10 @@
-"""Spot nodes of the emulated cluster that go away at their notice's deadline.
+"""The spot nodes of a run whose ranks all run on this machine (``launch=local``): watched, and gone at the deadline.
 
-On a real cluster a preempted node simply disappears; on one machine something has to play
-that part: ``LocalSpotRun`` watches each spot node's (fake) metadata endpoint with the real
-watcher, and at the deadline sets ``stop_event``, which stops the run's processes as the
-node's loss would.
+A run on one machine (one node, or the emulated cluster) has no node watchers of its own:
+``LocalSpotRun`` watches each spot node's metadata endpoint (the cloud's, or the emulated
+cluster's fake one) with the real watcher, asks for the emergency checkpoint, and at the
+deadline sets ``stop_event``, which stops the run's processes as the node's loss would. The
+train flow uses it for ``launch=local``; per node, ``hetrain node start`` runs the watcher.
 """
 
 from __future__ import annotations
