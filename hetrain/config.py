@@ -34,7 +34,7 @@ class TrainOptions(BaseModel):
     """How to train a run: the options of ``hetrain train`` and the train flow's ``options`` parameter.
 
     Declared once, with one default each: the CLI's options are made from these fields
-    (``hetrain.cli_options``), Prefect renders the model as a form, and ``build_run_config``
+    (``hetrain.cli.options``), Prefect renders the model as a form, and ``build_run_config``
     turns it into the config every rank reads. ``steps`` is the run's total in both; a scheduled
     run that trains a fixed amount more each time gives ``more_steps`` instead.
     """

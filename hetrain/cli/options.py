@@ -1,7 +1,7 @@
 """Command-line options made from a pydantic model, so an option is declared once (its field).
 
 ``hetrain train`` takes ``hetrain.config.TrainOptions`` this way and the train flow takes the
-same model as its parameter: the two cannot drift apart (tests/test_cli.py compares them).
+same model as its parameter: the two cannot drift apart (tests/test_options.py compares them).
 Each field becomes ``--field-name`` with the field's default, description and bounds; a bool
 that defaults to true also gets ``--no-field-name``. The values are validated by the model,
 and an invalid one is one line naming the option.

@@ -1,0 +1,52 @@
+"""What every command shares: the consoles, ``user_errors``, the option bounds and small option parsers."""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+from rich.console import Console
+
+from hetrain.errors import HetrainError
+
+# Option bounds, each far beyond any meaning: past them a typo hangs or exhausts memory instead of failing.
+MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
+MAX_TIMEOUT_S = 3600.0  # a peer silent for an hour is gone
+MAX_THREADS = 1024
+
+out = Console()
+err = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn HetrainError into one red line on stderr and exit code 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HetrainError as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+def _int_list(text: str, option: str, most: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise HetrainError(f"{option}: expected comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1 or max(values) > most:
+        raise HetrainError(f"{option}: expected integers from 1 to {most}, got '{text}'")
+    return values
+
+
+def _peer_urls(peers: list[str] | None) -> dict[str, str]:
+    peer_urls = {}
+    for item in peers or []:
+        node, sep, url = item.partition("=")
+        if not sep or not node or not url:
+            raise HetrainError(f"--peer: expected NODE=URL, got '{item}'")
+        peer_urls[node] = url
+    return peer_urls

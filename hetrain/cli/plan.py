@@ -1,0 +1,289 @@
+"""``hetrain plan``, ``estimate`` and ``profile``: plans, their predictions and the measurements they use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, out, user_errors
+from hetrain.errors import HetrainError
+from hetrain.files import check_output_file, write_text_atomic
+
+
+def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
+              recompute: str, no_recompute: bool):
+    from hetrain.spec.specs import TrainingSettings, describe_validation_error
+    from pydantic import ValidationError
+
+    if no_recompute and recompute not in ("auto", "none"):
+        raise HetrainError(f"--no-recompute contradicts --recompute {recompute}: give one of them")
+    kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
+                    "activation_recompute": "none" if no_recompute else recompute}
+    if micro_batch_size is not None:
+        kwargs["micro_batch_sizes"] = [micro_batch_size]
+    if tp:
+        kwargs["tp_degrees"] = tp
+    try:
+        settings = TrainingSettings(**kwargs)
+    except ValidationError as e:
+        message = describe_validation_error("options", e)
+        for field, option in _OPTION_OF_FIELD.items():
+            message = message.replace(f"options: {field}", option)
+        raise HetrainError(message) from None
+    if micro_batch_size is not None:
+        settings.check_batch(micro_batch_size)
+    return settings
+
+
+_OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_sizes[0]": "--micro-batch-size",
+                    "tp_degrees": "--tp", "activation_recompute": "--recompute"}
+
+
+def plan_table(plan, est, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "recompute", "micro-batches", "in flight", "stage ms",
+                "memory GB"):
+        table.add_column(col, justify="right" if col not in ("gpu", "devices", "recompute") else "left")
+    from hetrain.cost.report import plan_rows
+
+    rows = plan_rows(plan, est)
+    for i, r in enumerate(rows):
+        first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
+        table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
+                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"], str(r["micro-batches"]) if first else "",
+                      str(r["in flight"]), f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
+    return table
+
+
+def _compact_devices(devices: list[str]) -> str:
+    node = devices[0].split("/")[0]
+    idx = [d.split("/")[1] for d in devices]
+    return f"{node}/{idx[0]}" if len(idx) == 1 else f"{node}/{{{','.join(idx)}}}"
+
+
+def capacity_line(cost, plan, est) -> str:
+    """Where the plan spends the cluster's compute capacity (the useful-work bound's unit), largest first."""
+    from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
+
+    shares = where_time_goes(cost, plan, est)
+    # signed: with a measured profile a GPU faster than its catalog rate shows as a negative share
+    rest = sorted(((v, k) for k, v in shares.items() if k != "useful" and abs(v) >= 0.005), reverse=True)
+    return (f"of the cluster's compute capacity: {shares['useful']:.1%} useful work"
+            + "".join(f", {v:.1%} {CAPACITY_PARTS[k]}" for v, k in rest))
+
+
+def summary_line(plan, est) -> str:
+    s = plan.solver
+    solver = f"; {s.planner} planner {s.status}, gap {s.gap:.2g}, {s.wall_s:.2f} s" if s else ""
+    return (
+        f"tp={plan.tp} micro-batch={plan.micro_batch_size} pipelines={len(plan.pipelines)}: "
+        f"iteration {est.iteration_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
+        f"tightest memory headroom {est.min_headroom_gb:.1f} GB{solver}"
+    )
+
+
+@user_errors
+def plan(
+    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
+    model: Annotated[Path, typer.Option(help="model YAML file")],
+    global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
+    micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
+    tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    recompute: Annotated[str, typer.Option(help="activation recompute: auto (the planner picks per stage: none "
+                                                 "where memory allows, else selective, else full), none, selective or full")] = "auto",
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations (= --recompute none)")] = False,
+    planner: Annotated[str, typer.Option(help="hetrain (the MILP planner, also 'milp'), megatron, whale or exhaustive")] = "hetrain",
+    profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
+    compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan (or comparison) as JSON")] = False,
+    time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
+):
+    """Find the fastest plan for a model on a mixed cluster."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster, load_model
+    from solver.planner import PLANNERS, make_plan
+
+    if planner not in PLANNERS:
+        raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
+    cl, md = load_cluster(cluster), load_model(model)
+    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
+    prof = load_profile(profile) if profile else None
+    if out_file:
+        check_output_file(out_file, "--out")
+
+    names = [planner] + ([p for p in ("megatron", "whale") if p != planner] if compare else [])
+    results = {}
+    with err.status("planning...") as status:
+        for name in names:
+            status.update(f"planning with {name}...")
+            try:
+                results[name] = make_plan(name, cl, md, settings, prof, time_limit_s=time_limit,
+                                          progress=lambda msg: status.update(f"{name}: {msg}"))
+            except HetrainError as e:
+                if name == planner:
+                    raise
+                results[name] = e
+    main = results[planner]
+    cost = CostModel(cl, md, settings, prof)  # for where the plan spends the capacity
+    if out_file:
+        main.plan.write(out_file)
+    if compare:
+        rows = comparison_rows(results)
+        if as_json:
+            print(json.dumps({"plan": json.loads(main.plan.to_json()), "comparison": rows}, indent=2))
+        else:
+            out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
+            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
+            out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
+    elif as_json:
+        print(main.plan.to_json())
+    else:
+        out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
+        out.print(summary_line(main.plan, main.estimate), highlight=False)
+        out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
+    if prof is None:
+        from hetrain.profiling.profile import ANALYTIC_NOTE
+
+        err.print(f"note: {ANALYTIC_NOTE}", highlight=False, soft_wrap=True)
+    if out_file:
+        err.print(f"plan written to {out_file}", highlight=False)
+
+
+def comparison_rows(results: dict) -> list[dict]:
+    base = results.get("megatron")
+    base_tps = base.estimate.tokens_per_s if base is not None and not isinstance(base, Exception) else None
+    rows = []
+    for name, r in results.items():
+        if isinstance(r, Exception):
+            rows.append({"planner": name, "error": str(r)})
+            continue
+        rows.append({
+            "planner": name,
+            "iteration_time_s": r.estimate.iteration_time_s,
+            "tokens_per_s": r.estimate.tokens_per_s,
+            "speedup_over_megatron": r.estimate.tokens_per_s / base_tps if base_tps else None,
+            "min_headroom_gb": r.estimate.min_headroom_gb,
+            "solve_s": r.plan.solver.wall_s,
+            "tp": r.plan.tp, "micro_batch_size": r.plan.micro_batch_size,
+            "pipelines": len(r.plan.pipelines),
+        })
+    return rows
+
+
+def comparison_table(rows: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("planner", "iteration s", "tokens/s", "vs megatron", "min headroom GB", "solve s", "layout"):
+        table.add_column(col, justify="left" if col in ("planner", "layout") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["planner"], "-", "-", "-", "-", "-", f"[red]{r['error']}[/]")
+            continue
+        sp = r["speedup_over_megatron"]
+        table.add_row(
+            r["planner"], f"{r['iteration_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+            f"{sp:.2f}x" if sp else "-", f"{r['min_headroom_gb']:.1f}", f"{r['solve_s']:.2f}",
+            f"tp={r['tp']} mb={r['micro_batch_size']} pipelines={r['pipelines']}",
+        )
+    return table
+
+
+@user_errors
+def estimate(
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan JSON (hetrain.plan/v1)")],
+    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
+    profile: Annotated[Path | None, typer.Option(help="measured profile JSON")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the prediction as JSON")] = False,
+):
+    """Validate any plan against a cluster and predict its iteration time and memory."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.plan.schema import load_plan, validate_plan
+    from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster
+
+    cl = load_cluster(cluster)
+    pl = load_plan(plan_file)
+    try:
+        validate_plan(pl, cl)
+    except HetrainError as e:
+        raise HetrainError(f"{plan_file}: {e}") from None
+    cost = CostModel(cl, pl.model, pl.settings(), load_profile(profile) if profile else None)
+    est = cost.estimate(pl)
+    if as_json:
+        print(json.dumps({**est.to_predicted(), "fits": not est.over_capacity()}, indent=2))
+    else:
+        pl = pl.model_copy(update={"solver": None})
+        out.print(plan_table(pl, est, f"{plan_file} on {cl.name}"))
+        out.print(summary_line(pl, est), highlight=False)
+        out.print(capacity_line(cost, pl, est), highlight=False)
+    if est.over_capacity():
+        try:
+            cost.check_memory(est)
+        except HetrainError as e:
+            err.print(f"[bold red]does not fit:[/] {e}", highlight=False)
+        raise typer.Exit(1)
+
+
+@user_errors
+def profile(
+    model: Annotated[Path, typer.Option(help="model YAML file")],
+    out_file: Annotated[Path, typer.Option("--out", help="where to write the profile JSON (hetrain.profile/v1)")],
+    micro_batch_sizes: Annotated[str, typer.Option(help="comma-separated micro-batch sizes")] = "1,2,4",
+    tp: Annotated[str, typer.Option(help="comma-separated TP degrees (each rank's shard is timed)")] = "1,2",
+    gpu: Annotated[str | None, typer.Option(help="GPU type to file the entries under (default: this device)")] = None,
+    cluster: Annotated[Path | None, typer.Option(help="file entries under each GPU type of this cluster, "
+                                                       "scaled by its `emulate.slowdown` on CPU")] = None,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32 (CPU: fp32)")] = "fp32",
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="top-level entries without recompute, for readers of older profiles (every mode is measured under `recompute` either way)")] = False,
+    threads: Annotated[int, typer.Option(min=1, max=MAX_THREADS, help="CPU threads, as each training rank uses")] = 1,
+):
+    """Measure per-layer forward/backward time and activation memory on this device."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from hetrain.profiling.profiler import gpus_from_cluster, profile_model
+    from hetrain.spec.specs import load_cluster, load_model
+
+    spec = load_model(model)
+    from hetrain.spec.specs import MAX_MICRO_BATCH, MAX_TP_DEGREE
+
+    mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes", MAX_MICRO_BATCH)
+    tps = _int_list(tp, "--tp", MAX_TP_DEGREE)
+    check_output_file(out_file, "--out")
+    if cluster is not None and gpu is not None:
+        raise HetrainError("give either --gpu or --cluster, not both")
+    if cluster is not None:
+        gpus = gpus_from_cluster(load_cluster(cluster))
+        if torch.cuda.is_available():
+            gpus = {name: 1.0 for name in gpus}  # emulation is for CPU runs only
+    else:
+        name = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        gpus = {name: 1.0}
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    with Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), console=err) as bar:
+        task = bar.add_task("profile", total=len(mbs) * len(tps))
+        prof = profile_model(spec, gpus=gpus, micro_batch_sizes=mbs, tp_degrees=tps,
+                             activation_recompute=not no_recompute, precision=precision,
+                             progress=lambda done, total: bar.update(task, completed=done, total=total))
+    write_text_atomic(out_file, prof.to_json() + "\n", "--out")
+    table = Table(title=f"{spec.name} per micro-batch, one rank's TP shard", title_justify="left")
+    for col in ("gpu", "tp", "micro-batch", "block fwd ms", "block bwd ms", "head fwd+bwd ms", "block act MB"):
+        table.add_column(col, justify="left" if col == "gpu" else "right")
+    for name, entries in prof.devices.items():
+        for e in entries:
+            table.add_row(name, str(e.tp), str(e.micro_batch_size), f"{e.block_forward_s * 1e3:.2f}",
+                          f"{e.block_backward_s * 1e3:.2f}", f"{(e.head_forward_s + e.head_backward_s) * 1e3:.2f}",
+                          f"{(e.block_activation_bytes or 0) / 1e6:.2f}")
+    out.print(table)
+    for name, o in prof.runtime.items():
+        out.print(f"{name}: runtime overheads: {o.step_s * 1e3:.2f} ms per step, {o.microbatch_s * 1e3:.2f} ms per "
+                  f"micro-batch and stage, {o.tp_block_s * 1e3:.2f} ms per block under TP, optimizer "
+                  f"{(o.optimizer_s_per_param or 0) * 1e9:.2f} ns per parameter", highlight=False)
+    out.print(f"profile written to {out_file}", highlight=False)
