@@ -110,136 +110,181 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     ``steps``: where the new plan ends (default the run's); ``steps_after``: instead, this many
     steps after the switch (benchmarks and tests, which cannot know the switch step ahead).
     """
-    from hetrain.plan.layout import build_layout
-    from hetrain.runtime.launch import launch, wait_for_workers_to_exit, worker_pids, write_config
-
-    say = on_progress or (lambda _: None)
-    run_dir = run_dir.resolve()
-    config = load_run(run_dir)
-    old_pids = worker_pids(run_dir, None)  # the running plan's ranks (the run's, or an earlier switch's)
-    if config.checkpoint is None:
-        raise HetrainError(f"--run {run_dir}: the run keeps no checkpoints; nothing to switch from")
-    if config.request_file is None:
-        raise HetrainError(f"--run {run_dir}: the run takes no checkpoint requests")
-    cluster_path = cluster_file or (Path(config.cluster) if config.cluster else None)
-    if cluster_path is None:
-        raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
-    old_plan = load_plan(config.plan)
-    new_cluster = surviving_cluster(load_cluster(cluster_path), leaving_nodes, str(cluster_path))
-    timings: dict[str, float] = {}
-    started = time.perf_counter()
-    plan = planner(new_cluster, old_plan.model, old_plan.settings())
-    validate_plan(plan, new_cluster)
-    timings["replan_s"] = time.perf_counter() - started
-    plan_path = RunDir(run_dir).plan_standby
-    plan.write(plan_path)
-    say(f"re-planned for {len(plan.devices())} devices without {', '.join(leaving_nodes)}")
-
-    standby = RunDir(run_dir).standby
-    ready = ready_file(standby)
-    for stale in (standby, ready):
-        stale.unlink(missing_ok=True)
-    request = Path(config.request_file)
-    for done in done_files(request):
-        done.unlink()
-    standby_config = config.model_copy(update={
-        "plan": str(plan_path), "cluster": str(Path(cluster_path).resolve()), "steps": steps or config.steps,
-        "start_step": 0, "resume_from": None, "resume_options": {}, "standby_file": str(standby)})
-    outcome: dict = {}
-
-    standby_name = standby_config_name(run_dir)
-
-    def run_standby() -> None:
-        try:
-            outcome["records"] = launch(standby_config, build_layout(plan), run_dir, config_name=standby_name,
-                                        on_record=on_record)
-        except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
-            outcome["error"] = e
-
-    metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
-    thread = threading.Thread(target=run_standby, name="hetrain-standby", daemon=True)
-    started = time.perf_counter()
-    why_not = None
-    left_s = deadline - time.time()
-    if not old_pids:  # nothing trains: nothing to checkpoint or to switch from
-        why_not = "the run is not training"
-    elif left_s <= switch_reserve_s:  # no time to start anything: checkpoint now, restart after
-        why_not = f"{max(0.0, left_s):.0f} s left, the switch needs more than {switch_reserve_s:g} s"
-    else:
-        thread.start()
-    while why_not is None and not ready.exists():
-        if not thread.is_alive():
-            why_not = f"the warm start failed: {outcome.get('error')}"
-            break
-        if time.time() > deadline - switch_reserve_s:
-            why_not = f"the warm start was not ready {switch_reserve_s:g} s before the deadline"
-            break
-        time.sleep(0.05)
-    timings["warm_start_s"] = time.perf_counter() - started
-    if why_not is None:
-        say(f"new plan's ranks ready in {timings['warm_start_s']:.1f} s")
-
+    switch = _NoticeSwitch(run_dir.resolve(), leaving_nodes, deadline, cluster_file, timeout_s, switch_reserve_s,
+                           on_progress or (lambda _: None), on_record)
+    switch.replan(planner, steps)
+    why_not = switch.warm_start()
     # The emergency checkpoint, whether or not the switch goes ahead: never lose the last step.
-    step = None
-    if old_pids:
-        started = time.perf_counter()
-        write_text_atomic(request, json.dumps({"stop": True, "reason": "notice-window switch"}) + "\n",
-                          "checkpoint request")
-        step = wait_for_checkpoint(request, max(0.0, deadline - time.time()), poll_s=0.02)
-        timings["checkpoint_s"] = time.perf_counter() - started
+    step = switch.emergency_checkpoint()
     if step is None and why_not is None:
         why_not = "the old plan committed no checkpoint before the deadline"
+    report = None
     if why_not is None:
-        say(f"old plan checkpointed step {step} and stopped")
+        switch.say(f"old plan checkpointed step {step} and stopped")
+        report, why_not = switch.fetch(step)
+    if why_not is not None:  # the restart reads what the staying nodes and the bucket hold once the old ranks end
+        if step is not None and steps_after:
+            steps = step + 1 + steps_after
+        return switch.fall_back(why_not, planner, steps)
+    return switch.hand_over(report, step, steps_after)
+
+
+class _NoticeSwitch:
+    """The steps of ``recover_in_notice_window``, in order, sharing the run and what each step learnt."""
+
+    def __init__(self, run_dir: Path, leaving_nodes: list[str], deadline: float, cluster_file: Path | None,
+                 timeout_s: float, switch_reserve_s: float, say: Callable[[str], None],
+                 on_record: Callable[[dict], None] | None) -> None:
+        from hetrain.runtime.launch import worker_pids
+
+        self.run, self.leaving_nodes, self.deadline = RunDir(run_dir), list(leaving_nodes), deadline
+        self.cluster_file, self.timeout_s, self.switch_reserve_s = cluster_file, timeout_s, switch_reserve_s
+        self.say, self.on_record = say, on_record
+        self.config = load_run(run_dir)
+        self.old_pids = worker_pids(run_dir, None)  # the running plan's ranks (the run's, or an earlier switch's)
+        if self.config.checkpoint is None:
+            raise HetrainError(f"--run {run_dir}: the run keeps no checkpoints; nothing to switch from")
+        if self.config.request_file is None:
+            raise HetrainError(f"--run {run_dir}: the run takes no checkpoint requests")
+        self.cluster_path = cluster_file or (Path(self.config.cluster) if self.config.cluster else None)
+        if self.cluster_path is None:
+            raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
+        self.old_plan = load_plan(self.config.plan)
+        self.metrics = Path(self.config.metrics) if self.config.metrics else self.run.metrics
+        self.request = Path(self.config.request_file)
+        self.timings: dict[str, float] = {}
+        self.outcome: dict = {}
+        self.thread: threading.Thread | None = None
+
+    def replan(self, planner: Planner, steps: int | None) -> None:
+        """The new plan without the leaving nodes, and the warm start's config (its standby file cleared)."""
+        new_cluster = surviving_cluster(load_cluster(self.cluster_path), self.leaving_nodes, str(self.cluster_path))
         started = time.perf_counter()
-        peers, remote = sources_for(config, old_plan, leaving_nodes)
-        leaving = [Source(n, config.checkpoint.peer_url(n)) for n in leaving_nodes]
+        self.plan = planner(new_cluster, self.old_plan.model, self.old_plan.settings())
+        validate_plan(self.plan, new_cluster)
+        self.timings["replan_s"] = time.perf_counter() - started
+        self.plan.write(self.run.plan_standby)
+        self.say(f"re-planned for {len(self.plan.devices())} devices without {', '.join(self.leaving_nodes)}")
+        for stale in (self.run.standby, ready_file(self.run.standby)):
+            stale.unlink(missing_ok=True)
+        for done in done_files(self.request):
+            done.unlink()
+        self.standby_config = self.config.model_copy(update={
+            "plan": str(self.run.plan_standby), "cluster": str(Path(self.cluster_path).resolve()),
+            "steps": steps or self.config.steps, "start_step": 0, "resume_from": None, "resume_options": {},
+            "standby_file": str(self.run.standby)})
+
+    def warm_start(self) -> str | None:
+        """Start the new plan's ranks beside the old ones and wait until they are ready; why not, if they are not."""
+        from hetrain.plan.layout import build_layout
+        from hetrain.runtime.launch import launch
+
+        standby_name = standby_config_name(self.run.path)
+
+        def run_standby() -> None:
+            try:
+                self.outcome["records"] = launch(self.standby_config, build_layout(self.plan), self.run.path,
+                                                 config_name=standby_name, on_record=self.on_record)
+            except BaseException as e:  # noqa: BLE001 - reported to the caller's thread
+                self.outcome["error"] = e
+
+        self.thread = threading.Thread(target=run_standby, name="hetrain-standby", daemon=True)
+        started = time.perf_counter()
+        why_not = None
+        left_s = self.deadline - time.time()
+        if not self.old_pids:  # nothing trains: nothing to checkpoint or to switch from
+            why_not = "the run is not training"
+        elif left_s <= self.switch_reserve_s:  # no time to start anything: checkpoint now, restart after
+            why_not = f"{max(0.0, left_s):.0f} s left, the switch needs more than {self.switch_reserve_s:g} s"
+        else:
+            self.thread.start()
+        ready = ready_file(self.run.standby)
+        while why_not is None and not ready.exists():
+            if not self.thread.is_alive():
+                why_not = f"the warm start failed: {self.outcome.get('error')}"
+                break
+            if time.time() > self.deadline - self.switch_reserve_s:
+                why_not = f"the warm start was not ready {self.switch_reserve_s:g} s before the deadline"
+                break
+            time.sleep(0.05)
+        self.timings["warm_start_s"] = time.perf_counter() - started
+        if why_not is None:
+            self.say(f"new plan's ranks ready in {self.timings['warm_start_s']:.1f} s")
+        return why_not
+
+    def emergency_checkpoint(self) -> int | None:
+        """Ask the old plan's ranks to checkpoint and stop; the committed step (None: none before the deadline)."""
+        if not self.old_pids:
+            return None
+        started = time.perf_counter()
+        write_text_atomic(self.request, json.dumps({"stop": True, "reason": "notice-window switch"}) + "\n",
+                          "checkpoint request")
+        step = wait_for_checkpoint(self.request, max(0.0, self.deadline - time.time()), poll_s=0.02)
+        self.timings["checkpoint_s"] = time.perf_counter() - started
+        return step
+
+    def fetch(self, step: int):
+        """The checkpoint of ``step`` into the run's restore slot, leaving nodes included; (report, why not)."""
+        started = time.perf_counter()
+        peers, remote = sources_for(self.config, self.old_plan, self.leaving_nodes)
+        leaving = [Source(n, self.config.checkpoint.peer_url(n)) for n in self.leaving_nodes]
+        report, why_not = None, None
         try:
-            report = reassemble_newest(peers + leaving, remote, lambda s: str(RunDir(run_dir).restore(s)),
-                                       model=old_plan.model, timeout_s=timeout_s)
+            report = reassemble_newest(peers + leaving, remote, lambda s: str(self.run.restore(s)),
+                                       model=self.old_plan.model, timeout_s=self.timeout_s)
             if report.step != step:  # the bucket may have it once the old ranks finish their upload
                 why_not = f"step {step} could not be fetched whole ({'; '.join(report.passed_over)})"
         except HetrainError as e:  # e.g. a leaving node gone mid-fetch before the bucket had its shards
             why_not = f"the fetch failed ({e})"
-        timings["fetch_s"] = time.perf_counter() - started
-    if why_not is not None:  # the restart reads what the staying nodes and the bucket hold once the old ranks end
-        wait_for_workers_to_exit(run_dir, timeout_s=max(5.0, deadline - time.time()), pids=old_pids)
-        old_records = _records(metrics)
-        if thread.is_alive():
-            write_text_atomic(standby, json.dumps({"cancel": True}) + "\n", "standby switch")
-            thread.join(60)
-        say(f"falling back to a restart: {why_not}")
-        if step is not None and steps_after:
-            steps = step + 1 + steps_after
-        result = recover(run_dir, leaving_nodes, planner, cluster_file=cluster_file, steps=steps, timeout_s=timeout_s,
-                         on_record=on_record)
-        out = NoticeRecovery(**vars(result), switched=False, why_not=why_not, leaving_nodes=list(leaving_nodes))
-        out.timings_s.update(timings)
+        self.timings["fetch_s"] = time.perf_counter() - started
+        return report, why_not
+
+    def fall_back(self, why_not: str, planner: Planner, steps: int | None) -> NoticeRecovery:
+        """No switch: once the old ranks end, cancel the warm start and restart the usual way."""
+        from hetrain.runtime.launch import wait_for_workers_to_exit
+
+        wait_for_workers_to_exit(self.run.path, timeout_s=max(5.0, self.deadline - time.time()), pids=self.old_pids)
+        old_records = _records(self.metrics)
+        if self.thread is not None and self.thread.is_alive():
+            write_text_atomic(self.run.standby, json.dumps({"cancel": True}) + "\n", "standby switch")
+            self.thread.join(60)
+        self.say(f"falling back to a restart: {why_not}")
+        result = recover(self.run.path, self.leaving_nodes, planner, cluster_file=self.cluster_file, steps=steps,
+                         timeout_s=self.timeout_s, on_record=self.on_record)
+        out = NoticeRecovery(**vars(result), switched=False, why_not=why_not, leaving_nodes=list(self.leaving_nodes))
+        out.timings_s.update(self.timings)
         out.timings_s["downtime_s"] = downtime(old_records, result.records)
         return out
-    # The old ranks freed their GPU memory before answering (Trainer.release_device_memory) and
-    # now only finish the checkpoint's bucket upload: the switch does not wait for them.
-    final_plan = RunDir(run_dir).plan_from_step(report.step)
-    plan.write(final_plan)
-    end = report.step + 1 + steps_after if steps_after else standby_config.steps
-    write_text_atomic(standby, json.dumps({"resume_from": report.dest, "start_step": report.step + 1, "steps": end})
-                      + "\n", "standby switch")
-    # From now on the run is the new plan's: later recoveries and resumes (another notice while it
-    # trains) read the run's config, and find its ranks under the warm start's config name.
-    write_config(standby_config.model_copy(update={"plan": str(final_plan), "start_step": report.step + 1, "steps": end,
-                                                   "resume_from": report.dest, "standby_file": None}), run_dir)
-    say(f"switched: the new plan trains from step {report.step + 1}")
-    wait_for_workers_to_exit(run_dir, timeout_s=max(OLD_EXIT_S, deadline - time.time()), pids=old_pids)
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    records = outcome["records"]
-    old_records = [r for r in _records(metrics) if r["step"] <= step]
-    timings["downtime_s"] = downtime(old_records, records)
-    result = NoticeRecovery(run_dir, list(leaving_nodes), report.step, plan, final_plan, report, timings, records,
-                            switched=True, leaving_nodes=list(leaving_nodes))
-    write_report(result, old_plan)
-    return result
+
+    def hand_over(self, report, step: int, steps_after: int | None) -> NoticeRecovery:
+        """The switch: the warm start loads the fetched checkpoint and trains on; the run is the new plan's."""
+        from hetrain.runtime.launch import wait_for_workers_to_exit, write_config
+
+        # The old ranks freed their GPU memory before answering (Trainer.release_device_memory) and
+        # now only finish the checkpoint's bucket upload: the switch does not wait for them.
+        final_plan = self.run.plan_from_step(report.step)
+        self.plan.write(final_plan)
+        end = report.step + 1 + steps_after if steps_after else self.standby_config.steps
+        write_text_atomic(self.run.standby, json.dumps({"resume_from": report.dest, "start_step": report.step + 1,
+                                                        "steps": end}) + "\n", "standby switch")
+        # From now on the run is the new plan's: later recoveries and resumes (another notice while it
+        # trains) read the run's config, and find its ranks under the warm start's config name.
+        write_config(self.standby_config.model_copy(update={
+            "plan": str(final_plan), "start_step": report.step + 1, "steps": end, "resume_from": report.dest,
+            "standby_file": None}), self.run.path)
+        self.say(f"switched: the new plan trains from step {report.step + 1}")
+        wait_for_workers_to_exit(self.run.path, timeout_s=max(OLD_EXIT_S, self.deadline - time.time()),
+                                 pids=self.old_pids)
+        self.thread.join()
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        records = self.outcome["records"]
+        old_records = [r for r in _records(self.metrics) if r["step"] <= step]
+        self.timings["downtime_s"] = downtime(old_records, records)
+        result = NoticeRecovery(self.run.path, list(self.leaving_nodes), report.step, self.plan, final_plan, report,
+                                self.timings, records, switched=True, leaving_nodes=list(self.leaving_nodes))
+        write_report(result, self.old_plan)
+        return result
 
 
 def _records(metrics: Path) -> list[dict]:
