@@ -24,6 +24,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
 from flows.report import Progress, artifact_key, publish_json, publish_profile
+from hetrain.checkpoint.backup import probe_remote
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps
 from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
 from hetrain.rundir import RunDir
@@ -98,6 +99,8 @@ def node(
         config = build_run_config(run_dir, plan_path, options or TrainOptions(), steps=steps, run_id=run_id,
                                   cluster=cluster_path, peers=peers)
         check_run_paths(run_dir, config, [node])
+        if config.checkpoint is not None and (problem := probe_remote(config.checkpoint)) is not None:
+            logger.warning("node %s: %s", node, problem)
         if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
             raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
                                f"per node start from step 0; pick a new run_id")

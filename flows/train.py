@@ -97,7 +97,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, option
     # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
     prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),
                            more_steps=options.more_steps, start_over_without_checkpoint=True,
-                           warn=lambda w: logger.warning("resume: %s", w))
+                           warn=logger.warning)
     config, resumed = prepared.config, prepared.resumed_step
     the_plan.write(plan_path)
     if resumed is not None:

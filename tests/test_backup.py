@@ -76,3 +76,16 @@ def test_train_state_is_named_and_old_positional_checkpoints_still_load(tmp_path
     assert old_state["loss_scale"] == 512.0 and old_state["good_steps"] == 3.0
     restored = LRSchedule.from_state(old_state)
     assert restored.total_steps is None and restored.planned_steps == 30 and restored.lr_at(5) == schedule.lr_at(5)
+
+
+def test_a_store_that_does_not_answer_is_a_warning_not_a_refusal(tmp_path: Path, monkeypatch):
+    """Down for now (nothing listens): the run starts and its uploads retry; misconfigured stores refuse."""
+    from hetrain.runtime.launch import free_port
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    down = CheckpointConfig(local_dir=str(tmp_path / "ckpt"), remote_url="s3://bucket/run",
+                            remote_options={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    said = probe_remote(down)
+    assert said.startswith("--remote s3://bucket/run does not answer (EndpointConnectionError")
+    assert "training starts and each checkpoint's upload retries (5 times)" in said

@@ -53,23 +53,34 @@ def remote_fs(url: str, options: dict | None = None):
     return fs, root
 
 
-def probe_remote(config: CheckpointConfig) -> None:
+def probe_remote(config: CheckpointConfig) -> str | None:
     """Before the first step: the remote store exists, takes a write and a delete with these credentials.
 
-    Raises HetrainError (one line naming the URL) otherwise; a bucket is never created here.
+    What a retry would meet again (no such bucket or directory, access denied, no credentials, a
+    bad URL) raises HetrainError, one line naming the URL; a bucket is never created here. A
+    store that does not answer (down, unreachable) is no reason to lose the training time:
+    the run starts and its uploads retry, and the returned line says so (None when all is well).
     """
     url = config.remote_url
     if not url:
-        return
-    try:
+        return None
+
+    def write_and_delete() -> None:
         fs, root = remote_fs(url, config.remote_options)
         probe = join(root, f"{PROBE_NAME}-{uuid.uuid4().hex[:12]}")
         fs.pipe_file(probe, b"hetrain")
         fs.rm_file(probe)
+
+    try:
+        write_and_delete()  # s3fs already retries a store that does not answer (about 10 s)
     except Exception as e:  # the store's errors are many (botocore, aiohttp, OSError, ValueError for a bad URL)
         why = "no such bucket or directory" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
-        raise HetrainError(f"--remote {url}: cannot write there ({why}); expected an existing bucket or directory "
-                           f"this machine's credentials can write to") from None
+        if is_permanent(e) or isinstance(e, ValueError):
+            raise HetrainError(f"--remote {url}: cannot write there ({why}); expected an existing bucket or "
+                               f"directory this machine's credentials can write to") from None
+        return (f"--remote {url} does not answer ({why}); training starts and each checkpoint's upload retries "
+                f"({config.upload_retries} times)")
+    return None
 
 
 def with_retries(what: str, fn: Callable[[], T], retries: int, first_delay_s: float = 0.5,

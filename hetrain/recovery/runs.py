@@ -228,7 +228,9 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
         raise HetrainError("give --resume or --restart, not both")
     check_run_paths(run_dir, config, nodes)
     if config.checkpoint is not None:
-        probe_remote(config.checkpoint)  # before --restart archives or a resume reassembles
+        # before --restart archives or a resume reassembles; a store that is down is a warning, not a refusal
+        if (problem := probe_remote(config.checkpoint)) is not None and warn is not None:
+            warn(problem)
     fresh = config.model_copy(update={"start_step": 0, "steps": more_steps or config.steps, "resume_from": None})
     previous = previous_run_files(run_dir, config, nodes)
     if previous and restart:

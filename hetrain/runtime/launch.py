@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from hetrain.checkpoint.backup import probe_remote
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
@@ -259,8 +258,6 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     those from the step its switch names.
     """
     run_dir = run_dir.resolve()
-    if config.checkpoint is not None and config.standby_file is None:
-        probe_remote(config.checkpoint)  # a missing bucket is one line now, not a failed backup after the run
     if config.metrics is None:
         config = config.model_copy(update={"metrics": str(RunDir(run_dir).metrics)})
     metrics = Path(config.metrics)
