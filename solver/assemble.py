@@ -127,7 +127,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
 def finish(plan: Plan, cost: CostModel, solver_info: dict, est: Estimate | None = None) -> tuple[Plan, Estimate]:
     """Attach the cost model's prediction (``est``, where the caller has it) and the solver report to a plan."""
     est = est or cost.estimate(plan)
-    plan = plan.model_copy(update={"predicted": Predicted(**est.to_predicted()), "solver": SolverInfo(**solver_info)})
+    predicted = Predicted(**est.to_predicted(), measured=cost.profile is not None)
+    plan = plan.model_copy(update={"predicted": predicted, "solver": SolverInfo(**solver_info)})
     return plan, est
 
 

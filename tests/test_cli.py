@@ -17,6 +17,10 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
     assert plan["schema"] == "hetrain.plan/v1"
     for key in ("model", "cluster", "global_batch_size", "micro_batch_size", "tp", "pipelines", "predicted", "solver"):
         assert key in plan
+    assert plan["predicted"]["measured"] is False  # no --profile: the plan says so, and `hetrain train` too
+    launch = cli("train", "--plan", str(out_file), "--print-launch", "--run-dir", str(tmp_path / "run"))
+    assert launch.returncode == 0, launch.stderr
+    assert "note: the plan's predicted times: these times are analytic estimates" in launch.stderr
     assert set(plan["solver"]) >= {"planner", "status", "gap", "wall_s"}
     stage = plan["pipelines"][0]["stages"][0]
     assert set(stage) <= {"devices", "gpu", "layers", "recompute", "in_flight"} and "recompute" in stage

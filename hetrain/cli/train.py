@@ -80,6 +80,10 @@ def train(
         from hetrain.runtime.data import TokenSource
 
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
+    if pl.predicted is not None and pl.predicted.measured is False:
+        from hetrain.profiling.profile import ANALYTIC_NOTE
+
+        err.print(f"note: the plan's predicted times: {ANALYTIC_NOTE}", highlight=False, soft_wrap=True)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)

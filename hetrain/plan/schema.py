@@ -58,6 +58,9 @@ class Predicted(BaseModel):
     iteration_time_s: NonNegativeFloat
     tokens_per_s: NonNegativeFloat
     peak_memory_gb: dict[str, float]
+    # True: from a profile measured on the GPUs; False: analytic (FLOPs at the catalog's TFLOPS);
+    # None: a plan from before this was kept.
+    measured: bool | None = None
 
 
 class SolverInfo(BaseModel):
