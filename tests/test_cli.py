@@ -80,3 +80,10 @@ def test_estimate_reports_memory_overflow(cli, tmp_path):
     r = cli("estimate", "--plan", str(p), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"))
     assert r.returncode == 1
     assert "device rtx/0 needs" in r.stderr and "has 24.0 GB" in r.stderr
+
+
+def test_an_error_that_looks_like_markup_prints_as_it_is(cli, tmp_path):
+    """Paths and gloo's errors ("[/.../pair.cc:553]") are not rich markup: one line, exit 2, no MarkupError."""
+    odd = tmp_path / "x[/gloo]" / "plan.json"
+    r = cli("estimate", "--plan", str(odd), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {odd}: file not found"], r.stderr

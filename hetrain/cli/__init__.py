@@ -13,7 +13,7 @@ from __future__ import annotations
 import typer
 
 from hetrain.cli import checkpoints, data, node, plan, recovery, train
-from hetrain.cli.common import err
+from hetrain.cli.common import err, say_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train large models on mixed, preemptible GPUs.")
 for command in (plan.plan, plan.estimate, plan.profile, train.train, checkpoints.serve, recovery.recover,
@@ -50,7 +50,7 @@ def main() -> int:
         if type(e).__name__ == "NoArgsIsHelpError":  # `hetrain` or `hetrain data` alone: the help
             e.show()
             return 0
-        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        say_error(e.format_message())
         return e.exit_code
     except typer.Abort:
         err.print("aborted")

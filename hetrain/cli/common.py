@@ -6,6 +6,7 @@ import functools
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from hetrain.errors import HetrainError
 
@@ -14,8 +15,23 @@ MAX_TIME_LIMIT_S = 24 * 3600.0  # one MILP solve
 MAX_TIMEOUT_S = 3600.0  # a peer silent for an hour is gone
 MAX_THREADS = 1024
 
-out = Console()
-err = Console(stderr=True)
+# No markup in what the consoles print: messages carry paths and other programs' errors (gloo's
+# "[/.../pair.cc:553]"), which rich would read as markup tags and fail on. Styles go in as Text.
+out = Console(markup=False)
+err = Console(stderr=True, markup=False)
+
+
+def labelled(label: str, message: object, style: str = "bold red") -> Text:
+    """``label: message`` with the label styled and the message exactly as it is."""
+    return Text.assemble((f"{label}:", style), " ", str(message))
+
+
+def say_error(message: object) -> None:
+    err.print(labelled("error", message), highlight=False, soft_wrap=True)
+
+
+def say_note(message: object, console: Console | None = None) -> None:
+    (console or err).print(labelled("note", message, "yellow"), highlight=False, soft_wrap=True)
 
 
 def user_errors(fn):
@@ -26,7 +42,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except HetrainError as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            say_error(e)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, out, user_errors
+from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, labelled, out, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_file, write_text_atomic
 
@@ -183,7 +184,7 @@ def comparison_table(rows: list[dict], title: str) -> Table:
         table.add_column(col, justify="left" if col in ("planner", "layout") else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["planner"], "-", "-", "-", "-", "-", f"[red]{r['error']}[/]")
+            table.add_row(r["planner"], "-", "-", "-", "-", "-", Text(str(r['error']), style="red"))
             continue
         sp = r["speedup_over_megatron"]
         table.add_row(
@@ -226,7 +227,7 @@ def estimate(
         try:
             cost.check_memory(est)
         except HetrainError as e:
-            err.print(f"[bold red]does not fit:[/] {e}", highlight=False)
+            err.print(labelled("does not fit", e), highlight=False)
         raise typer.Exit(1)
 
 

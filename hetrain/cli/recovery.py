@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hetrain.cli.common import MAX_TIMEOUT_S, err, out, user_errors
+from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.errors import HetrainError
 from hetrain.recovery.preemption import MIN_POLL_S
 from hetrain.rundir import CONFIG, RunDir
@@ -55,7 +55,7 @@ def recover(
                "bytes_from_peers": by_kind["peers"], "bytes_from_remote": by_kind["remote"],
                "steps_trained": len(result.records), "warnings": result.fetch.warnings()}
     for warning in result.fetch.warnings():  # why a peer or a newer step was not used: never silent
-        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
+        say_note(warning)
     if json_out:
         out.print_json(json.dumps(summary))
         return
@@ -113,7 +113,7 @@ def switch(
                "bytes_from": result.bytes_from(), "steps_trained": len(result.records),
                "warnings": result.fetch.warnings()}
     for warning in result.fetch.warnings():
-        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
+        say_note(warning)
     if json_out:
         out.print_json(json.dumps(summary))
         return
@@ -164,7 +164,7 @@ def restore(
     seconds = time.perf_counter() - started
     kinds = report.by_kind(node)
     for warning in report.warnings():
-        err.print(f"[yellow]note:[/] {warning}", highlight=False, soft_wrap=True)
+        say_note(warning)
     summary = {"node": node, "step": report.step, "dest": str(RunDir.of(run).restored(report.step)), "seconds": seconds,
                "local_bytes": kinds["local"], "peer_bytes": kinds["peers"], "bucket_bytes": kinds["remote"],
                "by_source": report.by_source()}

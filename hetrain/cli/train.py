@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from hetrain.cli.common import _peer_urls, err, out, user_errors
+from hetrain.cli.common import _peer_urls, err, labelled, out, say_note, user_errors
 from hetrain.cli.options import model_options
 from hetrain.config import TrainOptions
 from hetrain.errors import HetrainError
@@ -92,7 +92,7 @@ def train(
         return
     prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
                            resume=resume, restart=restart,
-                           warn=lambda w: err.print(f"[yellow]note:[/] {w}", highlight=False, soft_wrap=True))
+                           warn=say_note)
     if prepared.archived is not None:
         err.print(f"previous run moved to {prepared.archived}", highlight=False)
     config = prepared.config
@@ -133,7 +133,7 @@ def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
                 progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
                                        highlight=False, soft_wrap=True)
             for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
-                progress.console.print(f"[bold red]backup failed:[/] {failure} ({config.checkpoint.remote_url})",
+                progress.console.print(labelled("backup failed", f"{failure} ({config.checkpoint.remote_url})"),
                                        highlight=False, soft_wrap=True)
 
         received: list[int] = []
@@ -170,5 +170,5 @@ def _report_run(records: list[dict], config, run_dir: Path) -> None:
                   highlight=False)
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
-        err.print(f"[bold red]backup:[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(labelled("backup", problem), highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_NOT_BACKED_UP)
