@@ -456,3 +456,32 @@ def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_p
         assert everything.by_kind("a") == {"local": 0, "peers": 0, "remote": sum(size.values())}
     with pytest.raises(HetrainError, match="among the lost nodes"):
         restore_on_node(config, SAVE, "c", ["c"], lambda s: str(tmp_path / "c"))
+
+
+def test_a_peer_with_a_newer_step_of_another_model_is_passed_over(trained, s3, tmp_path: Path, monkeypatch):
+    """One hostile (or misconfigured) peer advertises step 5 of another model: the recovery takes step 3 from the
+    node's own disk and the others, and says which peer it passed over and why (issue 33)."""
+    import json
+
+    from hetrain.checkpoint.reassemble import reassemble_newest
+
+    cfg = copy_run(trained, s3, tmp_path, "hostile")
+    hostile_root = Path(cfg.node_root("b"))
+    shutil.copytree(hostile_root / step_name(3), hostile_root / step_name(5))
+    manifest = json.loads((hostile_root / step_name(5) / MANIFEST).read_text())
+    manifest["step"] = 5
+    manifest["model"]["hidden_size"] = 128
+    (hostile_root / step_name(5) / MANIFEST).write_text(json.dumps(manifest))
+    monkeypatch.setenv("HETRAIN_PEER_TOKEN", "s3cret")
+    with PeerServer(hostile_root, host="127.0.0.6", token="s3cret") as hostile:
+        assert 5 in Source("b", hostile.url).steps(2.0)
+        peers = [Source("a", cfg.node_root("a")), Source("b", hostile.url), Source("c", cfg.node_root("c"))]
+        report = reassemble_newest(peers, remote_source(cfg), lambda s: str(tmp_path / "restore" / step_name(s)),
+                                   model=TINY, local="a")
+    assert report.step == 3
+    said = " | ".join(report.warnings())
+    assert "peer b:" in said and "checkpoint is of model 'gpt-tiny'" in said and "step 5" in said
+    # the same manifest on our own disk is our configuration error: it stops, as before
+    with pytest.raises(HetrainError, match="checkpoint is of model"):
+        reassemble_newest([Source("b", str(hostile_root))], None, lambda s: str(tmp_path / "again" / step_name(s)),
+                          model=TINY, local="b")

@@ -57,6 +57,11 @@ class Source:
                 {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 2}})
         return options
 
+    def is_ours(self, local: str | None = None) -> bool:
+        """Our own configuration (this node's disk, a root on this machine, the run's remote store), not another
+        machine's answer: a checkpoint of another model here is our mistake, from a peer it is passed over."""
+        return self.remote or self.name == local or not self.url.startswith(("http://", "https://"))
+
     def filesystem(self, timeout_s: float) -> tuple[fsspec.AbstractFileSystem, str]:
         return url_to_fs(self.url, **self.storage_options(timeout_s))
 
@@ -138,7 +143,14 @@ def committed_by_source(sources: list[Source], timeout_s: float) -> tuple[dict[i
     return holders, errors
 
 
-def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout_s: float) -> Manifest:
+def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout_s: float, local: str | None = None,
+              passed_over: list[str] | None = None) -> Manifest:
+    """Step ``step``'s manifest from the first holder whose answer is whole and of ``model``.
+
+    A manifest of another model on one of our own sources (``Source.is_ours``) is a configuration
+    error and raises ``WrongModel``; from a peer it is passed over like an unreadable one (one
+    hostile or misconfigured peer must not stop a recovery), and said in ``passed_over``.
+    """
     last: Exception | None = None
     for source in holders:
         try:
@@ -147,9 +159,15 @@ def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout
             last = e
             continue
         if model is not None and manifest.model != model:
-            raise WrongModel(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
+            wrong = WrongModel(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
                                f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
                                f"not the run's '{model.name}'")
+            if source.is_ours(local):
+                raise wrong
+            last = wrong
+            if passed_over is not None:
+                passed_over.append(f"peer {source.name}: {wrong}")
+            continue
         return manifest
     raise HetrainError(f"manifest of step {step} unreadable on {', '.join(s.name for s in holders)} ({_why(last)})")
 
@@ -180,7 +198,7 @@ def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Calla
     failures = []
     for step in sorted(holders, reverse=True):
         try:
-            manifest = _manifest(step, holders[step], model, timeout_s)
+            manifest = _manifest(step, holders[step], model, timeout_s, local, failures)
             report = reassemble(manifest, peers, remote, dest_of(step), timeout_s=timeout_s, progress=progress,
                                 local=local)
         except WrongModel:
