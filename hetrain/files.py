@@ -81,11 +81,21 @@ def check_output_dir(path: str | Path, what: str) -> None:
     _probe_writable(base, f"{what} {path}")
 
 
-def check_output_file(path: str | Path, what: str) -> None:
-    """HetrainError unless a file can be written at ``path`` (parents created when needed)."""
+def check_output_file(path: str | Path, what: str, inputs: dict[str, str | Path | None] | None = None) -> None:
+    """HetrainError unless a file can be written at ``path`` (parents created when needed).
+
+    An output replaces only a regular file (never a device, pipe or socket: as root, ``--out
+    /dev/null`` would replace the real one), and never a file the same command reads:
+    ``inputs`` maps each input option (``--text``) to its path.
+    """
     p = Path(path)
     if p.is_dir():
         raise HetrainError(f"{what} {path}: is a directory, expected a file path")
+    if p.exists() and not p.is_file():
+        raise HetrainError(f"{what} {path}: is not a regular file (a device, pipe or socket); expected a file path")
+    for option, source in (inputs or {}).items():
+        if source is not None and p.exists() and Path(source).exists() and os.path.samefile(p, source):
+            raise HetrainError(f"{what} {path}: is the {option} this command reads; choose another path")
     base = _nearest_existing(p.absolute().parent)
     if not base.is_dir():
         raise HetrainError(f"{what} {path}: {base} is a file, not a directory")

@@ -52,9 +52,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "deep.yaml").write_text(model.replace("num_layers: 6", "num_layers: 1000000"))
     (d / "list.yaml").write_text("- 1\n- 2\n")
     (d / "huge.json").write_bytes(b" " * (65 << 20))
+    os.mkfifo(d / "a-fifo")  # stands for a device node: `--out /dev/null` as root would replace the real one
+    (d / "corpus.bin").write_bytes(b"text that is the input\n" * 10)
+    (d / "model.yaml").write_text(model)
     assert main_ok(["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
                     "--out", str(d / "plan.json")])
-    return {"binary": binary, "bjson": bjson, "file": a_file, "dir": a_dir, "plan": d / "plan.json", "root": d}
+    return {"binary": binary, "bjson": bjson, "file": a_file, "dir": a_dir, "plan": d / "plan.json", "root": d,
+            "fifo": d / "a-fifo", "corpus": d / "corpus.bin", "model": d / "model.yaml"}
 
 
 def main_ok(argv: list[str]) -> bool:
@@ -149,6 +153,12 @@ CASES = [
      "--metrics {dir}: is a directory"),
     ("train --checkpoint-dir under a file", ["train", "--plan", "{plan}", "--run-dir", "{root}/r2",
                                              "--checkpoint-dir", "{file}/ckpt/{{node}}"], "--checkpoint-dir {file}/ckpt/"),
+    ("plan --out a fifo", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--out",
+                           "{fifo}"], "--out {fifo}: is not a regular file"),
+    ("plan --out the model", ["plan", "--cluster", CLUSTER, "--model", "{model}", "--global-batch-size", "16",
+                              "--out", "{model}"], "--out {model}: is the --model this command reads"),
+    ("data --out the text", ["data", "prepare", "--text", "{corpus}", "--out", "{corpus}"],
+     "--out {corpus}: is the --text this command reads"),
     ("train --peer without =", ["train", "--plan", "{plan}", "--run-dir", "{root}/r3", "--peer", "nodeurl"],
      "--peer: expected NODE=URL, got 'nodeurl'"),
 ]

@@ -178,3 +178,18 @@ def test_a_local_remote_is_made_and_backed_up(tmp_path: Path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert committed_steps(f"file://{backup}") == [1]
     assert not [p for p in backup.iterdir() if p.name.startswith(".hetrain-probe")]
+
+
+def test_a_restart_keeps_the_inputs_it_reads_from_the_run_directory(tmp_path: Path):
+    """`--plan R/plan.json --run-dir R --restart`: the plan stays where the new run reads it; the archive gets a copy."""
+    run_dir = tmp_path / "R"
+    run_dir.mkdir()
+    asymmetric_plan(1).write(run_dir / "plan.json")
+    argv = ["train", "--plan", str(run_dir / "plan.json"), "--run-dir", str(run_dir), "--steps", "2"]
+    r = run_cli(*argv)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*argv, "--restart")
+    assert r.returncode == 0, r.stderr
+    (archived,) = (run_dir / "archive").iterdir()
+    assert (run_dir / "plan.json").is_file() and (archived / "plan.json").is_file()
+    assert (archived / "metrics.jsonl").is_file() and [x["step"] for x in _records(run_dir)] == [0, 1]

@@ -117,7 +117,7 @@ def plan(
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
     prof = load_profile(profile) if profile else None
     if out_file:
-        check_output_file(out_file, "--out")
+        check_output_file(out_file, "--out", {"--cluster": cluster, "--model": model, "--profile": profile})
 
     names = [planner] + ([p for p in ("megatron", "whale") if p != planner] if compare else [])
     results = {}
@@ -256,7 +256,7 @@ def profile(
 
     mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes", MAX_MICRO_BATCH)
     tps = _int_list(tp, "--tp", MAX_TP_DEGREE)
-    check_output_file(out_file, "--out")
+    check_output_file(out_file, "--out", {"--model": model, "--cluster": cluster})
     if cluster is not None and gpu is not None:
         raise HetrainError("give either --gpu or --cluster, not both")
     if cluster is not None:

@@ -80,15 +80,12 @@ def train(
         from hetrain.runtime.data import TokenSource
 
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
-    if pl.predicted is not None and pl.predicted.measured is False:
-        from hetrain.profiling.profile import ANALYTIC_NOTE
-
-        err.print(f"note: the plan's predicted times: {ANALYTIC_NOTE}", highlight=False, soft_wrap=True)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
     if print_launch:
         _print_launch(config, layout, run_dir, main_address)
+        _note_analytic(pl)
         return
     prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
                            resume=resume, restart=restart,
@@ -101,8 +98,17 @@ def train(
               + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
                  if prepared.resumed_step is not None else "")
               + f"; run directory {run_dir}", highlight=False)
+    _note_analytic(pl)
     records = _launch_with_progress(config, layout, run_dir)
     _report_run(records, config, run_dir)
+
+
+def _note_analytic(pl) -> None:
+    """A plan made without a profile: its predicted times are not measured (said once the run is accepted)."""
+    if pl.predicted is not None and pl.predicted.measured is False:
+        from hetrain.profiling.profile import ANALYTIC_NOTE
+
+        say_note(f"the plan's predicted times: {ANALYTIC_NOTE}")
 
 
 def _print_launch(config, layout, run_dir: Path, main_address: str) -> None:

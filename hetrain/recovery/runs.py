@@ -94,7 +94,8 @@ def check_run_paths(run_dir: Path, config: RunConfig, nodes: list[str]) -> None:
 
     check_output_dir(run_dir, "--run-dir")
     if config.metrics:
-        check_output_file(config.metrics, "--metrics")
+        check_output_file(config.metrics, "--metrics", {"--plan": config.plan, "--cluster": config.cluster,
+                                                        "--data": config.data})
     ckpt = config.checkpoint
     if ckpt is None or "://" in ckpt.local_dir:
         return
@@ -185,8 +186,15 @@ def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
     archive = RunDir(run_dir).archive
     dest = archive / stamp
     dest.mkdir(parents=True, exist_ok=False)
+    # the new run's inputs (a plan, cluster or data file kept in the run directory) stay where the new run reads
+    # them; the archive gets a copy
+    inputs = {Path(p).resolve() for p in (config.plan, config.cluster, config.data) if p}
     for entry in list(run_dir.iterdir()):
-        if entry != archive:
+        if entry == archive:
+            continue
+        if entry.resolve() in inputs:
+            shutil.copy2(entry, dest / entry.name)
+        else:
             shutil.move(str(entry), dest / entry.name)
     metrics = Path(config.metrics) if config.metrics else None
     if metrics is not None and metrics.is_file() and run_dir not in metrics.resolve().parents:

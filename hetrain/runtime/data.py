@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hetrain.errors import HetrainError
+from hetrain.files import check_output_file
 
 TOKENS_SCHEMA = "hetrain.tokens/v1"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -172,6 +173,8 @@ def prepare_tokens(text: str | Path, out: str | Path, tokenizer: str | Path | No
         raise HetrainError(f"--text {src}: file not found")
     if dst.suffix != ".bin":
         raise HetrainError(f"--out {dst}: expected a .bin file name")
+    check_output_file(dst, "--out", {"--text": src, "--tokenizer": tokenizer})
+    check_output_file(dst.with_suffix(".bin.json"), "--out's description", {"--text": src, "--tokenizer": tokenizer})
     encode, vocab_size, name = (lambda chunk: np.frombuffer(chunk, dtype=np.uint8)), 256, "bytes"
     if tokenizer is not None:
         try:
