@@ -30,6 +30,9 @@ DEFAULT_CHECKPOINT_EVERY = 50  # steps; at GPU speed a few minutes of work, and 
 DEFAULT_KEEP = 2  # the newest and one before it: a checkpoint torn by a crash never leaves a run without one
 
 
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
+
+
 class TrainOptions(BaseModel):
     """How to train a run: the options of ``hetrain train`` and the train flow's ``options`` parameter.
 
@@ -39,7 +42,7 @@ class TrainOptions(BaseModel):
     run that trains a fixed amount more each time gives ``more_steps`` instead.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # `--lr inf` fails here, not in the ranks
 
     steps: int = Field(100, ge=1, le=MAX_STEPS, description="train until this many steps are done (the run's total)")
     more_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description=(
@@ -47,7 +50,7 @@ class TrainOptions(BaseModel):
     data: str | None = Field(None, description=(
         "token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
         "tokens (default: synthetic)"))
-    seed: int = Field(0, description="weights and data seed")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="weights and data seed")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
     lr: float = Field(DEFAULT_LR, gt=0, description="peak learning rate (after warmup)")
     lr_min: float | None = Field(None, ge=0, description="cosine floor (default: 10 % of --lr)")
@@ -84,7 +87,7 @@ class TrainOptions(BaseModel):
 class CheckpointConfig(BaseModel):
     """Where and how often a run checkpoints (part of the run config every rank reads)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     local_dir: str  # fsspec URL of each node's checkpoint root; "{node}" is replaced by the node name
     every_steps: PositiveInt = 50
@@ -117,7 +120,7 @@ class CheckpointConfig(BaseModel):
 class RunConfig(BaseModel):
     """What every rank of one training run reads (written by ``hetrain train``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     plan: str
     cluster: str | None = None  # for emulated nodes; optional on real GPUs

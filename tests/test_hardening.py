@@ -55,6 +55,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
     os.mkfifo(d / "a-fifo")  # stands for a device node: `--out /dev/null` as root would replace the real one
     (d / "corpus.bin").write_bytes(b"text that is the input\n" * 10)
     (d / "model.yaml").write_text(model)
+    custom = "gpu_types: {{fast: {{tflops: {}, memory_gb: 80, memory_bandwidth_gbps: 2000}}}}\n"
+    nodes1 = "nodes:\n  - {name: a, gpu: fast, count: 2, intra_node_bandwidth_gbps: 100}\n"
+    (d / "inf-tflops.yaml").write_text("name: inf\n" + custom.format(".inf") + nodes1)
+    (d / "absurd-tflops.yaml").write_text("name: absurd\n" + custom.format("1e300") + nodes1)
+    (d / "nan-link.yaml").write_text("name: nan\ninter_node_bandwidth_gbps: .nan\n" + nodes1.replace("fast", "A100-80G"))
     assert main_ok(["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16",
                     "--out", str(d / "plan.json")])
     return {"binary": binary, "bjson": bjson, "file": a_file, "dir": a_dir, "plan": d / "plan.json", "root": d,
@@ -153,6 +158,15 @@ CASES = [
      "--metrics {dir}: is a directory"),
     ("train --checkpoint-dir under a file", ["train", "--plan", "{plan}", "--run-dir", "{root}/r2",
                                              "--checkpoint-dir", "{file}/ckpt/{{node}}"], "--checkpoint-dir {file}/ckpt/"),
+    ("infinite TFLOPS", ["plan", "--cluster", "{root}/inf-tflops.yaml", "--model", MODEL, "--global-batch-size", "16"],
+     "inf-tflops.yaml: gpu_types.fast.tflops: "),
+    ("absurd TFLOPS", ["plan", "--cluster", "{root}/absurd-tflops.yaml", "--model", MODEL, "--global-batch-size",
+                       "16"], "absurd-tflops.yaml: gpu_types.fast.tflops: expected at most 100000"),
+    ("NaN bandwidth", ["plan", "--cluster", "{root}/nan-link.yaml", "--model", MODEL, "--global-batch-size", "16"],
+     "nan-link.yaml: inter_node_bandwidth_gbps: "),
+    ("train --lr inf", ["train", "--plan", "{plan}", "--run-dir", "{root}/r4", "--lr", "inf"], "--lr: input should be a finite number"),
+    ("train --seed 1e23", ["train", "--plan", "{plan}", "--run-dir", "{root}/r5", "--seed", "100000000000000000000000"],
+     "--seed"),
     ("plan --out a fifo", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--out",
                            "{fifo}"], "--out {fifo}: is not a regular file"),
     ("plan --out the model", ["plan", "--cluster", CLUSTER, "--model", "{model}", "--global-batch-size", "16",

@@ -14,15 +14,24 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 
+# Bounds far past any GPU there is (the H100 does 989 TFLOPS, the largest cards hold 192 GB at 8 TB/s): past
+# them a value is a typo or an attack, and the cost model would divide by it or print "0 tokens/s".
+MAX_TFLOPS = 1e5
+MAX_GPU_MEMORY_GB = 1e4
+MAX_MEMORY_BANDWIDTH_GBPS = 1e6
+
+
 class GPUType(BaseModel):
     """Performance and capacity of one GPU model."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    tflops: PositiveFloat = Field(description="dense FP16/BF16 tensor TFLOPS")
-    memory_gb: PositiveFloat = Field(description="device memory in GB")
-    memory_bandwidth_gbps: PositiveFloat = Field(description="device memory bandwidth in GB/s")
-    fp32_tflops: PositiveFloat | None = Field(default=None, description="dense FP32 TFLOPS (for precision: fp32)")
+    tflops: PositiveFloat = Field(le=MAX_TFLOPS, description="dense FP16/BF16 tensor TFLOPS")
+    memory_gb: PositiveFloat = Field(le=MAX_GPU_MEMORY_GB, description="device memory in GB")
+    memory_bandwidth_gbps: PositiveFloat = Field(le=MAX_MEMORY_BANDWIDTH_GBPS,
+                                                 description="device memory bandwidth in GB/s")
+    fp32_tflops: PositiveFloat | None = Field(default=None, le=MAX_TFLOPS,
+                                              description="dense FP32 TFLOPS (for precision: fp32)")
     efficiency: float = Field(default=0.5, gt=0, le=1, description="achievable fraction of peak TFLOPS")
 
     def achievable_flops(self, precision: str) -> float:

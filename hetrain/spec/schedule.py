@@ -24,7 +24,7 @@ STATE_KEYS = ("lr", "lr_min", "warmup_steps", "decay_steps", "total_steps")  # i
 
 
 class LRSchedule(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     lr: PositiveFloat = DEFAULT_LR
     lr_min: NonNegativeFloat = DEFAULT_LR * DEFAULT_MIN_LR_RATIO

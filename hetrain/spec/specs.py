@@ -27,7 +27,7 @@ from pydantic import (
 
 from hetrain.errors import HetrainError
 from hetrain.files import read_text
-from hetrain.spec.catalog import CATALOG, GPUType
+from hetrain.spec.catalog import CATALOG, MAX_GPU_MEMORY_GB, GPUType
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 GB = 1e9  # every *_gb in hetrain is decimal gigabytes, as GPU datasheets count them
@@ -47,8 +47,17 @@ MAX_MICRO_BATCH = 4096  # sequences per micro-batch
 MAX_TP_DEGREE = 64
 
 
+MAX_LINK_GBPS = 1e6  # GB/s of one link: NVLink 5 is 1.8 TB/s per GPU; a million is a typo
+MAX_LATENCY_US = 1e7  # ten seconds for one message: a link that slow is down
+MAX_SLOWDOWN = 1e4  # an emulated device ten thousand times slower than the CPU would never finish a step
+MAX_PRICE_PER_GPU_HOUR = 1e4  # dollars; the dearest cloud GPUs rent for about 10
+MAX_BYTES_PER_PARAM = 64.0  # fp32 weights, gradients and three fp32 optimizer moments are 20
+MAX_ROPE_THETA = 1e12  # Llama 3 uses 5e5; long-context models a few million
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No infinity or NaN anywhere in a spec: the cost model divides by these numbers.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- cluster
@@ -61,8 +70,8 @@ class EmulateSpec(_Spec):
     out-of-memory error naming the device when it needs more than ``memory_gb``. Ignored on GPUs.
     """
 
-    slowdown: float = Field(default=1.0, ge=1.0, description="compute takes this many times longer")
-    memory_gb: PositiveFloat | None = Field(default=None, description="memory budget per device, GB")
+    slowdown: float = Field(default=1.0, ge=1.0, le=MAX_SLOWDOWN, description="compute takes this many times longer")
+    memory_gb: PositiveFloat | None = Field(default=None, le=MAX_GPU_MEMORY_GB, description="memory budget per device, GB")
 
 
 class NodeSpec(_Spec):
@@ -71,9 +80,9 @@ class NodeSpec(_Spec):
     name: str = Field(pattern=NAME_PATTERN)
     gpu: str
     count: PositiveInt = Field(le=MAX_GPUS_PER_NODE)
-    intra_node_bandwidth_gbps: PositiveFloat = Field(description="GB/s between two GPUs of this node")
+    intra_node_bandwidth_gbps: PositiveFloat = Field(le=MAX_LINK_GBPS, description="GB/s between two GPUs of this node")
     spot: bool = False
-    price_per_gpu_hour: NonNegativeFloat | None = None
+    price_per_gpu_hour: NonNegativeFloat | None = Field(default=None, le=MAX_PRICE_PER_GPU_HOUR)
     emulate: EmulateSpec | None = None
     nics: Literal["one", "per_gpu"] = Field(
         default="one",
@@ -100,7 +109,7 @@ class LinkSpec(_Spec):
     """Bandwidth override for one pair of nodes (GB/s), e.g. two nodes in different racks."""
 
     nodes: tuple[str, str]
-    bandwidth_gbps: PositiveFloat
+    bandwidth_gbps: PositiveFloat = Field(le=MAX_LINK_GBPS)
 
 
 @dataclass(frozen=True)
@@ -117,11 +126,11 @@ class ClusterSpec(_Spec):
     name: str
     nodes: list[NodeSpec] = Field(min_length=1)
     inter_node_bandwidth_gbps: PositiveFloat = Field(
-        default=12.5, description="GB/s between GPUs of two different nodes (12.5 GB/s = 100 Gb/s)"
+        default=12.5, le=MAX_LINK_GBPS, description="GB/s between GPUs of two different nodes (12.5 GB/s = 100 Gb/s)"
     )
     links: list[LinkSpec] = Field(default_factory=list)
     collective_latency_us: NonNegativeFloat = Field(
-        default=0.0,
+        default=0.0, le=MAX_LATENCY_US,
         description="fixed cost in microseconds of a send, or of a collective between two GPUs, on top of "
         "bytes / bandwidth; a collective among p GPUs pays it ceil(log2 p) times (tens of us for NCCL, "
         "milliseconds for gloo on a busy CPU; 0 ignores it, fine for large models)",
@@ -234,7 +243,7 @@ class ModelSpec(_Spec):
     vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
     ffn_hidden_size: PositiveInt | None = Field(default=None, le=4 * MAX_HIDDEN_SIZE)
     num_kv_heads: PositiveInt | None = Field(default=None, le=MAX_HEADS)
-    rope_theta: PositiveFloat | None = None
+    rope_theta: PositiveFloat | None = Field(default=None, le=MAX_ROPE_THETA)
     norm_eps: PositiveFloat | None = Field(default=None, lt=1.0)
     tie_embeddings: bool | None = None
 
@@ -318,7 +327,7 @@ class TrainingSettings(_Spec):
                                                                               max_length=64)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     bytes_per_param: PositiveFloat = Field(
-        default=16.0,
+        default=16.0, le=MAX_BYTES_PER_PARAM,
         description="weights + gradients + optimizer state per parameter; mixed-precision Adam: "
         "2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + 4 + 4 (Adam moments) = 16",
     )
@@ -330,7 +339,7 @@ class TrainingSettings(_Spec):
     grad_reduce: Literal["fp32", "bf16"] = Field(
         default="fp32", description="dtype of the data-parallel gradient all-reduce (gradients are held in fp32)")
     framework_reserve_gb: NonNegativeFloat = Field(
-        default=2.0, description="per-GPU memory held by CUDA context, allocator and communication buffers"
+        default=2.0, le=MAX_GPU_MEMORY_GB, description="per-GPU memory held by CUDA context, allocator and communication buffers"
     )
 
     @field_validator("activation_recompute", mode="before")
