@@ -12,10 +12,15 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from hetrain.errors import HetrainError
 
 MAX_INPUT_BYTES = 64 << 20  # specs, plans and profiles are kilobytes; 64 MB is a plan for ~100k GPUs
+MAX_NESTING = 64  # a plan nests 6 deep; 64 is far past any file of ours and far short of Python's recursion limit
+MAX_INT_DIGITS = 40  # 2**128 has 39 digits: a longer integer is no count of ours (and slow to parse)
 
 
 def read_text(path: str | Path) -> str:
@@ -37,13 +42,105 @@ def read_text(path: str | Path) -> str:
         raise HetrainError(f"{p}: cannot read ({e.strerror or e})") from None
 
 
+class _Refused(ValueError):
+    """What the readers below refuse, with the reason."""
+
+
+def _checked_int(text: str) -> int:
+    if len(text.lstrip("+-")) > MAX_INT_DIGITS:
+        raise _Refused(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _unique_keys(pairs: list) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Refused(f"the key {key!r} is given twice")
+        seen[key] = value
+    return seen
+
+
+def _depth_ok(data: Any, limit: int = MAX_NESTING) -> None:
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise _Refused(f"nested more than {limit} deep")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def parse_json(text: str, source: str) -> Any:
+    """JSON as every reader of ours takes it: no duplicate keys, no giant integers, bounded nesting.
+
+    One HetrainError line naming ``source`` otherwise (never a traceback, never minutes of work).
+    """
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_checked_int)
+        _depth_ok(data)
+        return data
+    except json.JSONDecodeError as e:
+        raise HetrainError(f"{source}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
+    except _Refused as e:
+        raise HetrainError(f"{source}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise HetrainError(f"{source}: invalid JSON (nested more than {MAX_NESTING} deep)") from None
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """YAML's safe loader without what only attacks need: aliases (a 500-byte file can expand to gigabytes),
+    duplicate keys (the last one silently won), integers of thousands of digits, unbounded nesting."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"line {event.start_mark.line + 1}: an alias (*{event.anchor}); write the value out")
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_NESTING:
+                raise _Refused(f"nested more than {MAX_NESTING} deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=True) for k, _ in node.value]
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                raise _Refused(f"line {node.value[i][0].start_mark.line + 1}: the key {key!r} is given twice")
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        digits = str(node.value).replace("_", "").lstrip("+-")
+        if len(digits) > MAX_INT_DIGITS:
+            raise _Refused(f"line {node.start_mark.line + 1}: an integer of {len(digits)} digits "
+                           f"(at most {MAX_INT_DIGITS})")
+        return super().construct_yaml_int(node)
+
+
+_StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", _StrictYamlLoader.construct_yaml_int)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """YAML as every reader of ours takes it (``_StrictYamlLoader``); one HetrainError line naming ``source``."""
+    try:
+        return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except _Refused as e:
+        raise HetrainError(f"{source}: invalid YAML ({e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise HetrainError(f"{source}: {where}invalid YAML ({problem})") from None
+    except RecursionError:
+        raise HetrainError(f"{source}: invalid YAML (nested more than {MAX_NESTING} deep)") from None
+
+
 def read_versioned_json(path: str | Path, schema: str) -> dict:
     """A JSON file contract (``{"schema": "hetrain.<kind>/v1", ...}``): the object, or one line on what is wrong."""
     p = Path(path)
-    try:
-        data = json.loads(read_text(p))
-    except json.JSONDecodeError as e:
-        raise HetrainError(f"{p}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
+    data = parse_json(read_text(p), str(p))
     if not isinstance(data, dict) or data.get("schema") != schema:
         got = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise HetrainError(f"{p}: schema: expected '{schema}', got {got!r}")

@@ -55,6 +55,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     os.mkfifo(d / "a-fifo")  # stands for a device node: `--out /dev/null` as root would replace the real one
     (d / "corpus.bin").write_bytes(b"text that is the input\n" * 10)
     (d / "model.yaml").write_text(model)
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+    (d / "laughs.yaml").write_text(laughs)  # about 500 bytes; 9**9 strings once expanded
+    (d / "twice.yaml").write_text(model + "num_layers: 12\n")
+    (d / "digits.yaml").write_text(model.replace("num_layers: 6", "num_layers: " + "9" * 5000))
+    (d / "bool-layers.yaml").write_text(model.replace("num_layers: 6", "num_layers: true"))
+    (d / "deep.json").write_text('{"schema": "hetrain.plan/v1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     custom = "gpu_types: {{fast: {{tflops: {}, memory_gb: 80, memory_bandwidth_gbps: 2000}}}}\n"
     nodes1 = "nodes:\n  - {name: a, gpu: fast, count: 2, intra_node_bandwidth_gbps: 100}\n"
     (d / "inf-tflops.yaml").write_text("name: inf\n" + custom.format(".inf") + nodes1)
@@ -158,6 +165,16 @@ CASES = [
      "--metrics {dir}: is a directory"),
     ("train --checkpoint-dir under a file", ["train", "--plan", "{plan}", "--run-dir", "{root}/r2",
                                              "--checkpoint-dir", "{file}/ckpt/{{node}}"], "--checkpoint-dir {file}/ckpt/"),
+    ("YAML aliases", ["plan", "--cluster", CLUSTER, "--model", "{root}/laughs.yaml", "--global-batch-size", "16"],
+     "laughs.yaml: invalid YAML (line 2: an alias (*a); write the value out)"),
+    ("a key twice", ["plan", "--cluster", CLUSTER, "--model", "{root}/twice.yaml", "--global-batch-size", "16"],
+     "twice.yaml: invalid YAML (line 8: the key 'num_layers' is given twice)"),
+    ("5000 digits", ["plan", "--cluster", CLUSTER, "--model", "{root}/digits.yaml", "--global-batch-size", "16"],
+     "digits.yaml: invalid YAML (line 3: an integer of 5000 digits (at most 40))"),
+    ("true layers", ["plan", "--cluster", CLUSTER, "--model", "{root}/bool-layers.yaml", "--global-batch-size", "16"],
+     "bool-layers.yaml: num_layers: expected a number, got True"),
+    ("JSON 100k deep", ["estimate", "--plan", "{root}/deep.json", "--cluster", CLUSTER],
+     "deep.json: invalid JSON (nested more than 64 deep)"),
     ("infinite TFLOPS", ["plan", "--cluster", "{root}/inf-tflops.yaml", "--model", MODEL, "--global-batch-size", "16"],
      "inf-tflops.yaml: gpu_types.fast.tflops: "),
     ("absurd TFLOPS", ["plan", "--cluster", "{root}/absurd-tflops.yaml", "--model", MODEL, "--global-batch-size",

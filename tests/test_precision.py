@@ -226,6 +226,8 @@ def test_prepare_byte_level_and_tokenizer(tmp_path: Path):
     (lambda d: np.save(d / "x.npy", np.zeros(100, np.float32)), "expected a 1-D array of integer token ids"),
     (lambda d: (np.arange(100, dtype=np.uint16).tofile(d / "x.bin"),
                 (d / "x.bin.json").write_text('{"dtype": "int8"}')), "dtype: expected one of uint16, uint32"),
+    (lambda d: (np.arange(100, dtype=np.uint16).tofile(d / "x.bin"),
+                (d / "x.bin.json").write_text('{"dtype": ["uint16"]}')), "dtype: expected one of uint16, uint32"),
 ])
 def test_bad_token_files_are_one_line_errors(tmp_path: Path, make, message):
     make(tmp_path)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hetrain.errors import HetrainError
-from hetrain.files import check_output_file
+from hetrain.files import check_output_file, parse_json, read_text
 
 TOKENS_SCHEMA = "hetrain.tokens/v1"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -62,12 +62,11 @@ def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
     meta_path = p.with_name(p.name + ".json")
     dtype_name = token_dtype_for(vocab_size)
     if meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text())
-            dtype_name = meta["dtype"]
-        except (ValueError, KeyError, TypeError):
-            raise HetrainError(f"{meta_path}: expected JSON with a 'dtype' field ({TOKENS_SCHEMA})") from None
-        if dtype_name not in TOKEN_DTYPES:
+        meta = parse_json(read_text(meta_path), str(meta_path))
+        if not isinstance(meta, dict) or "dtype" not in meta:
+            raise HetrainError(f"{meta_path}: expected JSON with a 'dtype' field ({TOKENS_SCHEMA})")
+        dtype_name = meta["dtype"]
+        if not isinstance(dtype_name, str) or dtype_name not in TOKEN_DTYPES:
             raise HetrainError(f"{meta_path}: dtype: expected one of {', '.join(TOKEN_DTYPES)}, got {dtype_name!r}")
     itemsize = np.dtype(TOKEN_DTYPES[dtype_name]).itemsize
     size = p.stat().st_size

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -21,12 +21,13 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from hetrain.errors import HetrainError
-from hetrain.files import read_text
+from hetrain.files import parse_yaml, read_text
 from hetrain.spec.catalog import CATALOG, MAX_GPU_MEMORY_GB, GPUType
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -55,9 +56,35 @@ MAX_BYTES_PER_PARAM = 64.0  # fp32 weights, gradients and three fp32 optimizer m
 MAX_ROPE_THETA = 1e12  # Llama 3 uses 5e5; long-context models a few million
 
 
+def _numbers_only(annotation) -> bool:
+    """Whether a field takes numbers and no bool (``num_layers: true`` must not read as one layer)."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is Annotated:
+        return _numbers_only(args[0])
+    if get_origin(annotation) in (Union, UnionType):
+        return any(_numbers_only(a) for a in args if a is not type(None)) and bool not in args
+    if get_origin(annotation) is list and args:
+        return _numbers_only(args[0])
+    return False
+
+
 class _Spec(BaseModel):
     # No infinity or NaN anywhere in a spec: the cost model divides by these numbers.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's ``true`` is no count: pydantic would take it as 1."""
+        field = cls.model_fields.get(info.field_name)
+        items = value if isinstance(value, list) else [value]
+        if field is not None and any(isinstance(v, bool) for v in items) and _numbers_only(field.annotation):
+            raise ValueError(f"expected a number, got {value!r}")
+        return value
 
 
 # --------------------------------------------------------------------------- cluster
@@ -451,14 +478,7 @@ def describe_validation_error(source: str, err: ValidationError) -> str:
 
 
 def load_yaml(path: str | Path) -> Any:
-    p = Path(path)
-    try:
-        return yaml.safe_load(read_text(p))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise HetrainError(f"{p}: {where}invalid YAML ({problem})") from None
+    return parse_yaml(read_text(path), str(path))
 
 
 def parse_spec(cls: type[S], data: Any, source: str) -> S:
