@@ -91,13 +91,20 @@ class ExportResult:
 def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The model's weights, whole, from a reassembled (committed and verified) step directory."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's wrapper of rank errors
 
     from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
     from hetrain.runtime.model import GPT
 
     model = GPT(spec)  # whole, on the CPU: DCP fills it from whatever shards the plan wrote
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner())
+    try:
+        dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner())
+    except HetrainError:
+        raise
+    except (Exception, CheckpointException) as e:  # an index that does not fit the model (no code runs: safe unpickler)
+        raise HetrainError(f"{checkpoint_dir}: the checkpoint's .metadata does not describe '{spec.name}' "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return state["model"]
 
 

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from moto.server import ThreadedMotoServer
 
 from ckpt_helpers import CLUSTER_YAML, TINY, moto_bucket, plan, run
@@ -485,3 +486,48 @@ def test_a_peer_with_a_newer_step_of_another_model_is_passed_over(trained, s3, t
     with pytest.raises(HetrainError, match="checkpoint is of model"):
         reassemble_newest([Source("b", str(hostile_root))], None, lambda s: str(tmp_path / "again" / step_name(s)),
                           model=TINY, local="b")
+
+
+def test_a_manifest_that_lists_a_file_twice_or_claims_too_much_is_refused_before_any_fetch(trained, tmp_path: Path,
+                                                                                              monkeypatch):
+    """Sizes are bounded before fetching (issue 33): by the model's shape and by the destination's free space."""
+    import json
+
+    import hetrain.checkpoint.reassemble as reassemble_module
+    from hetrain.checkpoint.manifest import max_checkpoint_bytes, parse_manifest
+
+    base, cfg = trained
+    good = read_manifest(cfg.node_root("a"), 3)
+    data = json.loads(good.to_json())
+    twice = {**data, "files": data["files"] + data["files"][:1]}
+    with pytest.raises(HetrainError, match="is listed twice"):
+        parse_manifest(json.dumps(twice), "peer b")
+    huge = {**data, "files": [{**data["files"][0], "size": 10**12}] + data["files"][1:]}
+    with pytest.raises(HetrainError, match="more than a checkpoint of 'gpt-tiny' can hold"):
+        parse_manifest(json.dumps(huge), "peer b")
+    assert good.total_bytes <= max_checkpoint_bytes(good.model)
+    # a destination without room: refused before a byte is fetched, nothing left behind
+    monkeypatch.setattr(reassemble_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1))
+    with pytest.raises(HetrainError, match="GB free at"):
+        reassemble(good, [Source(n, cfg.node_root(n)) for n in "abc"], None, str(tmp_path / "dest"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_index_with_absurd_sizes_is_one_line_in_export(trained, tmp_path: Path):
+    """A .metadata made of genuine DCP classes but with sizes no model has: one HetrainError, no traceback."""
+    import pickle
+
+    from hetrain.checkpoint.safe_metadata import load_metadata
+    from hetrain.export import consolidate
+
+    base, cfg = trained
+    step_dir = tmp_path / "step"
+    reassemble(read_manifest(cfg.node_root("a"), 3), [Source(n, cfg.node_root(n)) for n in "abc"], None,
+               str(step_dir))
+    metadata = load_metadata((step_dir / ".metadata").read_bytes(), "test")
+    for entry in metadata.state_dict_metadata.values():
+        if hasattr(entry, "size"):
+            entry.size = torch.Size([10**12] * len(entry.size))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(HetrainError, match=".metadata does not describe 'gpt-tiny'"):
+        consolidate(str(step_dir), TINY)

@@ -36,10 +36,11 @@ from typing import Any, Literal
 
 import fsspec
 from fsspec.core import url_to_fs
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
+from hetrain.spec.arithmetic import total_params
 from hetrain.spec.specs import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -53,6 +54,16 @@ _STEP_PREFIX = "step-"
 # is not one of these is refused, never normalised into place (no '/', no '..', no absolute path).
 CHECKPOINT_FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # whole names: use fullmatch
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# What a checkpoint of a model can weigh: fp32 weights and AdamW's two fp32 moments are 12 bytes a parameter;
+# twice that again for what DCP may store beside them. A manifest claiming more lies (a peer streaming zeros
+# until the disk is full), and is refused before anything is fetched.
+MAX_STATE_BYTES_PER_PARAM = 32
+CHECKPOINT_EXTRA_BYTES = 256 << 20  # RNG states, the train state, DCP's index: megabytes, whatever the model
+
+
+def max_checkpoint_bytes(model: ModelSpec) -> int:
+    """The most a committed checkpoint of ``model`` can hold, all files together."""
+    return total_params(model) * MAX_STATE_BYTES_PER_PARAM + CHECKPOINT_EXTRA_BYTES
 
 
 class FileEntry(BaseModel):
@@ -89,6 +100,18 @@ class Manifest(BaseModel):
     optimizer: str
     created_s: float = Field(default_factory=time.time)
     files: list[FileEntry]
+
+    @model_validator(mode="after")
+    def _files_once_and_bounded(self) -> Manifest:
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            twice = next(p for p in paths if paths.count(p) > 1)
+            raise ValueError(f"files: {twice} is listed twice")
+        bound = max_checkpoint_bytes(self.model)
+        if self.total_bytes > bound:
+            raise ValueError(f"files: {self.total_bytes / 1e9:.3g} GB in all, more than a checkpoint of "
+                             f"'{self.model.name}' can hold ({bound / 1e9:.3g} GB)")
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True, indent=1)

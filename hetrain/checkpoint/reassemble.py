@@ -17,10 +17,12 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -259,6 +261,24 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
     dest_fs.mv(tmp, dest_path)
 
 
+FREE_SPACE_MARGIN_BYTES = 1 << 30  # leave a gigabyte: the node's logs and metrics still need room
+
+
+def _check_room(dest_fs: fsspec.AbstractFileSystem, dest: str, manifest: Manifest) -> None:
+    """Refuse before fetching when a local destination has no room for the whole step (a full disk helps nobody)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(dest_fs, LocalFileSystem):
+        return
+    base = Path(dest)
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    if manifest.total_bytes + FREE_SPACE_MARGIN_BYTES > free:
+        raise HetrainError(f"checkpoint step {manifest.step}: {manifest.total_bytes / 1e9:.3g} GB to fetch, "
+                           f"{free / 1e9:.3g} GB free at {base} (keeping {FREE_SPACE_MARGIN_BYTES >> 30} GB)")
+
+
 def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
                timeout_s: float = 10.0, workers: int = 8,
                progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
@@ -271,6 +291,7 @@ def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, d
     started = time.perf_counter()
     by_name = {p.name: p for p in peers}
     dest_fs, dest = url_to_fs(dest_url)
+    _check_room(dest_fs, dest, manifest)
     partial = dest.rstrip("/") + ".partial"
     if dest_fs.exists(partial):
         dest_fs.rm(partial, recursive=True)
