@@ -8,6 +8,7 @@ committed checkpoint and trains ``steps`` more. The logic lives in ``hetrain`` a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Literal
@@ -88,6 +89,13 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
 @task(retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)  # a retry resumes from the newest committed checkpoint
 def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, options: TrainOptions,
               spot_metadata_url: str | None, cloud: str, predicted_s: float) -> dict:
+    """Train the run under the plan on this machine; the run directory stays locked until its launch ends."""
+    with contextlib.ExitStack() as held:
+        return _train_run(held, run_id, runs_root, plan_json, cluster, options, spot_metadata_url, cloud, predicted_s)
+
+
+def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_json: dict, cluster: str,
+               options: TrainOptions, spot_metadata_url: str | None, cloud: str, predicted_s: float) -> dict:
     logger = get_run_logger()
     run_dir = run_dir_of(runs_root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +105,7 @@ def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, option
     # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
     prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),
                            more_steps=options.more_steps, start_over_without_checkpoint=True,
-                           warn=logger.warning)
+                           warn=logger.warning, hold=held)
     config, resumed = prepared.config, prepared.resumed_step
     the_plan.write(plan_path)
     if resumed is not None:

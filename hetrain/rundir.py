@@ -13,6 +13,7 @@ message helpers below. Torch-free, so the control plane and the ranks share it.
     RUN/backup.json                rank 0's account of what reached the remote store, when the run ends
     RUN/launch[-NODE].log          the launcher's output
     RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)
+    RUN/.lock                      held (flock) by the one `hetrain train` or train flow run driving the run
     RUN/pids/PID.pid               one per live worker: the launcher makes sure none outlives it
     RUN/checkpoints/NODE/          each node's checkpoint root (unless --checkpoint-dir puts it elsewhere)
     RUN/restore/step-N/            a reassembled checkpoint of step N (one at a time)
@@ -28,9 +29,15 @@ Messages (each a file; a rename is the answer, so a reader never sees half of on
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from hetrain.errors import HetrainError
 
 
 CONFIG = "config.json"
@@ -41,6 +48,7 @@ CHECKPOINT_REQUEST = "checkpoint.request"
 METRICS = "metrics.jsonl"
 READY_SUFFIX = ".ready"
 DONE_INFIX = ".done-"
+LOCK = ".lock"
 ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
 
 
@@ -119,6 +127,29 @@ class RunDir:
     @property
     def archive(self) -> Path:
         return self.path / "archive"
+
+    @contextlib.contextmanager
+    def lock(self, what: str = "--run-dir") -> Iterator[None]:
+        """Hold the run while the block runs: a second ``hetrain train`` (or train flow run) on it is refused.
+
+        An advisory ``flock`` on ``RUN/.lock``: the kernel drops it when the holder exits, however it
+        exits, so a crashed run never leaves the directory locked. A recovery acts on a running run on
+        purpose (the notice-window switch) and does not take it.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+                raise HetrainError(f"{what} {self.path}: another hetrain train is running this run (pid {holder}); "
+                                   f"wait for it, stop it, or choose another run directory") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)
 
     def restore(self, step: int) -> Path:
         """``restore/step-N``, where a reassembled checkpoint lands; older restores are removed (one is enough)."""

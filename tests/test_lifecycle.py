@@ -88,7 +88,7 @@ def test_plan_whose_micro_batches_do_not_add_up_is_refused_without_a_cluster(tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_sigterm_stops_every_worker(tmp_path: Path):
+def test_sigterm_stops_every_worker_and_a_second_train_is_refused_meanwhile(tmp_path: Path):
     asymmetric_plan(1).write(tmp_path / "plan.json")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"),
@@ -99,6 +99,12 @@ def test_sigterm_stops_every_worker(tmp_path: Path):
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         time.sleep(0.5)
     assert len(list((run_dir / "pids").glob("*.pid"))) == 3
+    # a second `hetrain train` on the same run directory while it runs: refused, the running one untouched
+    second = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--run-dir", str(run_dir))
+    assert second.returncode == 2 and second.stderr.strip().splitlines() == [
+        f"error: --run-dir {run_dir}: another hetrain train is running this run (pid {proc.pid}); wait for it, stop "
+        f"it, or choose another run directory"], second.stderr
+    assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -87,19 +89,19 @@ def train(
         _print_launch(config, layout, run_dir, main_address)
         _note_analytic(pl)
         return
-    prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
-                           resume=resume, restart=restart,
-                           warn=say_note)
-    if prepared.archived is not None:
-        err.print(f"previous run moved to {prepared.archived}", highlight=False)
-    config = prepared.config
-    out.print(f"training {pl.model.name} on {layout.world_size} processes "
-              f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
-              + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
-                 if prepared.resumed_step is not None else "")
-              + f"; run directory {run_dir}", highlight=False)
-    _note_analytic(pl)
-    records = _launch_with_progress(config, layout, run_dir)
+    with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends
+        prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
+                               resume=resume, restart=restart, warn=say_note, hold=held)
+        if prepared.archived is not None:
+            err.print(f"previous run moved to {prepared.archived}", highlight=False)
+        config = prepared.config
+        out.print(f"training {pl.model.name} on {layout.world_size} processes "
+                  f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
+                  + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
+                     if prepared.resumed_step is not None else "")
+                  + f"; run directory {run_dir}", highlight=False)
+        _note_analytic(pl)
+        records = _launch_with_progress(config, layout, run_dir)
     _report_run(records, config, run_dir)
 
 

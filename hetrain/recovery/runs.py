@@ -6,6 +6,7 @@ later (scheduled retraining) from its newest committed checkpoint, whatever plan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -18,7 +19,7 @@ from hetrain.checkpoint.reassemble import NoCheckpoint, Source, reassemble_newes
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.rundir import RunDir
+from hetrain.rundir import LOCK, RunDir
 
 
 def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
@@ -190,7 +191,7 @@ def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
     # them; the archive gets a copy
     inputs = {Path(p).resolve() for p in (config.plan, config.cluster, config.data) if p}
     for entry in list(run_dir.iterdir()):
-        if entry == archive:
+        if entry == archive or entry.name == LOCK:  # the lock stays with the directory its holder locked
             continue
         if entry.resolve() in inputs:
             shutil.copy2(entry, dest / entry.name)
@@ -220,7 +221,7 @@ class PreparedRun:
 
 def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], *, more_steps: int | None = None,
                 resume: bool = False, restart: bool = False, start_over_without_checkpoint: bool = False,
-                warn: Callable[[str], None] | None = None) -> PreparedRun:
+                warn: Callable[[str], None] | None = None, hold: contextlib.ExitStack | None = None) -> PreparedRun:
     """The one start-a-run sequence of ``hetrain train`` and the flows, before any process starts.
 
     Checks every path the run writes and probes its remote store (one line, nothing written,
@@ -229,6 +230,8 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
     archives what a previous run left. A previous run without a checkpoint is refused (the
     CLI: the user chooses) or, with ``start_over_without_checkpoint`` (scheduled runs, whose
     retries must not stop there), started over; its metrics are kept beside the new ones.
+    ``hold``: once the checks pass (nothing is written before), the run directory's lock is taken
+    into it, so the caller holds the run until its launch ends (``RunDir.lock``).
     """
     from hetrain.checkpoint.backup import probe_remote
 
@@ -239,6 +242,8 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
         # before --restart archives or a resume reassembles; a store that is down is a warning, not a refusal
         if (problem := probe_remote(config.checkpoint)) is not None and warn is not None:
             warn(problem)
+    if hold is not None:
+        hold.enter_context(RunDir(run_dir).lock())
     fresh = config.model_copy(update={"start_step": 0, "steps": more_steps or config.steps, "resume_from": None})
     previous = previous_run_files(run_dir, config, nodes)
     if previous and restart:
