@@ -26,8 +26,13 @@ def labelled(label: str, message: object, style: str = "bold red") -> Text:
     return Text.assemble((f"{label}:", style), " ", str(message))
 
 
+def one_line(message: object) -> str:
+    """The message on one line: control characters (a newline in a key read from a file) shown escaped."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(message))
+
+
 def say_error(message: object) -> None:
-    err.print(labelled("error", message), highlight=False, soft_wrap=True)
+    err.print(labelled("error", one_line(message)), highlight=False, soft_wrap=True)
 
 
 def say_note(message: object, console: Console | None = None) -> None:

@@ -434,8 +434,9 @@ def _loc_to_str(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
+        else:  # a key from the file as it is when plain, quoted when it holds anything odd (a newline, a dot)
+            key = str(part)
+            out += ("." if out else "") + (key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else repr(key))
     return out or "(top level)"
 
 
