@@ -184,6 +184,8 @@ CASES = [
     ("train --lr inf", ["train", "--plan", "{plan}", "--run-dir", "{root}/r4", "--lr", "inf"], "--lr: input should be a finite number"),
     ("train --seed 1e23", ["train", "--plan", "{plan}", "--run-dir", "{root}/r5", "--seed", "100000000000000000000000"],
      "--seed"),
+    ("data --out on a read-only filesystem", ["data", "prepare", "--text", "{corpus}", "--out", "/proc/hetrain.bin"],
+     "--out /proc/hetrain.bin: cannot write in /proc"),
     ("plan --out a fifo", ["plan", "--cluster", CLUSTER, "--model", MODEL, "--global-batch-size", "16", "--out",
                            "{fifo}"], "--out {fifo}: is not a regular file"),
     ("plan --out the model", ["plan", "--cluster", CLUSTER, "--model", "{model}", "--global-batch-size", "16",
