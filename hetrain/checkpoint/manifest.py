@@ -53,6 +53,7 @@ _STEP_PREFIX = "step-"
 # else and nowhere else. A manifest comes from a peer or a bucket and is untrusted: a path that
 # is not one of these is refused, never normalised into place (no '/', no '..', no absolute path).
 CHECKPOINT_FILE = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")  # whole names: use fullmatch
+STEP_DIR = re.compile(re.escape(_STEP_PREFIX) + r"([0-9]+)")  # a step directory's whole name (ASCII digits only)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # What a checkpoint of a model can weigh: fp32 weights and AdamW's two fp32 moments are 12 bytes a parameter;
 # twice that again for what DCP may store beside them. A manifest claiming more lies (a peer streaming zeros
@@ -125,6 +126,12 @@ def step_name(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
 
 
+def step_of_dir(name: str) -> int | None:
+    """The step a directory named ``name`` holds (``step-00000120``: 120), None for any other name."""
+    m = STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
@@ -171,9 +178,9 @@ def committed_steps(root_url: str, storage_options: dict | None = None) -> list[
     steps = []
     for entry in entries:
         name = PurePosixPath(entry.rstrip("/")).name
-        if name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit():
-            if fs.exists(join(root, name, MANIFEST)):
-                steps.append(int(name[len(_STEP_PREFIX):]))
+        step = step_of_dir(name)
+        if step is not None and fs.exists(join(root, name, MANIFEST)):
+            steps.append(step)
     return sorted(steps)
 
 
@@ -216,10 +223,8 @@ def prune(root_url: str, keep: int, storage_options: dict | None = None, protect
     removed = []
     for entry in fs.ls(root, detail=False):
         name = PurePosixPath(entry.rstrip("/")).name
-        if not (name.startswith(_STEP_PREFIX) and name[len(_STEP_PREFIX):].isdigit()):
-            continue
-        step = int(name[len(_STEP_PREFIX):])
-        if step >= oldest_kept or step in protect or step in others:
+        step = step_of_dir(name)
+        if step is None or step >= oldest_kept or step in protect or step in others:
             continue
         manifest = join(root, name, MANIFEST)
         try:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hetrain.cli.common import MAX_TIMEOUT_S, err, out, user_errors
+from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir
 from hetrain.rundir import CONFIG, RunDir
@@ -28,15 +28,20 @@ def serve(
 
     import uvicorn
 
-    from hetrain.checkpoint.peer import make_app
+    from hetrain.checkpoint.peer import DESCRIPTORS_WANTED, raise_descriptor_limit, server_config
 
     token = os.environ.get(token_env) or None
     loopback = host == "localhost" or host.startswith("127.") or host == "::1"
     if not token and not loopback and not insecure:
         raise HetrainError(f"--host {host}: checkpoints hold the model's weights; set a bearer token in ${token_env} "
                            f"to serve beyond loopback (or pass --insecure on a trusted network)")
+    config = server_config(root, token, host, port)  # checks the root before anything is said
+    descriptors = raise_descriptor_limit()
     err.print(f"serving {root} on http://{host}:{port} ({'bearer token required' if token else 'no token'})")
-    uvicorn.run(make_app(root, token), host=host, port=port, log_level="warning")
+    if descriptors is not None and descriptors < DESCRIPTORS_WANTED:
+        say_note(f"this process may open only {descriptors} files (its hard limit): a burst of connections can "
+                 f"use them up for a moment; give it {DESCRIPTORS_WANTED} (ulimit -n)")
+    uvicorn.Server(config).run()
 
 
 @user_errors
