@@ -50,7 +50,9 @@ class Source:
         if self.url.startswith(("http://", "https://")):
             import aiohttp
 
-            options.setdefault("client_kwargs", {}).setdefault("timeout", aiohttp.ClientTimeout(total=timeout_s))
+            # silence, not total time, makes a peer gone: a multi-GB shard takes minutes on a slow link
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+            options.setdefault("client_kwargs", {}).setdefault("timeout", timeout)
             token = os.environ.get(PEER_TOKEN_ENV)
             if token:
                 options.setdefault("headers", {})["Authorization"] = f"Bearer {token}"
