@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench lock
+.PHONY: setup demo test test-fast bench lock
 setup: $(VENV)/.installed
 
 # constraints.txt: the versions the tests passed with, so a fresh clone gets them (not next month's releases)
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The tests that start no training, server or network namespace (about a minute): `make test` runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(PY) bench/plan_quality.py

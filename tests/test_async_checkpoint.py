@@ -14,6 +14,8 @@ from hetrain.checkpoint.manifest import committed_steps, read_manifest, step_nam
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 # Tensor parallel (DTensor state) on node a, one stage: two processes.
 TP_PLAN = plan(2, [(8, [("a/0", [0, 6])])])
 # Two single-device stages on nodes a and b.

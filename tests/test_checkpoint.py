@@ -16,6 +16,8 @@ from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.spec.schedule import LRSchedule
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 # Four processes on three nodes: pipeline 0 = a/0 (blocks 0-2) + b/0 (2-6), pipeline 1 = a/1 (0-4) + c/0 (4-6).
 SAVE_PP = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
 # Node c lost: three processes, other cuts and micro-batch shares.

@@ -15,6 +15,8 @@ from conftest import ROOT, run_cli
 from hetrain.runtime.launch import worker_pids
 from test_runtime import asymmetric_plan
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,6 +12,8 @@ from hetrain.runtime.model import GPT
 from hetrain.spec.arithmetic import block_activation_bytes, block_params, total_params
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 LLAMA_TINY = EXAMPLES / "models" / "llama-tiny.yaml"
 BASE = "name: m\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_length: 8\nvocab_size: 10\n"
 

@@ -20,7 +20,7 @@ from hetrain.spec.specs import load_model
 from hetrain.testing import netbed
 
 OK, WHY = netbed.available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
 
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 CLUSTER_FILE = EXAMPLES / "clusters" / "cpu-emulated.yaml"

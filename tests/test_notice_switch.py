@@ -20,6 +20,8 @@ from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.runtime.launch import worker_pids
 from solver.planner import make_plan
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 BUCKET = "hetrain-notice"  # moto's state is one per process: not test_recovery's bucket
 
 # Nodes a (two devices), b and spot node c; c gets the notice.

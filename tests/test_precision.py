@@ -26,6 +26,8 @@ from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 
 from test_runtime import asymmetric_plan
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 # --------------------------------------------------------------------------- bf16 equivalence
 
 

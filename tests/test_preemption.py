@@ -21,6 +21,8 @@ from hetrain.config import CheckpointConfig
 from hetrain.recovery.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
 from hetrain.testing.fakecloud import FakeCloudMetadata
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 
 @pytest.fixture
 def fake():

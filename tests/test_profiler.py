@@ -16,6 +16,8 @@ from hetrain.runtime.model import Block
 from hetrain.spec.arithmetic import selective_activation_bytes
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 CLUSTER = load_cluster(EXAMPLES / "clusters" / "cpu-emulated.yaml")
 CPU = torch.device("cpu")

@@ -29,6 +29,8 @@ from hetrain.recovery.recover import recover
 from hetrain.runtime.launch import free_port, write_config
 from solver.planner import make_plan
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 BUCKET = "hetrain-test"
 SAVE = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from hetrain.runtime.model import GPT, lm_loss
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import load_model
 
+pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3
 
