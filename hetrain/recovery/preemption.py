@@ -23,25 +23,34 @@ Documented endpoints (the base URL is configurable so tests point it at a local 
   ``TRUE`` once preempted; spot VMs get 30 s.
 * Azure: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``:
   ``{"Events": [{"EventType": "Preempt", "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT", ...}]}``.
+
+The watcher outlives whatever the endpoint does: a poll reads at most ``MAX_ANSWER_BYTES`` and
+gives up ``POLL_DEADLINE_S`` after it began however slowly the answer trickles in (a socket
+timeout alone restarts with every byte), an answer it cannot read is the shortest notice (see
+``_MetadataSource``), and a poll runs on its own thread so that a stop (SIGTERM, SIGINT,
+``stop``) is acted on at once, not when the poll ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import http.client
+import io
 import json
 import os
 import signal
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from hetrain.errors import HetrainError
+from hetrain.files import parse_json
 from hetrain.rundir import ACTIVE_MARKER, RunDir, done_files, done_step
 
 DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.internal",
@@ -52,6 +61,7 @@ MIN_POLL_S = 0.5  # the metadata endpoint is shared by everything on the VM and 
 # A notice at least this long leaves time for a switch inside it (the recovery flow's start, a
 # warm start of the new plan, the switch's reserve): AWS's two minutes do, GCP's and Azure's 30 s not.
 SWITCH_NOTICE_S = 60.0
+STOP_CHECK_S = 0.1  # how often a watcher waiting for a poll looks whether it was stopped (a SIGTERM's notice)
 
 
 @dataclass
@@ -72,13 +82,112 @@ class Notice:
         return data
 
 
-def _request(url: str, headers: dict[str, str], method: str = "GET", timeout_s: float = 2.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers=headers, method=method)
+# One poll (AWS: the token and the notice) gives up this long after it began, however the answer
+# trickles in: the metadata service answers in milliseconds, and a poll stuck longer only delays the
+# next one, which may see the notice (GCP and Azure give 30 s in all). A socket timeout alone does not
+# bound it: every byte restarts it.
+POLL_DEADLINE_S = 3.0
+# The most of an answer that is read: a notice is ~100 bytes (AWS, GCP), Azure's scheduled events a
+# few kB; anything longer is no answer of theirs and counts as unreadable.
+MAX_ANSWER_BYTES = 64 << 10
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket's bytes, each read waiting only until ``deadline`` (``time.monotonic``)."""
+
+    def __init__(self, owner: _DeadlineSocket) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self.owner.sock.settimeout(_time_left(self.owner.deadline))
+        try:
+            return self.owner.sock.recv_into(buffer)
+        except TimeoutError:  # waited until the deadline
+            raise TimeoutError(_TOO_LATE) from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.owner.release()
+        super().close()
+
+
+_TOO_LATE = f"no complete answer within {POLL_DEADLINE_S:g} s"
+
+
+def _time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(_TOO_LATE)
+    return left
+
+
+class _DeadlineSocket:
+    """What ``http.client`` uses of a socket, every operation bounded by one deadline.
+
+    Like a socket's ``makefile``, a reader keeps the socket open until it is closed too
+    (``http.client`` closes the connection and reads the answer on)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self._users = 1
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.settimeout(_time_left(self.deadline))
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise TimeoutError(_TOO_LATE) from None
+
+    def makefile(self, mode: str = "rb") -> io.BufferedReader:
+        self._users += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self.sock.close()
+
+    def close(self) -> None:
+        if self._users > 0:
+            self.release()
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    def __init__(self, host: str, port: int | None, timeout_s: float, deadline: float) -> None:
+        super().__init__(host, port, timeout=timeout_s)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), timeout=min(self.timeout, _time_left(self.deadline)))
+        self.sock = _DeadlineSocket(sock, self.deadline)
+
+
+def _request(url: str, headers: dict[str, str], method: str = "GET", timeout_s: float = 2.0,
+             deadline: float | None = None) -> tuple[int, bytes]:
+    """The status and at most ``MAX_ANSWER_BYTES + 1`` bytes of the answer (more means too long).
+
+    Everything (connecting, sending, the status line, headers and body) is done by ``deadline``
+    (``time.monotonic``; default ``POLL_DEADLINE_S`` from now), else TimeoutError; ``timeout_s`` bounds
+    each step as well. An answer that breaks HTTP raises HetrainError: the watcher retries.
+    """
+    deadline = time.monotonic() + POLL_DEADLINE_S if deadline is None else deadline
+    parts = urllib.parse.urlsplit(url)
+    conn = _DeadlineConnection(parts.hostname or "", parts.port, timeout_s, deadline)
+    resp = None
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        conn.request(method, urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")), headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read(MAX_ANSWER_BYTES + 1)
+    except http.client.HTTPException as e:  # a status line, header or chunk that is not HTTP
+        raise HetrainError(f"{parts.hostname}: not an HTTP answer ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        if resp is not None:
+            resp.close()
+        conn.close()
 
 
 SHORTEST_NOTICE_S = 30.0  # GCP and Azure give 30 s: an answer we cannot read gets no more than that
@@ -94,34 +203,52 @@ def parse_utc(text: str) -> datetime:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def _parse_json(body: bytes):
+    """The answer as JSON, read as every reader of ours reads it (``hetrain.files.parse_json``: nesting
+    at most 64 deep, no duplicate keys, no giant integers); UnreadableNotice otherwise."""
+    try:
+        return parse_json(body.decode("utf-8"), "the answer")
+    except HetrainError as e:
+        raise UnreadableNotice(str(e).removeprefix("the answer: ")) from None
+
+
 class _MetadataSource:
     """A cloud's metadata endpoint; ``poll`` returns a Notice or None.
 
-    Transport failures (no answer, a 5xx) raise: the watcher retries. An answer that is
-    neither "no notice" nor a notice we can read counts as a notice with the shortest
-    deadline any cloud gives (``SHORTEST_NOTICE_S``): the node may be about to go, and a
-    checkpoint that turns out unneeded costs seconds where a missed notice costs the work
-    since the last one.
+    Transport failures (no answer, a 5xx, no complete answer within ``POLL_DEADLINE_S``, an
+    answer that is not HTTP) raise: the watcher retries. An answer that is neither "no notice"
+    nor a notice we can read (whatever it holds: longer than ``MAX_ANSWER_BYTES``, nested too
+    deep, of the wrong types) counts as a notice with the shortest deadline any cloud gives
+    (``SHORTEST_NOTICE_S``): the node may be about to go, and a checkpoint that turns out
+    unneeded costs seconds where a missed notice costs the work since the last one.
     """
 
     cloud = ""
 
-    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, base_url: str | None = None, timeout_s: float = 2.0,
+                 deadline_s: float = POLL_DEADLINE_S) -> None:
         self.base = (base_url or DEFAULT_BASE[self.cloud]).rstrip("/")
-        self.timeout_s = timeout_s
+        parts = urllib.parse.urlsplit(self.base)
+        if parts.scheme != "http" or not parts.hostname:
+            raise HetrainError(f"metadata URL '{self.base}': expected http://HOST[:PORT][/PATH] (the metadata "
+                               f"services answer plain HTTP on a link-local address)")
+        self.timeout_s, self.deadline_s = timeout_s, deadline_s
 
     def poll(self) -> Notice | None:
-        body = self.fetch()
+        body = self.fetch(time.monotonic() + self.deadline_s)
         if body is None:
             return None
         try:
+            if len(body) > MAX_ANSWER_BYTES:
+                raise UnreadableNotice(f"an answer of more than {MAX_ANSWER_BYTES} bytes")
             return self.parse(body)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # UnreadableNotice included
+        except Exception as e:  # noqa: BLE001 - whatever the answer holds, it is one we cannot read
             return Notice(self.cloud, "unreadable", datetime.now(UTC) + timedelta(seconds=SHORTEST_NOTICE_S),
                           {"answer": body[:500].decode(errors="replace"), "error": f"{type(e).__name__}: {e}"})
 
-    def fetch(self) -> bytes | None:
-        """The endpoint's answer, or None for its "no notice" answer."""
+    def fetch(self, deadline: float) -> bytes | None:
+        """The endpoint's answer (at most ``MAX_ANSWER_BYTES + 1`` bytes), or None for its "no notice"
+        answer; by ``deadline`` (``time.monotonic``)."""
         raise NotImplementedError
 
     def parse(self, body: bytes) -> Notice | None:
@@ -131,13 +258,16 @@ class _MetadataSource:
 class AwsSpot(_MetadataSource):
     cloud = "aws"
 
-    def fetch(self) -> bytes | None:
+    def fetch(self, deadline: float) -> bytes | None:
         status, token = _request(f"{self.base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"},
-                                 method="PUT", timeout_s=self.timeout_s)
+                                 method="PUT", timeout_s=self.timeout_s, deadline=deadline)
         if status != 200:
             raise HetrainError(f"AWS metadata token request to {self.base} answered {status}")
+        if len(token) > MAX_ANSWER_BYTES:
+            raise HetrainError(f"AWS metadata token from {self.base}: more than {MAX_ANSWER_BYTES} bytes")
         status, body = _request(f"{self.base}/latest/meta-data/spot/instance-action",
-                                {"X-aws-ec2-metadata-token": token.decode(errors="replace")}, timeout_s=self.timeout_s)
+                                {"X-aws-ec2-metadata-token": token.decode(errors="replace")}, timeout_s=self.timeout_s,
+                                deadline=deadline)
         if status == 404:
             return None
         if status != 200:
@@ -145,7 +275,7 @@ class AwsSpot(_MetadataSource):
         return body
 
     def parse(self, body: bytes) -> Notice | None:
-        data = json.loads(body)
+        data = _parse_json(body)
         if not isinstance(data, dict):
             raise UnreadableNotice(f"expected a JSON object, got {type(data).__name__}")
         action = data.get("action")
@@ -158,9 +288,9 @@ class AwsSpot(_MetadataSource):
 class GcpPreempted(_MetadataSource):
     cloud = "gcp"
 
-    def fetch(self) -> bytes | None:
+    def fetch(self, deadline: float) -> bytes | None:
         status, body = _request(f"{self.base}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"},
-                                timeout_s=self.timeout_s)
+                                timeout_s=self.timeout_s, deadline=deadline)
         if status != 200:
             raise HetrainError(f"GCP instance/preempted at {self.base} answered {status}")
         return None if body.strip().upper() == b"FALSE" else body
@@ -174,15 +304,15 @@ class GcpPreempted(_MetadataSource):
 class AzureScheduledEvents(_MetadataSource):
     cloud = "azure"
 
-    def fetch(self) -> bytes | None:
+    def fetch(self, deadline: float) -> bytes | None:
         status, body = _request(f"{self.base}/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"},
-                                timeout_s=self.timeout_s)
+                                timeout_s=self.timeout_s, deadline=deadline)
         if status != 200:
             raise HetrainError(f"Azure scheduledevents at {self.base} answered {status}")
         return body
 
     def parse(self, body: bytes) -> Notice | None:
-        data = json.loads(body)
+        data = _parse_json(body)
         events = data.get("Events") if isinstance(data, dict) else None
         if not isinstance(events, list):
             raise UnreadableNotice("expected an object with an 'Events' list")
@@ -241,7 +371,9 @@ class PreemptionWatcher:
             for request in files:  # answers to earlier notices must not count as a request for this one
                 for old in done_files(request):
                     old.unlink(missing_ok=True)
-            self.deferred = threading.Timer(left - self.min_checkpoint_s, self._request_if_nobody_did, args=(files,))
+            # a deadline years ahead (garbage) must not overflow the timer
+            self.deferred = threading.Timer(min(left - self.min_checkpoint_s, threading.TIMEOUT_MAX),
+                                            self._request_if_nobody_did, args=(files,))
             self.deferred.daemon = True
             self.deferred.start()
         elif files and (left is None or left >= self.min_checkpoint_s):
@@ -302,17 +434,23 @@ class PreemptionWatcher:
         signal.signal(signal.SIGTERM, on_sigterm)
 
     def run(self) -> Notice | None:
-        """Poll until a notice arrives (then act on it) or ``stop`` is called; returns the notice."""
+        """Poll until a notice arrives (then act on it) or ``stop`` is called; returns the notice.
+
+        Each poll runs on a thread of its own while this one waits for it or for a stop: a SIGTERM
+        (a notice), a SIGINT or ``stop`` ends the watch within ``STOP_CHECK_S`` even while a poll
+        hangs (it gives up by ``POLL_DEADLINE_S``; one is left behind at most)."""
         errors = 0
         while not self.stopped.is_set():
-            try:
-                notice = self.source.poll()
+            outcome = self._poll_once()
+            if outcome is None:  # stopped while the poll was under way
+                break
+            notice, error = outcome
+            if error is None:
                 errors = 0
-            except (HetrainError, OSError, ValueError) as e:
+            else:  # the source's transport failure, or anything else it raised: still watching
                 errors += 1
                 if errors in (1, 10) or errors % 100 == 0:
-                    self.log(f"node {self.node}: polling {self.source.cloud} failed ({e}); still watching")
-                notice = None
+                    self.log(f"node {self.node}: polling {self.source.cloud} failed ({error}); still watching")
             if notice is not None:
                 self.handle(notice)
                 break
@@ -320,6 +458,25 @@ class PreemptionWatcher:
         if self.notice is not None:  # a SIGTERM may be handled on another thread: let it finish
             self.handled.wait()
         return self.notice
+
+    def _poll_once(self) -> tuple[Notice | None, BaseException | None] | None:
+        """(notice, None) or (None, what the poll raised); None when stopped before the poll ended."""
+        done = threading.Event()
+        outcome: list = []
+
+        def poll() -> None:
+            try:
+                outcome.append((self.source.poll(), None))
+            except Exception as e:  # noqa: BLE001 - a watcher outlives any answer: logged, polled again
+                outcome.append((None, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=poll, daemon=True, name=f"hetrain-poll-{self.node}").start()
+        while not done.wait(STOP_CHECK_S):
+            if self.stopped.is_set():
+                return None
+        return outcome[0]
 
     def stop(self) -> None:
         self.stopped.set()
