@@ -41,7 +41,9 @@ class LocalSpotRun:
                     if on_preempted is not None:
                         on_preempted(node, notice, step)
                 finally:  # the node goes away at its deadline whatever the hook did
-                    timer = threading.Timer(max(0.0, notice.seconds_left() or 0.0), self.stop_event.set)
+                    # a garbage deadline years ahead would overflow the timer: capped as the watcher's own
+                    left_s = min(max(0.0, notice.seconds_left() or 0.0), threading.TIMEOUT_MAX)
+                    timer = threading.Timer(left_s, self.stop_event.set)
                     timer.daemon = True
                     timer.start()
                     self._timers.append(timer)
