@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # scripted servers that trickle and time out: `make test-fast` leaves it out
+
 from conftest import ROOT
 from hetrain.recovery.preemption import (MAX_ANSWER_BYTES, POLL_DEADLINE_S, SHORTEST_NOTICE_S, AwsSpot,
                                          AzureScheduledEvents, PreemptionWatcher)
