@@ -21,6 +21,9 @@ from hetrain.errors import HetrainError
 MAX_INPUT_BYTES = 64 << 20  # specs, plans and profiles are kilobytes; 64 MB is a plan for ~100k GPUs
 MAX_NESTING = 64  # a plan nests 6 deep; 64 is far past any file of ours and far short of Python's recursion limit
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits: a longer integer is no count of ours (and slow to parse)
+# Values in a file once YAML's aliases are expanded: a 65,536-GPU cluster file of single-GPU nodes is ~500k;
+# a 500-byte "billion laughs" file expands to 10^9 (each validation error would print them all).
+MAX_EXPANDED_VALUES = 1_000_000
 
 
 def read_text(path: str | Path) -> str:
@@ -61,12 +64,17 @@ def _unique_keys(pairs: list) -> dict:
     return seen
 
 
-def _depth_ok(data: Any, limit: int = MAX_NESTING) -> None:
-    stack = [(data, 1)]
+def _bounded(data: Any) -> None:
+    """Nesting at most ``MAX_NESTING`` deep and at most ``MAX_EXPANDED_VALUES`` values, counting each use of
+    a shared (aliased) value again, as everything that walks the data later will; stops at the first excess."""
+    stack, seen = [(data, 1)], 0
     while stack:
         node, depth = stack.pop()
-        if depth > limit:
-            raise _Refused(f"nested more than {limit} deep")
+        seen += 1
+        if depth > MAX_NESTING:
+            raise _Refused(f"nested more than {MAX_NESTING} deep")
+        if seen > MAX_EXPANDED_VALUES:
+            raise _Refused(f"more than {MAX_EXPANDED_VALUES:,} values once its aliases are expanded")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children)
 
@@ -78,7 +86,7 @@ def parse_json(text: str, source: str) -> Any:
     """
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_checked_int)
-        _depth_ok(data)
+        _bounded(data)
         return data
     except json.JSONDecodeError as e:
         raise HetrainError(f"{source}: line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})") from None
@@ -89,13 +97,11 @@ def parse_json(text: str, source: str) -> Any:
 
 
 class _StrictYamlLoader(yaml.SafeLoader):
-    """YAML's safe loader without what only attacks need: aliases (a 500-byte file can expand to gigabytes),
-    duplicate keys (the last one silently won), integers of thousands of digits, unbounded nesting."""
+    """YAML's safe loader without duplicate keys (the last one silently won), integers of thousands of digits or
+    unbounded nesting; aliases stay (anchors for repeated node specs are common) but their expansion is bounded
+    (``_bounded``: a 500-byte file must not expand to gigabytes)."""
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise _Refused(f"line {event.start_mark.line + 1}: an alias (*{event.anchor}); write the value out")
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             if self._depth > MAX_NESTING:
@@ -125,7 +131,9 @@ _StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", _StrictYamlLoader.con
 def parse_yaml(text: str, source: str) -> Any:
     """YAML as every reader of ours takes it (``_StrictYamlLoader``); one HetrainError line naming ``source``."""
     try:
-        return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+        _bounded(data)
+        return data
     except _Refused as e:
         raise HetrainError(f"{source}: invalid YAML ({e})") from None
     except yaml.YAMLError as e:

@@ -166,7 +166,7 @@ CASES = [
     ("train --checkpoint-dir under a file", ["train", "--plan", "{plan}", "--run-dir", "{root}/r2",
                                              "--checkpoint-dir", "{file}/ckpt/{{node}}"], "--checkpoint-dir {file}/ckpt/"),
     ("YAML aliases", ["plan", "--cluster", CLUSTER, "--model", "{root}/laughs.yaml", "--global-batch-size", "16"],
-     "laughs.yaml: invalid YAML (line 2: an alias (*a); write the value out)"),
+     "laughs.yaml: invalid YAML (more than 1,000,000 values once its aliases are expanded)"),
     ("a key twice", ["plan", "--cluster", CLUSTER, "--model", "{root}/twice.yaml", "--global-batch-size", "16"],
      "twice.yaml: invalid YAML (line 8: the key 'num_layers' is given twice)"),
     ("5000 digits", ["plan", "--cluster", CLUSTER, "--model", "{root}/digits.yaml", "--global-batch-size", "16"],

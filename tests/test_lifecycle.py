@@ -76,6 +76,8 @@ def test_metrics_path_that_is_not_a_metrics_file_is_never_touched(tmp_path: Path
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the corpus\n" * 100)
     r = _train(tmp_path, "--steps", "2", "--metrics", str(corpus), "--data", str(corpus))
+    assert r.returncode == 2 and f"--metrics {corpus}: is the --data this command reads" in r.stderr
+    r = _train(tmp_path, "--steps", "2", "--metrics", str(corpus))
     assert r.returncode == 2 and "is not a hetrain metrics file" in r.stderr
     assert corpus.read_text() == "the corpus\n" * 100
 

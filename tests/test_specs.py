@@ -138,3 +138,16 @@ def test_a_check_that_names_the_bad_value_is_not_told_it_twice():
         TrainingSettings(global_batch_size=8, tp_degrees=[1, 3])
     line = describe_validation_error("--tp", e.value)
     assert line == "--tp: tp_degrees: expected powers of two, got 3", line
+
+
+def test_a_cluster_file_may_use_anchors_and_aliases(tmp_path):
+    """Repeated node specs by anchor and merge key (and what yaml.safe_dump writes for shared values) load."""
+    from hetrain.spec.specs import load_cluster
+
+    (tmp_path / "c.yaml").write_text(
+        "name: anchors\n"
+        "nodes:\n"
+        "  - &v100 {name: v1, gpu: V100-32G, count: 4, intra_node_bandwidth_gbps: 150}\n"
+        "  - {<<: *v100, name: v2}\n")
+    cluster = load_cluster(tmp_path / "c.yaml")
+    assert [n.name for n in cluster.nodes] == ["v1", "v2"] and cluster.nodes[1].count == 4
