@@ -111,10 +111,12 @@ class _StrictYamlLoader(yaml.SafeLoader):
             self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(k, deep=True) for k, _ in node.value]
+        # the keys written here, before a merge key ("<<: *base") brings in the ones it overrides
+        written = [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]
+        keys = [self.construct_object(k, deep=True) for k in written]
         for i, key in enumerate(keys):
             if key in keys[:i]:
-                raise _Refused(f"line {node.value[i][0].start_mark.line + 1}: the key {key!r} is given twice")
+                raise _Refused(f"line {written[i].start_mark.line + 1}: the key {key!r} is given twice")
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):
