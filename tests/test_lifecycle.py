@@ -149,24 +149,11 @@ def test_no_checkpoints_cannot_be_combined_with_a_checkpoint_place(tmp_path: Pat
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    """An S3 API on loopback (moto server mode) with one bucket, 'backups'."""
-    import os
+    """An S3 API on loopback (moto server mode) with one bucket, 'lifecycle-backups'."""
+    from ckpt_helpers import moto_bucket
 
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    from hetrain.runtime.launch import free_port
-
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(key, value)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir("backups")
-    yield endpoint
-    server.stop()
+    with moto_bucket("lifecycle-backups") as (endpoint, _):
+        yield endpoint
 
 
 def test_a_missing_bucket_is_one_line_before_any_step(tmp_path: Path, s3_endpoint):

@@ -17,12 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from flows.demo import wait_http
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.runtime.launch import free_port
 
@@ -45,7 +45,7 @@ def server():
     procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
                                str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)]
     try:
-        _wait_http(f"{api}/health", 120)
+        wait_http(f"{api}/health", 120, "the Prefect server")
         for argv in (["work-pool", "create", "hetrain", "--type", "process"],
                      ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
             r = subprocess.run([sys.executable, "-m", "prefect", *argv], cwd=ROOT, env=env, capture_output=True,
@@ -64,17 +64,6 @@ def server():
                 proc.kill()
                 proc.wait()
         log.close()
-
-
-def _wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"no Prefect server at {url} after {timeout_s} s")
 
 
 def _client_call(api: str, fn):
