@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
-from flows.demo import wait_http
+from flows.demo import Services, wait_http
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.runtime.launch import free_port
 
@@ -41,29 +39,18 @@ def server():
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": str(SCHEDULER_LOOP_S),
            "PREFECT_WORKER_QUERY_SECONDS": "2", "COLUMNS": "200"}
-    log = open(home / "server.log", "w")
-    procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)]
+    services = Services(home, env)  # the demo's owner of child processes: logs in home, all stopped at the end
     try:
+        services.start("server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                  "--port", str(port)])
         wait_http(f"{api}/health", 120, "the Prefect server")
-        for argv in (["work-pool", "create", "hetrain", "--type", "process"],
-                     ["--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"]):
-            r = subprocess.run([sys.executable, "-m", "prefect", *argv], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=180)
-            assert r.returncode == 0, r.stdout + r.stderr
-        worker_log = open(home / "worker.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"],
-                                      cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT))
+        services.run([sys.executable, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
+        services.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                      "deployments/prefect.yaml"])
+        services.start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
         yield api, home
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        services.stop()
 
 
 def _client_call(api: str, fn):
