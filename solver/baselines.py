@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
@@ -47,12 +49,6 @@ def _plan(cost: CostModel, cluster: ClusterSpec, t: int, b: int, pipelines: list
     )
 
 
-def _with_recompute(pipes: list[PipelinePlan], mode: RecomputeMode) -> list[PipelinePlan]:
-    """The pipelines with one recompute mode on every stage (the baselines' single flag)."""
-    return [p.model_copy(update={"stages": [s.model_copy(update={"recompute": mode}) for s in p.stages]})
-            for p in pipes]
-
-
 def _better(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tuple[float, Plan] | None:
     """``plan`` if it fits and beats ``best``, else ``best``."""
     est = cost.estimate(plan)
@@ -63,83 +59,137 @@ def _better(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tup
 
 def plan_megatron(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
     t0 = time.perf_counter()
-    devices = cluster.devices
-    N, L, G = len(devices), cost.model.num_layers, cost.settings.global_batch_size
-    best = None
-    tried = 0
-    grids = [
-        (t, b, p, d)
-        for t, b in tp_and_micro_batch(cluster, cost)
-        for p in range(1, L + 1)
-        if L % p == 0 and p * t <= N
-        for d in range(N // (t * p), 0, -1)
-        if (G // b) % d == 0
-    ]
-    for t, b, p, d in grids:
-        M = G // b
-        ranks = devices[: t * p * d]
-        groups = [ranks[i : i + t] for i in range(0, len(ranks), t)]
-        if any(len({g.node for g in grp}) > 1 for grp in groups):
-            continue  # Megatron keeps TP inside a node
-        split = _even_split(L, p)
-        pipes = []
-        for r in range(d):
-            stages = [
-                StagePlan(
-                    devices=[x.name for x in groups[k * d + r]], gpu=groups[k * d + r][0].gpu,
-                    layers=split[k],
-                )
-                for k in range(p)
-            ]
-            pipes.append(PipelinePlan(num_microbatches=M // d, stages=stages))
-        if M // d < p:
-            continue  # the 1F1B schedule needs a micro-batch per stage
-        for mode in cost.settings.recompute_modes:
-            best = _better(cost, _plan(cost, cluster, t, b, _with_recompute(pipes, mode)), best)
-            tried += 1
+    best, tried = megatron_search(cluster, cost)
     return _best_of("megatron", "no Megatron grid fits", best, tried, t0, cluster, cost)
 
 
 def plan_whale(cluster: ClusterSpec, cost: CostModel) -> PlanResult:
     t0 = time.perf_counter()
-    L, G = cost.model.num_layers, cost.settings.global_batch_size
-    best = None
-    tried = 0
+    best, tried = whale_search(cluster, cost)
+    return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
+
+
+def _bound_order(candidates: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    """Candidates (lower bound first) in the order they are scored: the best bound first, so the
+    first plans scored are likely the best and the rest are cut off by ``_beats``."""
+    return sorted(candidates, key=lambda c: c[0])
+
+
+def _beats(bound_s: float, best: tuple[float, Plan] | None, incumbent_s: float | None) -> bool:
+    """Whether a candidate whose iteration cannot be under ``bound_s`` may still beat what is known."""
+    known = [x for x in (best[0] if best is not None else None, incumbent_s) if x is not None]
+    return not known or bound_s < min(known) * (1 - 1e-12)
+
+
+def megatron_search(cluster: ClusterSpec, cost: CostModel,
+                    incumbent_s: float | None = None) -> tuple[tuple[float, Plan] | None, int]:
+    """Megatron's best grid (time, plan) and how many were scored; with ``incumbent_s`` only grids
+    that could beat it are scored (None when none does).
+
+    Each grid and recompute mode gets an exact lower bound first: a 1F1B pipeline of m = M / d
+    micro-batches takes at least (m - 1) max_k c_k + sum_k c_k (``hetrain.cost.pipeline``), and
+    stage k's c_k is at least its blocks x seconds per block (``UnitCosts.stage_time_s`` only adds). Grids are scored best bound first and the
+    search stops at the first bound no better than the best plan: the same answer as scoring
+    every grid (tests/test_planner.py), at a fraction of the estimates on large clusters.
+    """
+    devices = cluster.devices
+    N, L, G = len(devices), cost.model.num_layers, cost.settings.global_batch_size
+    modes = cost.settings.recompute_modes
+    candidates = []
     for t, b in tp_and_micro_batch(cluster, cost):
         M = G // b
-        groups = []  # (block_s, node, device indices, gpu): fastest groups first
+        heads = devices[::t][: N // t]  # the first device of each TP group, in Megatron's rank order
+        crosses = np.cumsum([devices[i * t].node != devices[i * t + t - 1].node for i in range(len(heads))])
+        per_node = {n.name: [cost.unit_costs(n.gpu, n.intra_node_bandwidth_gbps, t, b, m).block_s for m in modes]
+                    for n in cluster.nodes}
+        per_block = np.array([per_node[h.node] for h in heads])  # (groups, modes)
+        for p in (p for p in range(1, L + 1) if L % p == 0 and p * t <= N):
+            blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
+            for d in range(N // (t * p), 0, -1):
+                if (M % d) or (M // d < p) or crosses[p * d - 1]:
+                    continue  # d must split the batch; 1F1B needs a micro-batch per stage; TP stays in a node
+                c = per_block[: p * d].reshape(p, d, len(modes)) * blocks[:, None, None]  # (stage, pipeline, mode)
+                bound = ((M // d - 1) * c.max(axis=0) + c.sum(axis=0)).max(axis=0)  # 1F1B: (m - 1) tau + sum c
+                candidates += [(bound[i], t, b, p, d, i) for i in range(len(modes))]
+    best, tried = None, 0
+    for bound_s, t, b, p, d, i in _bound_order(candidates):
+        if not _beats(bound_s, best, incumbent_s):
+            break
+        best = _better(cost, _plan(cost, cluster, t, b, _megatron_grid(cost, devices, t, p, d, G // b, modes[i])),
+                       best)
+        tried += 1
+    if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
+        best = None
+    return best, tried
+
+
+def _megatron_grid(cost: CostModel, devices: list, t: int, p: int, d: int, M: int,
+                   mode: RecomputeMode) -> list[PipelinePlan]:
+    """The d pipelines of p stages Megatron builds from the first t p d devices (TP fastest, then DP, then PP)."""
+    groups = [devices[i: i + t] for i in range(0, t * p * d, t)]
+    split = _even_split(cost.model.num_layers, p)
+    return [PipelinePlan(num_microbatches=M // d, stages=[
+        StagePlan(devices=[x.name for x in groups[k * d + r]], gpu=groups[k * d + r][0].gpu, layers=split[k],
+                  recompute=mode) for k in range(p)]) for r in range(d)]
+
+
+def whale_search(cluster: ClusterSpec, cost: CostModel,
+                 incumbent_s: float | None = None) -> tuple[tuple[float, Plan] | None, int]:
+    """Whale's best plan (time, plan) and how many were scored; ``incumbent_s`` as in ``megatron_search``.
+
+    Lower bound of a (TP, micro-batch, depth, mode) before any estimate: pipeline r's steady
+    state is at least tau_r = its slowest stage's blocks x seconds per block, each pipeline runs
+    at least p micro-batches ((p - 1) tau_r + sum_k c_rk) and all M fit (M / sum_r 1 / tau_r).
+    After the probe that prices the pipelines, max_r(m_r tau_r + fill_r) bounds the final plan.
+    """
+    L, G = cost.model.num_layers, cost.settings.global_batch_size
+    modes = cost.settings.recompute_modes
+    candidates = []
+    for t, b in tp_and_micro_batch(cluster, cost):
+        M = G // b
+        groups = []  # (block_s, node, device indices, gpu, class): fastest groups first
         for c in group_classes(cluster, cost, t, b):
             for node, n in zip(c.nodes, c.groups_per_node):
-                for g in range(n):
-                    groups.append((c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu))
+                groups += [(c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu, c) for g in range(n)]
         groups.sort(key=lambda x: x[0])
+        per_block = np.array([[u.block_s for u in g[4].modes] for g in groups])  # (groups, modes)
         for p in range(1, min(L, len(groups)) + 1):
             d = len(groups) // p
             if d > M:
                 continue
-            split = _even_split(L, p)
-            pipes = [
-                PipelinePlan(
-                    num_microbatches=1,
-                    stages=[
-                        StagePlan(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k])
-                        for k, (_, node, idx, gpu) in enumerate(groups[r * p : (r + 1) * p])
-                    ],
-                )
-                for r in range(d)
-            ]
-            for mode in cost.settings.recompute_modes:  # the batch split follows each mode's speeds
-                moded = _with_recompute(pipes, mode)
-                probe = cost.estimate(_plan(cost, cluster, t, b, moded))
-                tau = [pe.bottleneck_s for pe in probe.pipelines]
-                fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
-                counts = allocate_microbatches(tau, fill, M, [p] * d)
-                if counts is None:
-                    continue
-                moded = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(moded, counts)]
-                best = _better(cost, _plan(cost, cluster, t, b, moded), best)
-                tried += 1
-    return _best_of("whale", "no Whale plan fits", best, tried, t0, cluster, cost)
+            blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
+            tau = (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).max(axis=1)  # (d, modes)
+            first = (p - 1) * tau + (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).sum(axis=1)
+            bound = np.maximum(first.max(axis=0), M / (1 / tau).sum(axis=0))
+            candidates += [(bound[i], t, b, p, d, i, groups) for i in range(len(modes))]
+    best, tried = None, 0
+    for bound_s, t, b, p, d, i, groups in _bound_order(candidates):
+        if not _beats(bound_s, best, incumbent_s):
+            break
+        best = _whale_candidate(cluster, cost, t, b, p, d, modes[i], groups, best, incumbent_s)
+        tried += 1
+    if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
+        best = None
+    return best, tried
+
+
+def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: int, d: int, mode: RecomputeMode,
+                     groups: list, best: tuple[float, Plan] | None,
+                     incumbent_s: float | None) -> tuple[float, Plan] | None:
+    """Whale's d pipelines of p groups (the fastest first, layers split evenly), batch split by each one's speed."""
+    split = _even_split(cost.model.num_layers, p)
+    M = cost.settings.global_batch_size // b
+    pipes = [PipelinePlan(num_microbatches=1, stages=[
+        StagePlan(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
+        for k, (_, node, idx, gpu, _) in enumerate(groups[r * p: (r + 1) * p])]) for r in range(d)]
+    probe = cost.estimate(_plan(cost, cluster, t, b, pipes))  # the batch split follows this mode's speeds
+    tau = [pe.bottleneck_s for pe in probe.pipelines]
+    fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
+    counts = allocate_microbatches(tau, fill, M, [p] * d)
+    if counts is None or not _beats(max(m * x + f for m, x, f in zip(counts, tau, fill)), best, incumbent_s):
+        return best
+    pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]
+    return _better(cost, _plan(cost, cluster, t, b, pipes), best)
 
 
 def _best_of(planner: str, none_fits: str, best: tuple[float, Plan] | None, tried: int, t0: float,

@@ -203,6 +203,8 @@ def plan_milp(
         "milp_solves": stats.get("milp_solves", 0),
         "lp_proofs": stats.get("lp_proofs", 0),
         "templates": templates,
+        # no plan of any (t, b) beats its groups computing blocks nonstop (``fluid_lower_bound_s``)
+        "lower_bound_s": round(min(f for f, _, _ in pending), 6),
         **extra,
     }
     plan, est = eager_in_flight(plan, cost, est)

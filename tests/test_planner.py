@@ -142,7 +142,7 @@ def random_results():
     for seed in RANDOM_SEEDS:
         cluster, settings = random_cluster(seed), small_settings(seed)
         try:
-            h = make_plan("hetrain", cluster, SMALL_MODEL, settings)
+            h = make_plan("milp", cluster, SMALL_MODEL, settings)  # the search alone: the referee's space
         except NoPlanError:
             with pytest.raises(NoPlanError):
                 make_plan("exhaustive", cluster, SMALL_MODEL, settings)
@@ -185,7 +185,8 @@ def test_hetrain_valid_and_never_worse_than_baselines(cluster_name, model_name, 
 
 
 def test_never_worse_than_baselines_on_random_clusters(random_results):
-    for _, cluster, settings, h, _ in random_results[:12]:
+    for _, cluster, settings, _, _ in random_results[:12]:
+        h = make_plan("hetrain", cluster, SMALL_MODEL, settings)
         for name in ("megatron", "whale"):
             try:
                 b = make_plan(name, cluster, SMALL_MODEL, settings)
@@ -373,3 +374,34 @@ def test_pipelines_that_cut_the_model_alike_are_placed_stage_major_even_as_diffe
     assert result.estimate.iteration_time_s < pipeline_major.iteration_time_s * 0.995
     assert max(result.estimate.sync_s[s.devices[0]] for s in pipes[0].stages[1:3]) < \
         min(pipeline_major.sync_s[s.devices[0]] for s in by_pipeline.pipelines[0].stages[1:3]) / 10
+
+
+@pytest.mark.parametrize("cluster_name, model_name, gbs", [
+    ("paper-12gpu", "gpt-6.7b", 512),
+    ("hethub-4types", "gpt-30b", 512),
+    ("paper-32gpu", "gpt-13b", 256),
+])
+def test_baselines_pruned_by_lower_bounds_find_what_scoring_every_layout_finds(monkeypatch, cluster_name, model_name,
+                                                                                gbs):
+    import solver.baselines as baselines
+
+    cluster = load_cluster(EXAMPLES / f"clusters/{cluster_name}.yaml")
+    model = load_model(EXAMPLES / f"models/{model_name}.yaml")
+    cost = CostModel(cluster, model, TrainingSettings(global_batch_size=gbs))
+    pruned = {name: search(cluster, cost) for name, search in
+              (("megatron", baselines.megatron_search), ("whale", baselines.whale_search))}
+    monkeypatch.setattr(baselines, "_beats", lambda bound_s, best, incumbent_s: True)
+    for name, search in (("megatron", baselines.megatron_search), ("whale", baselines.whale_search)):
+        (every_s, _), every_count = search(cluster, cost)
+        (pruned_s, _), pruned_count = pruned[name]
+        assert pruned_s == every_s
+        assert pruned_count < every_count
+
+
+def test_the_plan_says_what_its_optimality_covers_and_its_distance_to_a_bound():
+    cluster = load_cluster(EXAMPLES / "clusters/paper-3types.yaml")
+    model = load_model(EXAMPLES / "models/gpt-13b.yaml")
+    r = make_plan("hetrain", cluster, model, TrainingSettings(global_batch_size=512))
+    info = r.plan.solver.model_extra
+    assert 0 < info["lower_bound_s"] <= r.estimate.iteration_time_s
+    assert "megatron's and whale's layouts" in info["claim"] and "above the bound no plan beats" in info["claim"]

@@ -77,6 +77,12 @@ def capacity_line(cost, plan, est) -> str:
             + "".join(f", {v:.1%} {CAPACITY_PARTS[k]}" for v, k in rest))
 
 
+def claim_line(plan) -> str:
+    """What the plan's optimality covers (``solver.planner.plan_hetrain``), where the planner says."""
+    claim = (plan.solver.model_extra or {}).get("claim") if plan.solver else None
+    return f"optimality: {claim}" if claim else ""
+
+
 def summary_line(plan, est) -> str:
     s = plan.solver
     solver = f"; {s.planner} planner {s.status}, gap {s.gap:.2g}, {s.wall_s:.2f} s" if s else ""
@@ -98,7 +104,8 @@ def plan(
     recompute: Annotated[str, typer.Option(help="activation recompute: auto (the planner picks per stage: none "
                                                  "where memory allows, else selective, else full), none, selective or full")] = "auto",
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations (= --recompute none)")] = False,
-    planner: Annotated[str, typer.Option(help="hetrain (the MILP planner, also 'milp'), megatron, whale or exhaustive")] = "hetrain",
+    planner: Annotated[str, typer.Option(help="hetrain (the MILP search seeded with the baselines' layouts), milp (the search alone), "
+                                                     "megatron, whale or exhaustive")] = "hetrain",
     profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
     compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
@@ -143,12 +150,14 @@ def plan(
             out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
             out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
             out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
+            out.print(claim_line(main.plan), highlight=False)
     elif as_json:
         print(main.plan.to_json())
     else:
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
         out.print(summary_line(main.plan, main.estimate), highlight=False)
         out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
+        out.print(claim_line(main.plan), highlight=False)
     if prof is None:
         from hetrain.profiling.profile import ANALYTIC_NOTE
 
