@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from hetrain.cost.costmodel import CostModel, Estimate
-from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s
+from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
 from solver.space import Space, Template
@@ -180,6 +180,14 @@ def _copies_split_across_nodes(plan: Plan, templates: Sequence[Template]) -> boo
 
 # Pipelines of at most log2(this) + 1 stages try every choice of eager boundaries (64: 7 stages)
 EAGER_EXHAUSTIVE_UP_TO = 64
+# A pipeline whose sends add less than this share of the plan's iteration is left on 1F1B without
+# playing eager counts: overlapping the sends cannot save more than they cost (``_sends_cost_s``),
+# and on deep pipelines of hundreds of micro-batches each play is O(stages x micro-batches).
+EAGER_MIN_GAIN = 0.002
+# Stage x micro-batch operations the plays of one call may take (about a second here): on deep
+# pipelines of hundreds of micro-batches the coordinate descent stops there, with the best counts
+# so far (the plan is still estimated exactly and kept only if faster).
+EAGER_PLAY_OPS = 200_000
 
 
 def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
@@ -203,9 +211,10 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
     pipes = list(plan.pipelines)
     # per distinct pipeline: None (torch's 1F1B) or, per stage, (count, recompute: None where unchanged)
     seen: dict[tuple, list[tuple[int, str | None]] | None] = {}
+    ops_left = [EAGER_PLAY_OPS]
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
-        if S < 2:
+        if S < 2 or _sends_cost_s(pe.stage_s, pe.p2p_s, m) < EAGER_MIN_GAIN * est.iteration_time_s:
             continue
         key = (tuple((st.gpu, st.layers, st.recompute) for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))
         if key not in seen:
@@ -233,6 +242,10 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
             else:  # coordinate descent from 1F1B's counts, slowest sends first, until nothing helps
                 choices = _coordinate_descent(S - 1, played, order=sorted(range(S - 1), key=lambda k: -pe.p2p_s[k]))
             for extra in choices:
+                if ops_left[0] <= 0:
+                    break
+                if tuple(extra) not in played_s:
+                    ops_left[0] -= S * m
                 total_s = played(tuple(extra))
                 if total_s < best_s * (1 - 1e-9):
                     best_s, best = total_s, played_s[tuple(extra)][1]
@@ -248,6 +261,14 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
     if eager_est.over_capacity() or eager_est.iteration_time_s >= est.iteration_time_s:
         return plan, est
     return eager, eager_est
+
+
+def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
+    """What the sends add to a 1F1B pipeline of m micro-batches (its closed form with and without them):
+    the most overlapping them could save."""
+    tau, fill = pipeline_terms(stage_s, p2p_s)
+    tau0, fill0 = pipeline_terms(stage_s, [0.0] * len(p2p_s))
+    return m * (tau - tau0) + fill - fill0
 
 
 def _least_recompute_that_fits(cost: CostModel, plan: Plan, stage: StagePlan, intra_bw_gbps: float, first: bool,

@@ -487,7 +487,10 @@ def build_space(
     For each combination of classes, depths run from the shallowest that fits to
     ``depth_slack`` deeper (deeper pipelines only add bubble unless micro-batches are
     scarce, so the window also reaches the depth that spreads M micro-batches over every
-    group). Dominated templates (another uses no more groups of any class and is no slower
+    group). A pipeline of one class is enumerated at every depth (one shape per depth): on large
+    clusters the deep ones win, each GPU holding few blocks and so little gradient to sync and
+    little optimizer state to step (large-1024, gpt-30b: 16-stage pipelines at TP 8), where the
+    window would stop a few stages past the shallowest. Dominated templates (another uses no more groups of any class and is no slower
     in bottleneck, fill and post-backward time) are dropped: they can never be needed.
     """
     classes = group_classes(cluster, cost, tp, micro_batch_size)
@@ -507,8 +510,9 @@ def build_space(
             for chosen in itertools.combinations(range(len(classes)), kinds):
                 shallowest = None
                 for depth in range(kinds, depth_cap + 1):
-                    if shallowest is not None and depth > max(shallowest + depth_slack, scarce_depth):
-                        break
+                    if (kinds > 1 and shallowest is not None
+                            and depth > max(shallowest + depth_slack, scarce_depth)):
+                        break  # one class: every depth (one shape each), see the docstring
                     found = False
                     check = fits.checker(chosen, depth)
                     for counts in _compositions(depth, [avail[c] for c in chosen]):
