@@ -490,8 +490,9 @@ def build_space(
     group). A pipeline of one class is enumerated at every depth (one shape per depth): on large
     clusters the deep ones win, each GPU holding few blocks and so little gradient to sync and
     little optimizer state to step (large-1024, gpt-30b: 16-stage pipelines at TP 8), where the
-    window would stop a few stages past the shallowest. Dominated templates (another uses no more groups of any class and is no slower
-    in bottleneck, fill and post-backward time) are dropped: they can never be needed.
+    window would stop a few stages past the shallowest. Dominated templates (another uses no
+    more groups of any class and is no slower in bottleneck, fill and post-backward time) are
+    dropped: they can never be needed.
     """
     classes = group_classes(cluster, cost, tp, micro_batch_size)
     avail = [c.count for c in classes]
