@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from _common import ROOT, print_table, write_results
+from _common import ROOT, generated_cluster, print_table, write_results
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
@@ -35,24 +35,39 @@ CASES = [
     # Llama-shaped (grouped-query attention, SwiGLU, 8192-token sequences)
     ("paper-3types", "llama-3-8b", 512),
     ("hethub-4types", "llama-3-8b", 512),
+    # large clusters with small batches per GPU (issue 34); gen-: bench/_common.generated_cluster
+    ("large-1024", "gpt-30b", 512),
+    ("large-1024", "gpt-30b", 2048),
+    ("gen-10240x8", "gpt-30b", 8192),
 ]
+# above this many GPUs the full-recompute comparison is left out (it plans the cluster a second time)
+FULL_RECOMPUTE_UP_TO_GPUS = 2048
+
+
+def cluster_named(name: str):
+    if name.startswith("gen-"):
+        gpus, types = (int(x) for x in name[4:].split("x"))
+        return generated_cluster(gpus, types)
+    return load_cluster(ROOT / f"examples/clusters/{name}.yaml")
 
 
 def main() -> None:
     rows = []
     for cluster_name, model_name, gbs in CASES:
-        cluster = load_cluster(ROOT / f"examples/clusters/{cluster_name}.yaml")
+        cluster = cluster_named(cluster_name)
         model = load_model(ROOT / f"examples/models/{model_name}.yaml")
         settings = TrainingSettings(global_batch_size=gbs)
         cost = CostModel(cluster, model, settings)
         useful = cost.upper_bound_tokens_per_s(useful_work=True)
-        row = {"cluster": cluster_name, "model": model_name, "gpus": cluster.num_devices, "useful_work_bound": useful}
+        row = {"cluster": cluster_name, "model": model_name, "gpus": cluster.num_devices, "gbs": gbs,
+               "useful_work_bound": useful}
         for planner in ("hetrain", "megatron", "whale"):
             try:
                 r = make_plan(planner, cluster, model, settings)
                 row[planner] = r.estimate.tokens_per_s
                 if planner == "hetrain":
                     row["solve_s"] = r.plan.solver.wall_s
+                    row["scope"] = r.plan.solver.model_extra.get("scope", "")
                     row["layout"] = f"tp{r.plan.tp} mb{r.plan.micro_batch_size} x{len(r.plan.pipelines)}"
                     modes = Counter(st.recompute for p in r.plan.pipelines for st in p.stages)
                     row["recompute"] = " ".join(f"{m}:{n}" for m, n in sorted(modes.items()))
@@ -61,7 +76,8 @@ def main() -> None:
                 row[planner] = 0.0
         full = settings.model_copy(update={"activation_recompute": "full"})
         try:
-            row["hetrain_full"] = make_plan("hetrain", cluster, model, full).estimate.tokens_per_s
+            row["hetrain_full"] = make_plan("hetrain", cluster, model, full).estimate.tokens_per_s \
+                if cluster.num_devices <= FULL_RECOMPUTE_UP_TO_GPUS else float("nan")
         except NoPlanError:
             row["hetrain_full"] = 0.0
         row["vs_full"] = row["hetrain"] / row["hetrain_full"] if row["hetrain_full"] else float("nan")
@@ -74,13 +90,13 @@ def main() -> None:
         print(f"{cluster_name} {model_name}: hetrain {row['hetrain']:,.0f} tok/s ({row['of_useful_bound']:.0%} of the "
               f"useful-work bound; {row['vs_full']:.2f}x full recompute everywhere)", flush=True)
     print_table(
-        "Plan quality (predicted tokens/s; global batch 512 sequences of the model's length)",
+        "Plan quality (predicted tokens/s; global batch in sequences of the model's length)",
         rows,
-        [("cluster", "cluster"), ("model", "model"), ("GPUs", "gpus"), ("useful-work bound", "{useful_work_bound:,.0f}"),
+        [("cluster", "cluster"), ("model", "model"), ("GPUs", "gpus"), ("global batch", "gbs"), ("useful-work bound", "{useful_work_bound:,.0f}"),
          ("hetrain", "{hetrain:,.0f}"), ("hetrain / bound", "{of_useful_bound:.1%}"),
          ("full recompute", "{hetrain_full:,.0f}"), ("vs full", "{vs_full:.2f}x"), ("stages by recompute", "recompute"),
          ("megatron", "{megatron:,.0f}"), ("whale", "{whale:,.0f}"), ("vs megatron", "vs_megatron_text"),
-         ("vs whale", "vs_whale_text"), ("hetrain layout", "layout"), ("solve s", "{solve_s:.2f}")],
+         ("vs whale", "vs_whale_text"), ("hetrain layout", "layout"), ("plan from", "scope"), ("solve s", "{solve_s:.2f}")],
     )
     shown = [r | {f"cap_{k}": r["capacity"][k] for k in CAPACITY_PARTS} for r in rows if "capacity" in r]
     print_table(

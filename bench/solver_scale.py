@@ -14,29 +14,23 @@ from __future__ import annotations
 import statistics
 import time
 
-from _common import ROOT, print_table, write_results
+from _common import ROOT, generated_cluster, print_table, write_results
 
-from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 import solver.bounds
 from solver.planner import make_plan
 
 REPEATS = 3
-MIX = [("a100", "A100-80G", 300), ("h100", "H100-SXM", 450), ("v100", "V100-32G", 150), ("rtx", "RTX3090", 16)]
-
-
-def generated(num_gpus: int, types: int) -> ClusterSpec:
-    per_node = 4 if num_gpus <= 16 else 8
-    nodes_total = num_gpus // per_node
-    nodes = []
-    for i in range(nodes_total):
-        prefix, gpu, bw = MIX[i % types]
-        nodes.append({"name": f"{prefix}-{i}", "gpu": gpu, "count": per_node, "intra_node_bandwidth_gbps": bw})
-    return ClusterSpec.model_validate({"name": f"gen-{num_gpus}", "nodes": nodes, "inter_node_bandwidth_gbps": 25})
+# The CLI's wall time on the large cases of issue 34 (cluster, model, global batch, target s on this machine)
+CLI_CASES = [("large-1024", "gpt-30b", 512, 3.0), ("gen-1024x4", "gpt-30b", 2048, 3.0),
+             ("gen-768x3", "llama-3-8b", 1024, 5.0), ("gen-10240x8", "gpt-30b", 8192, 10.0)]
+CLI_TIMEOUT_S = 900
 
 
 def main() -> None:
-    cases = [(generated(8, 2), "gpt-6.7b"), (generated(16, 3), "gpt-6.7b"), (generated(32, 3), "gpt-13b"),
-             (generated(64, 4), "gpt-13b"), (generated(128, 4), "gpt-13b"), (generated(256, 4), "gpt-13b"),
+    g = generated_cluster
+    cases = [(g(8, 2), "gpt-6.7b"), (g(16, 3), "gpt-6.7b"), (g(32, 3), "gpt-13b"),
+             (g(64, 4), "gpt-13b"), (g(128, 4), "gpt-13b"), (g(256, 4), "gpt-13b"),
              (load_cluster(ROOT / "examples/clusters/large-1024.yaml"), "gpt-30b")]
     rows = []
     for cluster, model_name in cases:
@@ -73,11 +67,50 @@ def main() -> None:
                  ("templates", "templates"), ("pipelines", "pipelines"), ("tokens/s", "{tokens_per_s:,.0f}"),
                  ("wall s, HiGHS LP", "{wall_highs_lp_s:.2f}"), ("HiGHS / numpy", "{highs_over_numpy:.2f}x"),
                  ("same plan", "same_plan")])
+    cli = cli_walls()
+    print_table("`hetrain plan` wall time on large clusters (the whole command, one run each, 2-core machine)", cli,
+                [("cluster", "cluster"), ("GPUs", "gpus"), ("types", "types"), ("model", "model"),
+                 ("global batch", "gbs"), ("wall s", "{wall_s:.1f}"), ("target s", "{target_s:.0f}"),
+                 ("met", "met"), ("tokens/s", "{tokens_per_s:,.0f}"), ("plan from", "scope")])
     lp = lp_alone()
     print_table(f"The covering LP alone ({lp['lps']} random LPs of 1-10 rows and 5-200 columns, median ms per solve)",
                 [lp], [("numpy simplex ms", "{numpy_ms:.3f}"), ("HiGHS ms", "{highs_ms:.3f}"),
                        ("HiGHS / numpy", "{ratio:.2f}x"), ("largest relative difference", "{max_rel_diff:.1e}")])
-    print(f"\nwrote {write_results('solver_scale', rows + [lp])}")
+    print(f"\nwrote {write_results('solver_scale', rows + cli + [lp])}")
+
+
+def cli_walls() -> list[dict]:
+    """``hetrain plan`` run as a user runs it (a new process, the cluster read from a file), timed whole."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model_name, gbs, target_s in CLI_CASES:
+            if name.startswith("gen-"):
+                gpus, types = (int(x) for x in name[4:].split("x"))
+                path = Path(tmp) / f"{name}.yaml"
+                path.write_text(yaml.safe_dump(generated_cluster(gpus, types).model_dump(exclude_defaults=True)))
+            else:
+                path = ROOT / f"examples/clusters/{name}.yaml"
+            cmd = [sys.executable, "-m", "hetrain", "plan", "--cluster", str(path), "--model",
+                   str(ROOT / f"examples/models/{model_name}.yaml"), "--global-batch-size", str(gbs), "--json"]
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=True)
+            wall = time.perf_counter() - t0
+            plan = json.loads(done.stdout)
+            cluster = load_cluster(path)
+            rows.append({"cluster": name, "gpus": cluster.num_devices, "types": len({n.gpu for n in cluster.nodes}),
+                         "model": model_name, "gbs": gbs, "wall_s": wall, "target_s": target_s,
+                         "met": "yes" if wall <= target_s else "no",
+                         "tokens_per_s": plan["predicted"]["tokens_per_s"], "scope": plan["solver"].get("scope")})
+            print(f"{name} {model_name} gbs {gbs}: {wall:.1f} s", flush=True)
+    return rows
 
 
 def lp_alone(count: int = 300) -> dict:

@@ -184,10 +184,10 @@ EAGER_EXHAUSTIVE_UP_TO = 64
 # playing eager counts: overlapping the sends cannot save more than they cost (``_sends_cost_s``),
 # and on deep pipelines of hundreds of micro-batches each play is O(stages x micro-batches).
 EAGER_MIN_GAIN = 0.002
-# Stage x micro-batch operations the plays of one call may take (about a second here): on deep
-# pipelines of hundreds of micro-batches the coordinate descent stops there, with the best counts
-# so far (the plan is still estimated exactly and kept only if faster).
-EAGER_PLAY_OPS = 200_000
+# Forwards and backwards the plays of one call may play out (2 x stages x micro-batches per play;
+# about half a second here): on deep pipelines of hundreds of micro-batches the coordinate descent
+# stops there with the best counts so far (the plan is still estimated exactly, kept only if faster).
+EAGER_PLAY_OPS = 100_000
 
 
 def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
@@ -245,7 +245,7 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
                 if ops_left[0] <= 0:
                     break
                 if tuple(extra) not in played_s:
-                    ops_left[0] -= S * m
+                    ops_left[0] -= 2 * S * m
                 total_s = played(tuple(extra))
                 if total_s < best_s * (1 - 1e-9):
                     best_s, best = total_s, played_s[tuple(extra)][1]

@@ -88,7 +88,8 @@ def megatron_search(cluster: ClusterSpec, cost: CostModel,
 
     Each grid and recompute mode gets an exact lower bound first: a 1F1B pipeline of m = M / d
     micro-batches takes at least (m - 1) max_k c_k + sum_k c_k (``hetrain.cost.pipeline``), and
-    stage k's c_k is at least its blocks x seconds per block (``UnitCosts.stage_time_s`` only adds). Grids are scored best bound first and the
+    stage k's c_k is at least its blocks x seconds per block (``UnitCosts.stage_time_s`` only adds);
+    then every GPU steps its optimizer (``CostModel.estimate``), the slowest at least its blocks' share. Grids are scored best bound first and the
     search stops at the first bound no better than the best plan: the same answer as scoring
     every grid (tests/test_planner.py), at a fraction of the estimates on large clusters.
     """
@@ -103,13 +104,17 @@ def megatron_search(cluster: ClusterSpec, cost: CostModel,
         per_node = {n.name: [cost.unit_costs(n.gpu, n.intra_node_bandwidth_gbps, t, b, m).block_s for m in modes]
                     for n in cluster.nodes}
         per_block = np.array([per_node[h.node] for h in heads])  # (groups, modes)
+        opt_node = {n.name: [cost.unit_costs(n.gpu, n.intra_node_bandwidth_gbps, t, b, m).opt_s_per_param
+                             * cost.stage_params(1, False, False, t) for m in modes] for n in cluster.nodes}
+        opt_per_block = np.array([opt_node[h.node] for h in heads])
         for p in (p for p in range(1, L + 1) if L % p == 0 and p * t <= N):
             blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
             for d in range(N // (t * p), 0, -1):
                 if (M % d) or (M // d < p) or crosses[p * d - 1]:
                     continue  # d must split the batch; 1F1B needs a micro-batch per stage; TP stays in a node
                 c = per_block[: p * d].reshape(p, d, len(modes)) * blocks[:, None, None]  # (stage, pipeline, mode)
-                bound = ((M // d - 1) * c.max(axis=0) + c.sum(axis=0)).max(axis=0)  # 1F1B: (m - 1) tau + sum c
+                step = (opt_per_block[: p * d].reshape(p, d, len(modes)) * blocks[:, None, None]).max(axis=(0, 1))
+                bound = ((M // d - 1) * c.max(axis=0) + c.sum(axis=0)).max(axis=0) + step  # 1F1B, then the step
                 candidates += [(bound[i], t, b, p, d, i) for i in range(len(modes))]
     best, tried = None, 0
     for bound_s, t, b, p, d, i in _bound_order(candidates):
@@ -139,7 +144,8 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
 
     Lower bound of a (TP, micro-batch, depth, mode) before any estimate: pipeline r's steady
     state is at least tau_r = its slowest stage's blocks x seconds per block, each pipeline runs
-    at least p micro-batches ((p - 1) tau_r + sum_k c_rk) and all M fit (M / sum_r 1 / tau_r).
+    at least p micro-batches ((p - 1) tau_r + sum_k c_rk) and all M fit (M / sum_r 1 / tau_r); then
+    every GPU steps its optimizer, the slowest at least its blocks' parameters x seconds per parameter.
     After the probe that prices the pipelines, max_r(m_r tau_r + fill_r) bounds the final plan.
     """
     L, G = cost.model.num_layers, cost.settings.global_batch_size
@@ -153,6 +159,9 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
                 groups += [(c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu, c) for g in range(n)]
         groups.sort(key=lambda x: x[0])
         per_block = np.array([[u.block_s for u in g[4].modes] for g in groups])  # (groups, modes)
+        # every GPU steps its optimizer after the pipelines (``CostModel.estimate``): its blocks' share at least
+        opt_per_block = np.array([[u.opt_s_per_param * cost.stage_params(1, False, False, t) for u in g[4].modes]
+                                  for g in groups])
         for p in range(1, min(L, len(groups)) + 1):
             d = len(groups) // p
             if d > M:
@@ -160,7 +169,8 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
             blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
             tau = (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).max(axis=1)  # (d, modes)
             first = (p - 1) * tau + (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).sum(axis=1)
-            bound = np.maximum(first.max(axis=0), M / (1 / tau).sum(axis=0))
+            step = (opt_per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).max(axis=(0, 1))
+            bound = np.maximum(first.max(axis=0), M / (1 / tau).sum(axis=0)) + step
             candidates += [(bound[i], t, b, p, d, i, groups) for i in range(len(modes))]
     best, tried = None, 0
     for bound_s, t, b, p, d, i, groups in _bound_order(candidates):

@@ -21,6 +21,8 @@ from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_s
 from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import plan_milp
+from solver.space import MANY_CLASSES
+from solver.symmetry import Slice, replicate, slice_of
 
 
 def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10.0,
@@ -32,7 +34,15 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
     MILP's plan is already better, which it is on every benchmark row.
     """
     t0 = time.perf_counter()
-    found = plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress)
+    part = slice_of(cluster, cost.settings)
+    if part is None:
+        found = plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress)
+        space = "the MILP over its space (pipeline templates of up to 3 GPU classes per pipeline, 2 past " \
+                f"{MANY_CLASSES} classes; each TP degree x micro-batch size)"
+    else:
+        found = _by_slice(cluster, cost, part, time_limit_s, progress)
+        space = f"the MILP over the space of a 1/{part.copies} slice of the cluster, the slice's plan " \
+                f"repeated {part.copies} times"
     best, info = found, found.plan.solver.model_dump()
     for name, search in (("megatron", megatron_search), ("whale", whale_search)):
         if progress:
@@ -44,12 +54,22 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
                 best = PlanResult(*finish(plan, cost, info | {"scope": f"{name}'s layout"}, est))
     bound_s = info.get("lower_bound_s")
     above = best.estimate.iteration_time_s / bound_s - 1 if bound_s else None
-    claim = ("best of the MILP over its space (pipeline templates of up to 3 GPU classes per pipeline, "
-             "each TP degree x micro-batch size) and megatron's and whale's layouts"
+    claim = (f"best of {space}, and megatron's and whale's layouts"
              + (f"; {above:.1%} above the bound no plan beats (every GPU computing nonstop)" if above is not None else ""))
     info = best.plan.solver.model_dump() | {"planner": "hetrain", "claim": claim,
                                             "wall_s": round(time.perf_counter() - t0, 4)}
     return PlanResult(best.plan.model_copy(update={"solver": SolverInfo(**info)}), best.estimate)
+
+def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: float,
+              progress: Callable[[str], None] | None) -> PlanResult:
+    """The MILP's plan for the slice, on every copy of it (``solver.symmetry``), priced on the whole cluster."""
+    small = plan_milp(part.cluster, CostModel(part.cluster, cost.model, part.settings, cost.profile),
+                      time_limit_s=time_limit_s, progress=progress)
+    plan, est = eager_in_flight(replicate(small.plan, part, cluster, cost.settings), cost)
+    info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope')}, "
+                                                      f"1/{part.copies} slice x {part.copies}"}
+    return PlanResult(*finish(plan, cost, info, est))
+
 
 # name -> planner(cluster, cost, time_limit_s, progress)
 REGISTRY: dict[str, Callable[..., PlanResult]] = {

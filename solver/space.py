@@ -32,9 +32,19 @@ from hetrain.spec.specs import ClusterSpec, RecomputeMode
 
 
 DEPTH_SLACK = 3
+# Pipelines mix at most this many group classes; clusters of more than MANY_CLASSES classes at most
+# two: the shapes grow with the cube of the classes (with three, a 320-GPU slice of 8 classes had
+# 33,386 templates, 30 s to build and 77 s of MILP; 60 GPUs in 11 classes 17,866 and 158 s).
+MAX_CLASSES_PER_PIPELINE = 3
+MANY_CLASSES = 5
 # re-estimates of split_layers_modes' bulk threshold (each re-reads the per-block seconds at the
 # block counts the last one implies): on the benchmark templates two leave ~4 of ~34 blocks to the heap
 BULK_REFINES = 2
+
+
+def classes_per_pipeline(num_classes: int) -> int:
+    """How many group classes one pipeline may mix (``MAX_CLASSES_PER_PIPELINE``, ``MANY_CLASSES``)."""
+    return MAX_CLASSES_PER_PIPELINE if num_classes <= MANY_CLASSES else 2
 
 
 @dataclass(frozen=True)
@@ -479,7 +489,7 @@ def build_space(
     cost: CostModel,
     tp: int,
     micro_batch_size: int,
-    max_classes_per_pipeline: int = 3,
+    max_classes_per_pipeline: int | None = None,
     depth_slack: int = DEPTH_SLACK,
 ) -> Space:
     """Enumerate the templates (multisets of classes, canonical order) that fit in memory.
@@ -495,6 +505,8 @@ def build_space(
     dropped: they can never be needed.
     """
     classes = group_classes(cluster, cost, tp, micro_batch_size)
+    if max_classes_per_pipeline is None:
+        max_classes_per_pipeline = classes_per_pipeline(len(classes))
     avail = [c.count for c in classes]
     L = cost.model.num_layers
     M = cost.settings.global_batch_size // micro_batch_size

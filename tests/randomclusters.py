@@ -40,3 +40,21 @@ def small_settings(seed: int) -> TrainingSettings:
     rng = random.Random(seed + 1000)
     return TrainingSettings(global_batch_size=rng.choice([32, 64, 128]), micro_batch_sizes=[1, 2],
                             tp_degrees=[1, 2])
+
+
+LARGE_TYPES = ["A100-80G", "H100-SXM", "V100-32G", "RTX3090", "A10G", "L40S", "A6000", "A100-40G"]
+
+
+def random_large_cluster(seed: int) -> tuple[ClusterSpec, TrainingSettings]:
+    """8 to 2,048 GPUs (log-uniform) of 1 to 4 catalog types in nodes of 4 or 8, and a global batch
+    of 1 to 64 sequences per GPU-node: the mixed fleets the baselines-never-win test plans."""
+    rng = random.Random(seed + 5000)
+    per_node = rng.choice([4, 8])
+    num_gpus = max(per_node, int(2 ** rng.uniform(3, 11)) // per_node * per_node)
+    types = rng.sample(LARGE_TYPES, rng.randint(1, 4))
+    nodes = [{"name": f"n{i}", "gpu": rng.choice(types), "count": per_node,
+              "intra_node_bandwidth_gbps": rng.choice([16, 32, 150, 300])} for i in range(num_gpus // per_node)]
+    cluster = ClusterSpec.model_validate({"name": f"random-large-{seed}", "nodes": nodes,
+                                          "inter_node_bandwidth_gbps": rng.choice([3, 12.5, 25, 50])})
+    gbs = 2 ** rng.randint(max(3, (len(nodes) - 1).bit_length()), 12)
+    return cluster, TrainingSettings(global_batch_size=gbs, micro_batch_sizes=[1, 2], tp_degrees=[1, 2, 4])
