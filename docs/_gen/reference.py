@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -21,6 +22,14 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 CLI_PAGE = "reference/cli.md"
+PAGE_WIDTH = 118  # prose lines of every page stay within 120 characters (tests/test_docs.py checks it)
+
+
+def _prose(text: str) -> str:
+    """A docstring or help text as markdown paragraphs wrapped to the page width (double backticks as code)."""
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(text).replace("``", "`"))
+    return "\n\n".join(textwrap.fill(" ".join(p.split()), PAGE_WIDTH, break_long_words=False,
+                                       break_on_hyphens=False) for p in paragraphs)
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,9 @@ def _type_name(annotation) -> str:
     if origin is typing.Annotated:
         return _type_name(args[0])
     if origin is typing.Literal:
-        return " \\| ".join(repr(a) for a in args)
+        return " | ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(a) for a in args)
+        return " | ".join(_type_name(a) for a in args)
     if origin is not None:
         name = getattr(origin, "__name__", str(origin))
         return f"{name}[{', '.join(_type_name(a) for a in args)}]"
@@ -127,7 +136,7 @@ def model_section(model: type[BaseModel]) -> str:
     note = {"forbid": "Unknown keys are refused.", "allow": "Unknown keys are kept (tools may add their own)."}
     parts = [f"## {model.__name__}", f"`{model.__module__}.{model.__qualname__}`"]
     if doc:
-        parts.append(doc.replace("``", "`"))
+        parts.append(_prose(doc))
     parts.append("\n".join(rows))
     if extra in note:
         parts.append(note[extra])
@@ -154,10 +163,10 @@ def import_model(path: str) -> type[BaseModel]:
 
 
 def schema_markdown(page: SchemaPage) -> str:
-    head = [f"# {page.title}", "*Generated from the code at build time by `docs/_gen/reference.py`.*", page.intro]
+    head = [f"# {page.title}", "*Generated from the code at build time by `docs/_gen/reference.py`.*", _prose(page.intro)]
     if page.schema_id:
-        head.append(f'The file\'s first key is `"schema": "{page.schema_id}"`; a file of another schema or version '
-                    f"is refused in one line (exit 2).")
+        head.append(_prose(f'The file\'s first key is `"schema": "{page.schema_id}"`; a file of another schema or '
+                           f"version is refused in one line (exit 2)."))
     return "\n\n".join(head + [model_section(m) for m in models_under(import_model(page.model))]) + "\n"
 
 
@@ -182,19 +191,20 @@ def cli_commands():
 
 
 def cli_markdown() -> str:
-    parts = ["# Command line", "*Generated from `hetrain.cli.app` at build time by `docs/_gen/reference.py`: the "
-             "usage lines and options are what `--help` prints.*",
+    parts = ["# Command line", _prose("*Generated from `hetrain.cli.app` at build time by `docs/_gen/reference.py`: "
+                                      "the usage lines and options are what `--help` prints.*"),
              "Exit codes of every command are in [Troubleshooting](../how-to/troubleshooting.md#exit-codes)."]
     for path, command, ctx in cli_commands():
         level = "#" * min(len(path) + 1, 4)
         parts.append(f"{level} {' '.join(path)}")
         if command.help:
-            parts.append(inspect.cleandoc(command.help))
+            parts.append(_prose(command.help))
         parts.append(f"```text\n{command.get_usage(ctx)}\n```")
         subs = getattr(command, "commands", {})
         if subs:
-            parts.append("\n".join(f"- [`{' '.join(path + [n])}`](#{'-'.join(path + [n])}): "
-                                   f"{_cell(s.get_short_help_str(limit=200))}" for n, s in subs.items()))
+            parts.append("\n".join(["| command | what it does |", "|---|---|"]
+                                   + [f"| [`{' '.join(path + [n])}`](#{'-'.join(path + [n])}) "
+                                      f"| {_cell(s.get_short_help_str(limit=200))} |" for n, s in subs.items()]))
         rows = [r for r in (p.get_help_record(ctx) for p in command.params) if r]
         args = [p for p in command.params if p.param_type_name == "argument"]
         if args:
