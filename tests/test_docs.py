@@ -45,7 +45,8 @@ SCHEMA_MODELS = {"cluster": "hetrain.spec.specs:ClusterSpec", "model": "hetrain.
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"  # the hook imports hetrain from this checkout
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
                            "--site-dir", str(site)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -187,7 +188,8 @@ def test_every_schema_field_is_in_the_reference(site, page):
     models = _models_under(getattr(__import__(module, fromlist=[name]), name))
     anchors = [m.__name__.lower() for m in models]
     for model in models:
-        text = section(site, f"reference/{page}", model.__name__.lower(), [a for a in anchors if a != model.__name__.lower()])
+        anchor = model.__name__.lower()
+        text = section(site, f"reference/{page}", anchor, [a for a in anchors if a != anchor])
         for field_name, field in model.model_fields.items():
             key = field.alias or field_name
             assert key in text, f"{page}: {model.__name__}.{key} is not in the reference"
@@ -232,3 +234,44 @@ def test_metrics_keys_are_documented():
     # checkpoint_requested and stop_requested are popped before the record is written
     missing = [k for k in sorted(keys - {"checkpoint_requested", "stop_requested"}) if f"| `{k}` |" not in documented]
     assert not missing, f"metrics keys missing from docs/reference/metrics.md: {missing}"
+
+
+def _documented_invocations():
+    """(file, line number, command path, flags) of every ``hetrain <command> --flag ...`` the pages show.
+
+    A line ending in a backslash continues on the next; a command's flags end at a comment, a backtick, a semicolon
+    or the next command.
+    """
+    paths = sorted((p[1:] for p, _ in _cli_commands() if len(p) > 1), key=len, reverse=True)
+    files = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    for f in files:
+        lines = f.read_text().splitlines()
+        joined, starts, buf, start = [], [], "", None
+        for n, line in enumerate(lines, 1):
+            start = start or n
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            joined.append(buf + line)
+            starts.append(start)
+            buf, start = "", None
+        for n, line in zip(starts, joined):
+            for m in re.finditer(r"(?<![\w./-])hetrain ((?:[a-z]+ ?)+)", line):
+                words = m.group(1).split()
+                path = next((p for p in paths if words[:len(p)] == p), None)
+                if path is None:
+                    continue
+                rest = re.split(r"#|`|;|\bhetrain ", line[m.start() + len("hetrain "):])[0]
+                yield f.relative_to(ROOT), n, path, re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)
+
+
+def test_documented_commands_use_options_the_commands_have():
+    """Every ``hetrain <command> --flag`` in the README and the docs is an option of that command (``--help``)."""
+    options = {tuple(p[1:]): {"--help"} | {flag for param in c.params
+                                           for flag in [*param.opts, *getattr(param, "secondary_opts", [])]}
+               for p, c in _cli_commands()}
+    found = list(_documented_invocations())
+    assert len(found) > 30  # the pages really were read
+    wrong = [f"{f}:{n}: hetrain {' '.join(path)} {flag}" for f, n, path, flags in found for flag in flags
+             if flag not in options[tuple(path)]]
+    assert not wrong, "options the commands do not have:\n" + "\n".join(wrong)

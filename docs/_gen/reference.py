@@ -163,7 +163,8 @@ def import_model(path: str) -> type[BaseModel]:
 
 
 def schema_markdown(page: SchemaPage) -> str:
-    head = [f"# {page.title}", "*Generated from the code at build time by `docs/_gen/reference.py`.*", _prose(page.intro)]
+    head = [f"# {page.title}", "*Generated from the code at build time by `docs/_gen/reference.py`.*",
+            _prose(page.intro)]
     if page.schema_id:
         head.append(_prose(f'The file\'s first key is `"schema": "{page.schema_id}"`; a file of another schema or '
                            f"version is refused in one line (exit 2)."))
