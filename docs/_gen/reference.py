@@ -89,15 +89,25 @@ def _nested_models(annotation) -> list[type[BaseModel]]:
     return [m for a in typing.get_args(annotation) for m in _nested_models(a)]
 
 
-_BOUND_WORDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length", "max_length": "max length",
-                "pattern": "pattern"}
+_BOUND_WORDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "min length", "max_length": "max length",
+                "pattern": "pattern"}  # in the order a reader wants them: lower bound first
+
+
+def _annotated_metadata(annotation) -> list:
+    """Constraints inside the type (``NonNegativeFloat | None``: the ``>= 0`` rides on the union's member)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return list(annotation.__metadata__)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(annotation) for m in _annotated_metadata(a)]
+    return []
 
 
 def _bounds(field) -> str:
     """The constraints pydantic checks on a field (``>= 1``, ``<= 1024``, a pattern), from its metadata."""
     found = []
-    for meta in field.metadata:
-        for attr, word in _BOUND_WORDS.items():
+    metadata = list(field.metadata) + _annotated_metadata(field.annotation)
+    for attr, word in _BOUND_WORDS.items():
+        for meta in metadata:
             value = getattr(meta, attr, None)
             if value is not None:
                 found.append(f"{word} `{value}`" if attr == "pattern" else f"{word} {value:g}"
