@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench lock
+.PHONY: setup demo test test-fast bench lock docs
 setup: $(VENV)/.installed
 
 # constraints.txt: the versions the tests passed with, so a fresh clone gets them (not next month's releases)
@@ -26,6 +26,11 @@ test: setup
 # The tests that start no training, server or network namespace (about a minute): `make test` runs everything.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The docs site (mkdocs.yml, docs/) into site/, strict: a broken link, anchor or reference fails the build.
+# tests/test_docs.py runs the same build into a temp dir. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: setup
 	$(PY) bench/plan_quality.py
