@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from hetrain.cost.costmodel import CostModel
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, NoPlanError
 from hetrain.plan.schema import SolverInfo
 from hetrain.profiling.profile import Profile
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
@@ -31,27 +31,21 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
 
     The baselines search with the MILP's plan as incumbent, so they score only layouts that
     could beat it (``megatron_search``: exact lower bounds first): a few estimates when the
-    MILP's plan is already better, which it is on every benchmark row.
+    MILP's plan is already better. Where the MILP finds nothing, a baseline's plan is still one.
     """
     t0 = time.perf_counter()
-    part = slice_of(cluster, cost.settings)
-    if part is None:
-        found = plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress)
-        space = "the MILP over its space (pipeline templates of up to 3 GPU classes per pipeline, 2 past " \
-                f"{MANY_CLASSES} classes; each TP degree x micro-batch size)"
-    else:
-        found = _by_slice(cluster, cost, part, time_limit_s, progress)
-        space = f"the MILP over the space of a 1/{part.copies} slice of the cluster, the slice's plan " \
-                f"repeated {part.copies} times"
-    best, info = found, found.plan.solver.model_dump()
+    best, space, why = _search(cluster, cost, time_limit_s, progress)
+    info = best.plan.solver.model_dump() if best else {"planner": "hetrain", "status": why and str(why), "wall_s": 0}
     for name, search in (("megatron", megatron_search), ("whale", whale_search)):
         if progress:
             progress(f"checking {name}'s layouts")
-        seed, _ = search(cluster, cost, incumbent_s=best.estimate.iteration_time_s)
+        seed, _ = search(cluster, cost, incumbent_s=best.estimate.iteration_time_s if best else None)
         if seed is not None:
             plan, est = eager_in_flight(seed[1], cost)
-            if est.iteration_time_s < best.estimate.iteration_time_s:
+            if best is None or est.iteration_time_s < best.estimate.iteration_time_s:
                 best = PlanResult(*finish(plan, cost, info | {"scope": f"{name}'s layout"}, est))
+    if best is None:
+        raise why
     bound_s = info.get("lower_bound_s")
     above = best.estimate.iteration_time_s / bound_s - 1 if bound_s else None
     claim = (f"best of {space}, and megatron's and whale's layouts"
@@ -59,6 +53,27 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
     info = best.plan.solver.model_dump() | {"planner": "hetrain", "claim": claim,
                                             "wall_s": round(time.perf_counter() - t0, 4)}
     return PlanResult(best.plan.model_copy(update={"solver": SolverInfo(**info)}), best.estimate)
+
+
+def _search(cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
+            progress: Callable[[str], None] | None) -> tuple[PlanResult | None, str, NoPlanError | None]:
+    """The MILP's plan (by slice where the cluster has the symmetry and the slice holds the model), what
+    space it searched, and why there is none."""
+    part = slice_of(cluster, cost.settings)
+    if part is not None:
+        try:
+            return (_by_slice(cluster, cost, part, time_limit_s, progress),
+                    f"the MILP over the space of a 1/{part.copies} slice of the cluster, the slice's plan "
+                    f"repeated {part.copies} times", None)
+        except NoPlanError:
+            pass  # the slice cannot hold the model: the whole cluster may
+    space = ("the MILP over its space (pipeline templates of up to 3 GPU classes per pipeline, 2 past "
+             f"{MANY_CLASSES} classes; each TP degree x micro-batch size)")
+    try:
+        return plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress), space, None
+    except NoPlanError as e:
+        return None, space, e
+
 
 def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: float,
               progress: Callable[[str], None] | None) -> PlanResult:

@@ -42,7 +42,9 @@ def small_settings(seed: int) -> TrainingSettings:
                             tp_degrees=[1, 2])
 
 
-LARGE_TYPES = ["A100-80G", "H100-SXM", "V100-32G", "RTX3090", "A10G", "L40S", "A6000", "A100-40G"]
+# catalog types and their intra-node GB/s (NVLink for SXM parts, PCIe for the others)
+LARGE_TYPES = {"A100-80G": 300, "H100-SXM": 450, "V100-32G": 150, "RTX3090": 16, "A10G": 16, "L40S": 32,
+               "A6000": 56, "A100-40G": 300}
 
 
 def random_large_cluster(seed: int) -> tuple[ClusterSpec, TrainingSettings]:
@@ -51,9 +53,11 @@ def random_large_cluster(seed: int) -> tuple[ClusterSpec, TrainingSettings]:
     rng = random.Random(seed + 5000)
     per_node = rng.choice([4, 8])
     num_gpus = max(per_node, int(2 ** rng.uniform(3, 11)) // per_node * per_node)
-    types = rng.sample(LARGE_TYPES, rng.randint(1, 4))
-    nodes = [{"name": f"n{i}", "gpu": rng.choice(types), "count": per_node,
-              "intra_node_bandwidth_gbps": rng.choice([16, 32, 150, 300])} for i in range(num_gpus // per_node)]
+    types = rng.sample(sorted(LARGE_TYPES), rng.randint(1, 4))
+    nodes = []
+    for i in range(num_gpus // per_node):
+        gpu = rng.choice(types)
+        nodes.append({"name": f"n{i}", "gpu": gpu, "count": per_node, "intra_node_bandwidth_gbps": LARGE_TYPES[gpu]})
     cluster = ClusterSpec.model_validate({"name": f"random-large-{seed}", "nodes": nodes,
                                           "inter_node_bandwidth_gbps": rng.choice([3, 12.5, 25, 50])})
     gbs = 2 ** rng.randint(max(3, (len(nodes) - 1).bit_length()), 12)
