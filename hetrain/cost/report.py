@@ -71,12 +71,12 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
             mode = st.stage_recompute(stage.recompute)
             recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
                                        - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
-            if not pipe.eager:  # 1F1B: a stage waits for its own sends
+            if pipe.schedule_name == "1f1b":  # 1F1B: a stage waits for its own sends
                 sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
                 own = pest.stage_s[k] + sends
                 waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own),
                          "fill_drain": pest.time_s - (mb - 1) * tau - own}
-            else:  # eager 1F1B, played out: sends overlap compute; what they still cost is a steady state
+            else:  # eager 1F1B and ZB-H1, played out: sends overlap compute; what they still cost is a steady state
                 # above the slowest stage, the rest of the stage's idle time is fill and drain
                 slowest = max(pest.stage_s)
                 waits = {"sends": (mb - 1) * max(0.0, tau - slowest),

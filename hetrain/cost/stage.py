@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from hetrain.cost.collectives import ring_allreduce_s
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.spec.arithmetic import (RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
+                                     block_weight_grad_bytes, block_weight_grad_fraction,
                                      embed_params, head_forward_flops, head_params, selective_activation_bytes,
                                      selective_recompute_bytes)
 from hetrain.spec.catalog import GPUType
@@ -89,6 +90,12 @@ class UnitCosts:
     # whole table, it is more than a rank's vocabulary shard costs.
     block_bwd_s: float = 0.0
     head_bwd_s: float = 0.0
+    # ZB-H1's split backward (``stage_backward_split_s``): the weight-gradient part of block_bwd_s and
+    # head_bwd_s, and what one micro-batch holds between its B and its W beyond its activations
+    block_wgt_s: float = 0.0
+    head_wgt_s: float = 0.0
+    block_wgrad_bytes: float = 0.0
+    head_wgrad_bytes: float = 0.0
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
@@ -98,30 +105,55 @@ class UnitCosts:
         """The backward of one micro-batch on a stage, at most: blocks and head (``block_bwd_s``)."""
         return num_blocks * self.block_bwd_s + (self.head_bwd_s if last else 0.0)
 
+    def splits_backward(self, first: bool) -> bool:
+        """Whether ZB-H1 runs this stage's backward as B then W (``hetrain.runtime.pipeline``): not on the
+        first stage (nothing waits for its input gradient) and not under recompute (torch's split runs
+        the weight part as a second backward through the checkpointed blocks: selective refuses it,
+        full recomputes every block again), where B is the whole backward and W nothing."""
+        return not first and self.recompute == "none"
+
+    def stage_backward_split_s(self, num_blocks: int, first: bool, last: bool) -> tuple[float, float]:
+        """(B, W) seconds of one micro-batch's backward under ZB-H1: input gradient (with the backward's
+        TP all-reduces and the loss) and weight gradient; (whole backward, 0) where it does not split."""
+        whole = self.stage_backward_s(num_blocks, last)
+        if not self.splits_backward(first):
+            return whole, 0.0
+        weight = num_blocks * self.block_wgt_s + (self.head_wgt_s if last else 0.0)
+        return whole - weight, weight
+
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
                 + (self.head_param_bytes if last else 0.0))
 
-    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> float:
         # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
         boundaries = (0 if first else 1) + (0 if last else 1)
         mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.boundary_bytes
+        if weight_pending and self.splits_backward(first):  # ZB-H1: B done, W not yet; the output was let go
+            mem += weight_pending * (num_blocks * (self.block_act_bytes + self.block_wgrad_bytes)
+                                     + (0 if first else 1) * self.boundary_bytes
+                                     + (self.head_wgrad_bytes if last else 0.0))
         if last:  # the last micro-batch's logits stay referenced by the schedule through backward
             mem += self.head_out_bytes
         # backward's transients come one after another: the loss's fp32 tensors first, then block by block
         return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
 
-    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
-        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries)."""
+    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int,
+                           weight_pending: int = 0) -> float:
+        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries).
+
+        ``weight_pending``: micro-batches whose weight gradient ZB-H1 has not run yet (``schedule_held``)."""
         states = self._states(num_blocks, first, last)
-        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight),
+        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight, weight_pending),
                                                  self.opt_temp_ratio * states)
 
-    def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
+    def max_blocks(self, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> int:
         """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
         free_bwd = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
-            - self._activations(0, first, last, in_flight)
-        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes
+            - self._activations(0, first, last, in_flight, weight_pending)
+        pending = weight_pending if self.splits_backward(first) else 0
+        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes \
+            + pending * (self.block_act_bytes + self.block_wgrad_bytes)
         free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
         per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
         if free_bwd < 0 or free_opt < 0:
@@ -220,6 +252,11 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         # (two, four under full recompute); the head's input-gradient all-reduce
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
+        # the weight gradients' share of the compute (no communication: TP all-reduces are input gradients)
+        block_wgt_s=block_weight_grad_fraction(m) * max(blk_compute - blk_fwd, 0.0),
+        head_wgt_s=head_bwd / 2,  # the head's two products of the same size: its input's gradient, its weight's
+        block_wgrad_bytes=block_weight_grad_bytes(m, st, t, b),
+        head_wgrad_bytes=s * b * (V / t * act + h * RESIDUAL_BYTES),  # the logits' gradient, the final norm's
         block_param_bytes=st.bytes_per_param * block_params(m) / t,
         # the runtime splits the token embedding and the head by vocabulary
         embed_param_bytes=st.bytes_per_param * embed_params(m, t),
