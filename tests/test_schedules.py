@@ -1,0 +1,66 @@
+"""Pipeline schedules beyond 1F1B in the plan file and the planner: ZB-H1 (zero bubble)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.plan.eager import zero_bubble_order
+from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, load_plan, validate_plan_structure
+from hetrain.spec.specs import ModelSpec
+
+MODEL = ModelSpec(name="m", num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
+
+
+def _plan(schedule: str | None, counts=(None, None, None, None), microbatches: int = 8) -> Plan:
+    stages = [StagePlan(devices=[f"n/{k}"], gpu="T4", layers=(k, k + 1), in_flight=c) for k, c in enumerate(counts)]
+    return Plan(model=MODEL, cluster="c", global_batch_size=microbatches, micro_batch_size=1, tp=1,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages, schedule=schedule)])
+
+
+def test_a_plan_without_a_schedule_means_what_it_meant():
+    assert _plan(None).pipelines[0].schedule_name == "1f1b"
+    eager = _plan(None, (7, 5, 3, 1)).pipelines[0]
+    assert eager.schedule_name == "eager-1f1b" and eager.eager
+    zb = _plan("zb-h1").pipelines[0]
+    assert zb.schedule_name == "zb-h1" and not zb.eager
+    assert [zb.in_flight(k) for k in range(4)] == [4, 3, 2, 1] and [zb.weight_pending(k) for k in range(4)] == [0, 1, 2, 3]
+    # written out and read back: the field is kept where set, and absent (old files) where not
+    assert "schedule" not in _plan(None).to_json()
+    assert Plan.model_validate_json(_plan("zb-h1").to_json()).pipelines[0].schedule == "zb-h1"
+
+
+def test_schedules_are_checked_in_one_line(tmp_path: Path):
+    validate_plan_structure(_plan("zb-h1"))
+    validate_plan_structure(_plan("eager-1f1b", (7, 5, 3, 1)))
+    for schedule, counts, message in (
+            ("zb-h1", (7, 5, 3, 1), r"pipelines\[0\]\.stages\[0\]: in_flight is for schedule eager-1f1b, not zb-h1"),
+            ("1f1b", (None, 5, 3, 1), r"pipelines\[0\]\.stages\[1\]: in_flight is for schedule eager-1f1b, not 1f1b"),
+            ("eager-1f1b", (None,) * 4, r"pipelines\[0\]: schedule eager-1f1b needs in_flight on every stage")):
+        with pytest.raises(HetrainError, match=message):
+            validate_plan_structure(_plan(schedule, counts))
+    data = json.loads(_plan(None).to_json())
+    data["pipelines"][0]["schedule"] = "zb-h2"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(HetrainError) as err:
+        load_plan(tmp_path / "plan.json")
+    assert "pipelines[0].schedule" in str(err.value) and "got 'zb-h2'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_zero_bubble_order_defers_stage_ks_weight_gradients_by_k():
+    """Stage 1 of 3 (2 in flight, W one backward late): every micro-batch's F, B, W once, W after its B,
+    and no more than 3 micro-batches between their F and their W."""
+    order = zero_bubble_order(5, 2, 1)
+    assert order[:6] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("W", 0)]
+    for kind in "FBW":
+        assert [i for k, i in order if k == kind] == list(range(5))
+    held = peak = 0
+    for kind, i in order:
+        held += {"F": 1, "B": 0, "W": -1}[kind]
+        peak = max(peak, held)
+        if kind == "W":
+            assert order.index(("B", i)) < order.index(("W", i))
+    assert peak == 3
