@@ -64,3 +64,54 @@ def test_zero_bubble_order_defers_stage_ks_weight_gradients_by_k():
         if kind == "W":
             assert order.index(("B", i)) < order.index(("W", i))
     assert peak == 3
+
+
+# --------------------------------------------------------------------------- the planner's choice
+
+def test_the_planner_runs_zb_h1_where_it_is_faster_and_fits():
+    """Two pipelines of different depth (4 A100 stages; 2 V100 stages) without recompute: ZB-H1 on both
+    (their drains filled with weight gradients), the plan predicted faster than with 1F1B, every stage
+    within its memory. On GPUs too small to hold the micro-batches ZB-H1 keeps waiting for their weight
+    gradient, the pipeline keeps its schedule."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+    from solver.assemble import choose_schedules
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
+                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
+    settings = TrainingSettings(global_batch_size=24, activation_recompute=False)
+
+    def stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
+        return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+
+    plan = Plan(model=model, cluster="c", global_batch_size=24, micro_batch_size=1, tp=1, training=settings,
+                pipelines=[PipelinePlan(num_microbatches=16, stages=stages("a", "A100-80G", [0, 2, 4, 6, 8])),
+                           PipelinePlan(num_microbatches=8, stages=stages("b", "V100-32G", [0, 4, 8]))])
+    cost = CostModel(cluster, model, settings)
+    before = cost.estimate(plan)
+    chosen, est = choose_schedules(plan, cost, before)
+    assert [p.schedule_name for p in chosen.pipelines] == ["zb-h1", "zb-h1"]
+    assert est.iteration_time_s < before.iteration_time_s and not est.over_capacity()
+    assert est.iteration_time_s == pytest.approx(cost.estimate(chosen).iteration_time_s)
+
+    # the V100 pipeline's last stage on a GPU holding just what it needs under 1F1B: ZB-H1 would keep
+    # one more micro-batch there, waiting for its weight gradient
+    def with_last_stage_gb(memory_gb: float) -> tuple[ClusterSpec, Plan]:
+        data = cluster.model_dump()
+        data["gpu_types"] = {"tight": {**data.get("gpu_types", {}).get("V100-32G", {}), "tflops": 125,
+                                       "memory_gb": memory_gb, "memory_bandwidth_gbps": 900, "fp32_tflops": 15.7}}
+        data["nodes"].append({"name": "d", "gpu": "tight", "count": 1, "intra_node_bandwidth_gbps": 150})
+        last = StagePlan(devices=["d/0"], gpu="tight", layers=(4, 8))
+        pipes = [plan.pipelines[0].model_copy(update={"num_microbatches": 20}),  # the slower pipeline
+                 PipelinePlan(num_microbatches=4, stages=[plan.pipelines[1].stages[0], last])]
+        return ClusterSpec.model_validate(data), plan.model_copy(update={"pipelines": pipes})
+
+    roomy, moved = with_last_stage_gb(32)
+    need_gb = CostModel(roomy, model, settings).estimate(moved).peak_memory_gb["d/0"]
+    tight, moved = with_last_stage_gb(need_gb + 0.01)
+    chosen, est = choose_schedules(moved, CostModel(tight, model, settings))
+    assert chosen.pipelines[0].schedule_name == "zb-h1" and chosen.pipelines[1].schedule_name != "zb-h1"
+    assert not est.over_capacity()
