@@ -314,9 +314,10 @@ def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
         else:
             return None
         modes.append(None if mode == own else mode)
-        stage_s.append(u.stage_time_s(blocks, first, last))
-        backward_s.append(u.stage_backward_s(blocks, last))
-        weight_s.append(u.stage_backward_split_s(blocks, first, last)[1])
+        in_s, wgt_s = u.stage_backward_split_s(blocks, first, last)
+        stage_s.append(u.stage_time_s(blocks, first, last) + in_s + wgt_s - u.stage_backward_s(blocks, last))
+        backward_s.append(in_s + wgt_s)
+        weight_s.append(wgt_s)
     if not any(weight_s):
         return None  # nothing splits: 1F1B under another name
     zb_s = eager_pipeline_s(stage_s, backward_s, pe.p2p_s, list(range(S, 0, -1)), m, cost.p2p_duplex, weight_s)[1]

@@ -133,6 +133,14 @@ def test_zero_bubble_h1_matches_single_process(tmp_path: Path):
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
+def test_zero_bubble_h1_under_tensor_parallelism_matches_single_process(tmp_path: Path):
+    """ZB-H1 on the TP 2 asymmetric plan: the second stage (no recompute) splits its backward over
+    DTensor blocks, the vocabulary-split head's weight gradient waits for W too."""
+    plan = asymmetric_plan(2)
+    plan = plan.model_copy(update={"pipelines": [p.model_copy(update={"schedule": "zb-h1"}) for p in plan.pipelines]})
+    train_and_match_single_process(tmp_path, plan, TINY)
+
+
 def train_and_match_single_process(tmp_path: Path, plan: Plan, spec_file: Path) -> None:
     """Train ``plan`` for a few SGD steps and compare with ``reference``: every rank's gradients of step 0,
     its parameters after, and the losses."""

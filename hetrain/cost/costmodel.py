@@ -215,8 +215,10 @@ class CostModel:
                                         u.capacity_bytes / GB,
                                         self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
                                         u.stage_backward_s(n_blocks, last),
-                                        u.stage_backward_split_s(n_blocks, first, last)[1])
-                seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s = stages_seen[key]
+                                        u.stage_backward_split_s(n_blocks, first, last))
+                seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = stages_seen[key]
+                if pipe.schedule_name == "zb-h1":  # B + W: the whole backward and what splitting it adds
+                    seconds, bwd_s = seconds + in_s + wgt_s - bwd_s, in_s + wgt_s
                 stage_s.append(seconds)
                 backward_s.append(bwd_s)
                 weight_s.append(wgt_s)

@@ -94,6 +94,7 @@ class UnitCosts:
     # head_bwd_s, and what one micro-batch holds between its B and its W beyond its activations
     block_wgt_s: float = 0.0
     head_wgt_s: float = 0.0
+    block_split_extra_s: float = 0.0  # what splitting a block's backward costs beyond running it whole (measured)
     block_wgrad_bytes: float = 0.0
     head_wgrad_bytes: float = 0.0
 
@@ -114,12 +115,14 @@ class UnitCosts:
 
     def stage_backward_split_s(self, num_blocks: int, first: bool, last: bool) -> tuple[float, float]:
         """(B, W) seconds of one micro-batch's backward under ZB-H1: input gradient (with the backward's
-        TP all-reduces and the loss) and weight gradient; (whole backward, 0) where it does not split."""
+        TP all-reduces and the loss) and weight gradient; (whole backward, 0) where it does not split.
+        B + W may exceed ``stage_backward_s``: the split walks the graph twice (``block_split_extra_s``,
+        charged to B)."""
         whole = self.stage_backward_s(num_blocks, last)
         if not self.splits_backward(first):
             return whole, 0.0
         weight = num_blocks * self.block_wgt_s + (self.head_wgt_s if last else 0.0)
-        return whole - weight, weight
+        return whole - weight + num_blocks * self.block_split_extra_s, weight
 
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
@@ -231,6 +234,12 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
     entry = profile.lookup(gpu, t, b) if profile else None
     blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute)
     blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, profile, g, entry, t, b, flops, msg)
+    # ZB-H1's split of a block's backward: measured where the profile has it (no recompute), else by FLOPs
+    blk_wgt = block_weight_grad_fraction(m) * max(blk_compute - blk_fwd, 0.0)
+    split_extra = 0.0
+    if recompute == "none" and entry is not None and entry.block_weight_backward_s is not None:
+        blk_wgt = entry.block_weight_backward_s
+        split_extra = max(entry.block_split_backward_s - (blk_compute - blk_fwd), 0.0)
     # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
     # target logit + sum of exponentials (8)
     head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8))
@@ -253,7 +262,8 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
         # the weight gradients' share of the compute (no communication: TP all-reduces are input gradients)
-        block_wgt_s=block_weight_grad_fraction(m) * max(blk_compute - blk_fwd, 0.0),
+        block_wgt_s=blk_wgt,
+        block_split_extra_s=split_extra,
         head_wgt_s=head_bwd / 2,  # the head's two products of the same size: its input's gradient, its weight's
         block_wgrad_bytes=block_weight_grad_bytes(m, st, t, b),
         head_wgrad_bytes=s * b * (V / t * act + h * RESIDUAL_BYTES),  # the logits' gradient, the final norm's
