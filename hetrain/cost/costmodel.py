@@ -231,15 +231,7 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            schedule = pipe.schedule_name
-            if schedule == "1f1b":  # torch's 1F1B
-                tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
-                ends = [total - ahead for ahead in drain_ahead_s(backward_s)]
-            else:  # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
-                counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(S, 0, -1))
-                tau, total, ends = eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches,
-                                                    duplex=self.p2p_duplex,
-                                                    weight_s=weight_s if schedule == "zb-h1" else None)
+            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))
@@ -252,6 +244,18 @@ class CostModel:
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
+                    p2p: list[float]) -> tuple[float, float, list[float]]:
+        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule."""
+        schedule = pipe.schedule_name
+        if schedule == "1f1b":  # torch's 1F1B, closed form
+            tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
+            return tau, total, [total - ahead for ahead in drain_ahead_s(backward_s)]
+        # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
+        counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
+        return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
+                                weight_s=weight_s if schedule == "zb-h1" else None)
 
     def _sync_ends(self, plan: Plan, node_of: dict[str, str],
                    finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:

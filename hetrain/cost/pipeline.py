@@ -20,10 +20,13 @@ Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from hetrain.errors import HetrainError
 from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split, zero_bubble_order
 
+
+Seconds = Sequence[float]  # one value per stage (or boundary)
 
 def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
     """(tau, fill) of one 1F1B pipeline, ``T_pipe(m) = m * tau + fill``: sends block (module docstring).
@@ -81,15 +84,12 @@ def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int 
     return n, (min(k, cap - n) if schedule == "zb-h1" else 0)
 
 
-def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
-                     p2p_s: list[float] | tuple[float, ...], in_flight: list[int] | tuple[int, ...],
+def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_flight: list[int] | tuple[int, ...],
                      num_microbatches: int, duplex: bool = False,
-                     weight_s: list[float] | tuple[float, ...] | None = None) -> tuple[float, float, list[float]]:
+                     weight_s: Seconds | None = None) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
-
-    ``weight_s``: ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``): per stage, the weight-gradient
-    part of ``backward_s``; each backward runs as B (the rest, what the previous stage waits for) and
-    W later, stage k's W k backwards behind its B (``hetrain.plan.eager.zero_bubble_order``).
+    ``weight_s``: ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``), per stage the weight-gradient
+    part of ``backward_s``, run k backwards late on stage k (``hetrain.plan.eager.zero_bubble_order``).
 
     Played out op by op as the runtime runs it: stage k does ``in_flight[k]`` forwards, then a
     backward and a forward in turn; a forward waits for its activation, a backward for its
@@ -98,20 +98,16 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     has posted the receive, and takes e_k. Under NCCL (``duplex`` False) a message also waits for
     the one before it on the boundary, either way: NCCL runs two ranks' point-to-point on one stream
     in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order.
-    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward
-    of slack for its sends, but how much of the fill the extra micro-batches save depends on the
-    stages' speeds; playing it is exact for this model at O(stages x micro-batches).
-    tau: the steady-state time per micro-batch, the rest fill.
+    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward of
+    slack for its sends, but how much of the fill the extra micro-batches save depends on the stages'
+    speeds; playing it is exact for this model at O(stages x micro-batches). tau: the steady state.
     """
     S, M = len(stage_s), num_microbatches
     n = [min(c, M) for c in in_flight]
     if any(a <= b for a, b in zip(n, n[1:])):
         raise HetrainError(f"eager 1F1B needs in_flight decreasing along the pipeline, got {list(in_flight)}")
-    fwd = [c - b for c, b in zip(stage_s, backward_s)]
-    wgt = list(weight_s) if weight_s is not None else [0.0] * S
-    bwd = [b - w for b, w in zip(backward_s, wgt)]  # B: the input gradient (all of the backward without a split)
-    f_end = [[None] * M for _ in range(S)]  # when stage k finished the forward (backward) of micro-batch i
-    b_end = [[None] * M for _ in range(S)]
+    fwd, bwd, wgt = _op_times(stage_s, backward_s, weight_s)
+    f_end, b_end = [[None] * M for _ in range(S)], [[None] * M for _ in range(S)]  # when stage k ended F (B) of i
     msgs = _EagerBoundaries(n, M, p2p_s, duplex, f_end, b_end)
     done = msgs.done
     orders = [one_f_one_b_order(M, n[k]) if weight_s is None else zero_bubble_order(M, n[k], k) for k in range(S)]
@@ -148,6 +144,12 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     total = max(clock)
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+def _op_times(stage_s, backward_s, weight_s) -> tuple[list[float], list[float], list[float]]:
+    """Per stage: F (the rest of c_k), B (the input gradient: the whole backward without a split), W."""
+    wgt = list(weight_s) if weight_s is not None else [0.0] * len(stage_s)
+    return [c - b for c, b in zip(stage_s, backward_s)], [b - w for b, w in zip(backward_s, wgt)], wgt
 
 
 class _EagerBoundaries:

@@ -219,6 +219,23 @@ def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: 
     return blk_fwd, embed_compute, head_compute, head_bwd
 
 
+def _split_costs(model: ModelSpec, settings: TrainingSettings, entry: ProfileEntry | None, t: int, b: int,
+                 recompute: RecomputeMode, block_bwd_s: float, head_bwd_s: float) -> dict[str, float]:
+    """ZB-H1's split of the backward (``UnitCosts.stage_backward_split_s``): the weight gradients' seconds,
+    measured where the profile has them (no recompute), else the FLOP share of the compute (no TP
+    communication: those all-reduces carry input gradients); the head's two products are the same
+    size. What a micro-batch holds between B and W: ``block_weight_grad_bytes``, and on the last stage
+    the logits' gradient and the final norm's."""
+    m, s, V, h = model, model.seq_length, model.vocab_size, model.hidden_size
+    out = {"block_wgt_s": block_weight_grad_fraction(m) * block_bwd_s, "block_split_extra_s": 0.0,
+           "head_wgt_s": head_bwd_s / 2, "block_wgrad_bytes": block_weight_grad_bytes(m, settings, t, b),
+           "head_wgrad_bytes": s * b * (V / t * settings.activation_bytes + h * RESIDUAL_BYTES)}
+    if recompute == "none" and entry is not None and entry.block_weight_backward_s is not None:
+        out["block_wgt_s"] = entry.block_weight_backward_s
+        out["block_split_extra_s"] = max(entry.block_split_backward_s - block_bwd_s, 0.0)
+    return out
+
+
 def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
                bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
                overheads: RuntimeOverheads | None, cpu_ranks: bool) -> UnitCosts:
@@ -234,12 +251,6 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
     entry = profile.lookup(gpu, t, b) if profile else None
     blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute)
     blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, profile, g, entry, t, b, flops, msg)
-    # ZB-H1's split of a block's backward: measured where the profile has it (no recompute), else by FLOPs
-    blk_wgt = block_weight_grad_fraction(m) * max(blk_compute - blk_fwd, 0.0)
-    split_extra = 0.0
-    if recompute == "none" and entry is not None and entry.block_weight_backward_s is not None:
-        blk_wgt = entry.block_weight_backward_s
-        split_extra = max(entry.block_split_backward_s - (blk_compute - blk_fwd), 0.0)
     # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
     # target logit + sum of exponentials (8)
     head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8))
@@ -261,12 +272,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         # (two, four under full recompute); the head's input-gradient all-reduce
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
-        # the weight gradients' share of the compute (no communication: TP all-reduces are input gradients)
-        block_wgt_s=blk_wgt,
-        block_split_extra_s=split_extra,
-        head_wgt_s=head_bwd / 2,  # the head's two products of the same size: its input's gradient, its weight's
-        block_wgrad_bytes=block_weight_grad_bytes(m, st, t, b),
-        head_wgrad_bytes=s * b * (V / t * act + h * RESIDUAL_BYTES),  # the logits' gradient, the final norm's
+        **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd),
         block_param_bytes=st.bytes_per_param * block_params(m) / t,
         # the runtime splits the token embedding and the head by vocabulary
         embed_param_bytes=st.bytes_per_param * embed_params(m, t),
