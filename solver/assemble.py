@@ -314,8 +314,8 @@ def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
         else:
             return None
         modes.append(None if mode == own else mode)
-        in_s, wgt_s = u.stage_backward_split_s(blocks, first, last)
-        stage_s.append(u.stage_time_s(blocks, first, last) + in_s + wgt_s - u.stage_backward_s(blocks, last))
+        c, in_s, wgt_s = u.stage_terms_s(blocks, first, last, "zb-h1")
+        stage_s.append(c)
         backward_s.append(in_s + wgt_s)
         weight_s.append(wgt_s)
     if not any(weight_s):

@@ -144,3 +144,28 @@ def test_a_measured_split_prices_the_weight_gradient_and_what_splitting_costs():
     assert (u.block_wgt_s, u.block_split_extra_s) == pytest.approx((0.008, 0.005))
     b, w = u.stage_backward_split_s(2, False, False)
     assert (b, w) == pytest.approx((2 * (0.02 - 0.008 + 0.005), 2 * 0.008))
+
+
+def test_the_planners_terms_per_stage_price_a_template_as_the_estimate_plays_it():
+    """``UnitCosts.stage_terms_s`` + ``schedule_terms``: what a planner prices per template without a Plan,
+    against the estimate of the plan built from it (equal stages, sends inside a node: the closed form
+    is within its bounds of the play)."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.cost.pipeline import schedule_terms
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=1024, num_heads=16, seq_length=512, vocab_size=8000)
+    cluster = ClusterSpec.model_validate({"name": "c", "inter_node_bandwidth_gbps": 25, "nodes": [
+        {"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300}]})
+    settings = TrainingSettings(global_batch_size=16, activation_recompute=False)
+    cost = CostModel(cluster, model, settings)
+    u = cost.unit_costs("A100-80G", 300, 1, 1)
+    for schedule in ("1f1b", "zb-h1"):
+        terms = [u.stage_terms_s(2, k == 0, k == 3, schedule) for k in range(4)]
+        e = cost.send_s(300, 1)
+        tau, fill = schedule_terms(schedule, *zip(*terms), [e] * 3)
+        stages = [StagePlan(devices=[f"a/{k}"], gpu="A100-80G", layers=(2 * k, 2 * k + 2)) for k in range(4)]
+        est = cost.estimate(Plan(model=model, cluster="c", global_batch_size=16, micro_batch_size=1, tp=1,
+                                 pipelines=[PipelinePlan(num_microbatches=16, stages=stages, schedule=schedule)]))
+        assert est.pipelines[0].stage_s == pytest.approx([c for c, _, _ in terms])
+        assert 16 * tau + fill == pytest.approx(est.pipeline_s, rel=0.16)

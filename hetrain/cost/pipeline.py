@@ -45,8 +45,10 @@ def schedule_terms(schedule: str, stage_s: list[float] | tuple[float, ...],
     """(tau, fill) of one pipeline under ``schedule``, ``T_pipe(m) = m * tau + fill``, for the planner.
 
     stage_s: c_k (forward + backward + the runtime's own work), backward_input_s / backward_weight_s:
-    the two parts of stage k's backward (``UnitCosts.stage_backward_split_s``: (whole, 0) where the
-    stage does not split it), p2p_s: e_k. Sends take e_k both ways per micro-batch as in 1F1B:
+    the two parts of stage k's backward, p2p_s: e_k; per stage, ``UnitCosts.stage_terms_s(blocks, first,
+    last, schedule)`` gives (c_k, B, W) ((whole, 0) where a stage does not split its backward; under
+    zb-h1 c_k holds what the split costs beyond the whole backward). Sends take e_k both ways per
+    micro-batch as in 1F1B:
         1f1b, eager-1f1b:  ``pipeline_terms`` (eager with 1F1B's counts; more in flight is
                             ``solver.assemble``'s pass, played out);
         zb-h1:  tau = max_k (c_k + e_{k-1} + e_k),

@@ -124,6 +124,15 @@ class UnitCosts:
         weight = num_blocks * self.block_wgt_s + (self.head_wgt_s if last else 0.0)
         return whole - weight + num_blocks * self.block_split_extra_s, weight
 
+    def stage_terms_s(self, num_blocks: int, first: bool, last: bool, schedule: str = "1f1b") -> tuple[float, float, float]:
+        """(c_k, B, W) of one micro-batch on this stage under ``schedule``, what ``schedule_terms`` takes:
+        1F1B's c_k with (its whole backward, 0); ZB-H1's with the split's extra charged to c_k and B."""
+        c, whole = self.stage_time_s(num_blocks, first, last), self.stage_backward_s(num_blocks, last)
+        if schedule != "zb-h1":
+            return c, whole, 0.0
+        b, w = self.stage_backward_split_s(num_blocks, first, last)
+        return c + b + w - whole, b, w
+
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
                 + (self.head_param_bytes if last else 0.0))
