@@ -144,7 +144,9 @@ class ScheduleZeroBubbleH1(ScheduleEager1F1B):
     checkpointing refuses a second backward, full recomputes every block again) runs each backward
     whole at B and W does nothing (``hetrain.cost.stage.UnitCosts.splits_backward``, the cost model's
     rule). ``weight_timer``: a context the weight gradients run in (the stage meter's, which sees a
-    backward only where it crosses the stage's input, as B does).
+    backward only where it crosses the stage's input, as B does). Memory on CPU ranks: the meter's
+    saved-tensor count releases a tensor when B unpacks it, so it misses what waits for W;
+    ``trace_memory`` (``AllocationTracker``) follows the storages and counts it.
     """
 
     def __init__(self, stage, n_microbatches: int, num_stages: int, stage_index: int, split: bool, loss_fn=None,
