@@ -9,7 +9,8 @@ to the prediction, the prediction made from a profile taken just before on this 
 Plans per group: what the hetrain, megatron and whale planners choose, and hand-made ones
 (a four-stage pipeline over every device, two pipelines of two stages across the node link, both
 also under eager 1F1B (``hetrain.runtime.pipeline``: two more micro-batches in flight per
-boundary, sends that overlap compute), data-parallel on the fast node only, and TP 2 per node). Groups: gpt-tiny and gpt-small
+boundary, sends that overlap compute) and under ZB-H1 (backward split into input and weight
+gradients, the weight gradients filling the drain), data-parallel on the fast node only, and TP 2 per node). Groups: gpt-tiny and gpt-small
 on loopback, and gpt-small with its two nodes in network namespaces joined by a
 ``tc``-shaped link (``hetrain.testing.netbed``; needs root, else that group is skipped with
 a note), where the cluster file says the link's rate and that each node has one NIC.
@@ -22,7 +23,7 @@ Reported per plan: predicted and measured seconds per step, the error, and per g
 whether the plan the hetrain planner chose was the measured fastest. Targets (issue 13):
 every plan within 15 %, median within 10 %.
 
-    python bench/predict_vs_measure.py [--steps 20] [--rounds 2] [--groups tiny,small,small-link]
+    python bench/predict_vs_measure.py [--steps 20] [--rounds 2] [--groups tiny,small,small-link] [--plans NAME,...]
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ WARMUP_STEPS = 5
 LINK_MBIT = 200  # the shaped group's node link: 25 MB/s, where gpt-small's sends and gradient sync show
 SLOW_LINK_MBIT = 10  # 1.25 MB/s: a stage's send takes about as long as its compute (do sends overlap it?)
 # hand-made plans whose sends cross the link, sync does not; in torch's 1F1B and in eager 1F1B (sends overlap compute)
-MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "2 x (fast -> slow)", "2 x (fast -> slow), eager")
+MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "pipeline of 4, zb-h1", "2 x (fast -> slow)",
+               "2 x (fast -> slow), eager", "2 x (fast -> slow), zb-h1")
 GROUPS = {  # name: (model file, global batch, shaped link in Mbit/s or None for loopback, plans or None for all)
     "tiny": ("gpt-tiny.yaml", 16, None, None),
     "small": ("gpt-small.yaml", 16, None, None),
@@ -74,8 +76,8 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
     fast, slow = "cpu-fast", "cpu-slow"
 
     def plan(tp: int, micro_batch: int, pipelines: list[tuple[int, list[tuple[list[str], str, int]]]],
-             in_flight: list[int] | None = None) -> Plan:
-        """``in_flight`` per stage (the same for every pipeline): eager 1F1B; None: torch's 1F1B."""
+             in_flight: list[int] | None = None, schedule: str | None = None) -> Plan:
+        """``in_flight`` per stage (the same for every pipeline): eager 1F1B; None: torch's 1F1B (or ``schedule``)."""
         pipes = []
         for m, stages in pipelines:
             at, out = 0, []
@@ -84,7 +86,7 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
                            | ({"in_flight": in_flight[k]} if in_flight else {}))
                 at += blocks
             assert at == L, (at, L)
-            pipes.append({"num_microbatches": m, "stages": out})
+            pipes.append({"num_microbatches": m, "stages": out} | ({"schedule": schedule} if schedule else {}))
         return Plan.model_validate({"schema": "hetrain.plan/v1", "model": model.model_dump(), "cluster": cluster.name,
                                     "global_batch_size": global_batch, "micro_batch_size": micro_batch, "tp": tp,
                                     "pipelines": pipes})
@@ -102,6 +104,14 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
         "pipeline of 4, eager": plan(1, 1, four, in_flight=[7, 5, 3, 1]),  # two more in flight per boundary
         "2 x (fast -> slow)": plan(1, 2, pairs),
         "2 x (fast -> slow), eager": plan(1, 2, pairs, in_flight=[3, 1]),
+        "pipeline of 4, zb-h1": plan(1, 1, four, schedule="zb-h1"),
+        "2 x (fast -> slow), zb-h1": plan(1, 2, pairs, schedule="zb-h1"),
+        # two pipelines of different depth: three stages beside one
+        "3 stages + 1, zb-h1": plan(1, 1, [(global_batch * 3 // 4, [(["fast/0"], fast, L - 2 * slow_blocks),
+                                                                  (["slow/0"], slow, slow_blocks),
+                                                                  (["slow/1"], slow, slow_blocks)]),
+                                          (global_batch - global_batch * 3 // 4, [(["fast/1"], fast, L)])],
+                                     schedule="zb-h1"),
         "fast node only": plan(1, 2, [(global_batch // 4, [(["fast/0"], fast, L)]),
                                       (global_batch // 4, [(["fast/1"], fast, L)])]),
         "tp2 per node": plan(2, 2, [(global_batch * 2 // 3 // 2, [(["fast/0", "fast/1"], fast, L)]),
@@ -161,6 +171,8 @@ def main() -> None:
     ap.add_argument("--cluster", default=str(ROOT / "examples" / "clusters" / "cpu-emulated.yaml"))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--groups", default=",".join(GROUPS))
+    ap.add_argument("--plans", default=None, help="only these plans, names separated by | (e.g. "
+                    "'pipeline of 4|pipeline of 4, zb-h1'; the planners' are hetrain, megatron, whale)")
     ap.add_argument("--rounds", type=int, default=2, help="runs per plan (every plan once, then again); "
                     "the faster run is reported")
     args = ap.parse_args()
@@ -195,6 +207,9 @@ def main() -> None:
             plans = {} if only else {name: make_plan(name, cluster, model, settings, profile).plan
                                      for name in ("hetrain", "megatron", "whale")}
             plans.update({n: p for n, p in hand_plans(model, cluster, global_batch).items() if not only or n in only})
+            if args.plans:
+                wanted = [n.strip() for n in args.plans.split("|")]
+                plans = {n: p for n, p in plans.items() if n in wanted}
             bed = netbed.NetBed(list(cluster.node_by_name), rate_mbit=rate).up() if rate is not None else None
             group_rows = []
             runs: dict[str, list[tuple]] = {}  # plan name: (measured s, estimate, profile, records) per round
@@ -231,6 +246,7 @@ def main() -> None:
                        "plan": name, "layout": describe(plan), "predicted_s": est.iteration_time_s,
                        "multi_stage": any(len(p.stages) > 1 for p in plan.pipelines),
                        "eager": any(p.eager for p in plan.pipelines),
+                       "zero_bubble": any(p.schedule_name == "zb-h1" for p in plan.pipelines),
                        "measured_s": measured, "rounds_s": [r[0] for r in plan_runs],
                        "rounds_text": " / ".join(f"{r[0]:.4f}" for r in plan_runs),
                        "error_pct": 100 * (est.iteration_time_s - measured) / measured,
@@ -282,7 +298,7 @@ def main() -> None:
             print(f"\n{label}: {len(rows)} plans, median |error| {statistics.median(errors):.1f} %, "
                   f"max {max(errors):.1f} %, within 15 %: {sum(e <= 15 for e in errors)} of {len(errors)}")
     # plans with multi-stage pipelines under torch's 1F1B: their sends matter
-    piped = [r for r in rows if r["multi_stage"] and not r["eager"]]
+    piped = [r for r in rows if r["multi_stage"] and not r["eager"] and not r.get("zero_bubble")]
     if piped:
         for key, label in (("error_at_measured_speed_pct", "sends block (the cost model)"),
                            ("error_if_overlapped_pct", "sends overlap compute")):
@@ -294,6 +310,11 @@ def main() -> None:
         errors = [abs(r["error_pct"]) for r in eager]
         print(f"{len(eager)} plans under eager 1F1B (sends overlap compute): median |error| "
               f"{statistics.median(errors):.1f} %, max {max(errors):.1f} %")
+    zero_bubble = [r for r in rows if r.get("zero_bubble")]
+    if zero_bubble:
+        errors = [abs(r["error_pct"]) for r in zero_bubble]
+        print(f"{len(zero_bubble)} plans under ZB-H1: median |error| {statistics.median(errors):.1f} %, "
+              f"max {max(errors):.1f} %")
     for note in notes:
         print(f"- {note}")
     print(f"\nresults: {write_results('predict_vs_measure', rows)}")
@@ -309,7 +330,8 @@ def same_plan(a: Plan, b: Plan) -> bool:
 def describe(plan: Plan) -> str:
     """tp, micro-batch, and per pipeline its stages (node x blocks), micro-batches and eager 1F1B's counts."""
     def pipeline(p) -> str:
-        eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.eager else ""
+        eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.eager else \
+            (" zb-h1" if p.schedule_name == "zb-h1" else "")
         return "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages) \
             + f" ({p.num_microbatches}{eager})"
     return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(pipeline(p) for p in plan.pipelines)

@@ -31,7 +31,7 @@ def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
         stages = "  ->  ".join(f"[{'+'.join(s.devices)} {s.gpu} | blocks {s.layers[0]}-{s.layers[1]}]"
                                for s in pipe.stages)
         eager = (f", eager 1F1B in flight {'/'.join(str(s.in_flight) for s in pipe.stages)}"
-                 if pipe.eager else "")
+                 if pipe.eager else ", ZB-H1" if pipe.schedule_name == "zb-h1" else "")
         lines.append(f"pipeline {p}: {stages}   x {pipe.num_microbatches} micro-batches{eager}")
     lines.append("```")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from hetrain.cost.costmodel import CostModel, Estimate
-from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
+from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
 from solver.space import Space, Template
@@ -269,6 +269,85 @@ def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> f
     tau, fill = pipeline_terms(stage_s, p2p_s)
     tau0, fill0 = pipeline_terms(stage_s, [0.0] * len(p2p_s))
     return m * (tau - tau0) + fill - fill0
+
+
+def choose_schedules(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """The plan with each pipeline on the fastest schedule that fits: torch's 1F1B, eager 1F1B
+    (``eager_in_flight``) or ZB-H1 (``zero_bubble_pipelines``), and its estimate; the whole plan is
+    kept only if the cost model predicts it faster. What a planner calls after assembly."""
+    plan, est = eager_in_flight(plan, cost, est)
+    return zero_bubble_pipelines(plan, cost, est)
+
+
+def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """The plan with ZB-H1 on the pipelines it makes faster than their schedule now, and its estimate.
+
+    ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``) splits each backward into its input
+    and weight gradients and lets the weight gradients fill the drain; stage k then holds up to k
+    more micro-batches (waiting for their W: ``schedule_held``). Per distinct pipeline: each stage at
+    the least recompute from its own that fits that (a stage that recomputes runs its backward
+    whole: ``UnitCosts.splits_backward``), the pipeline played out (``eager_pipeline_s`` with the
+    weight gradients) against its schedule now played the same way; copies get the same answer.
+    """
+    est = est or cost.estimate(plan)
+    node_of, device_node = cost.cluster.node_by_name, cost.cluster.node_of
+    pipes = list(plan.pipelines)
+    seen: dict[tuple, list[str | None] | None] = {}  # per distinct pipeline: None (unchanged) or each stage's recompute
+    for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
+        S, m = len(pipe.stages), pipe.num_microbatches
+        if S < 2 or pipe.schedule_name == "zb-h1":
+            continue
+        key = (tuple((st.gpu, st.layers, st.recompute, st.in_flight) for st in pipe.stages), m, tuple(pe.p2p_s),
+               tuple(pe.stage_s))
+        if key not in seen:
+            seen[key] = _zero_bubble_choice(plan, pipe, pe, cost,
+                                            [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps
+                                             for st in pipe.stages])
+        if seen[key] is not None:
+            stages = [st.model_copy(update={"recompute": mode or st.recompute, "in_flight": None})
+                      for st, mode in zip(pipe.stages, seen[key])]
+            pipes[p] = pipe.model_copy(update={"stages": stages, "schedule": "zb-h1"})
+    if all(a is b for a, b in zip(pipes, plan.pipelines)):
+        return plan, est
+    zb = plan.model_copy(update={"pipelines": pipes})
+    zb_est = cost.estimate(zb)
+    if zb_est.over_capacity() or zb_est.iteration_time_s >= est.iteration_time_s:
+        return plan, est
+    return zb, zb_est
+
+
+def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
+                        bws: list[float]) -> list[str | None] | None:
+    """Each stage's recompute under ZB-H1 (None: its own) if ZB-H1 fits and plays faster than the
+    pipeline's schedule now, else None."""
+    S, m = len(pipe.stages), pipe.num_microbatches
+    modes, stage_s, backward_s, weight_s = [], [], [], []
+    for k, st in enumerate(pipe.stages):
+        first, last = k == 0, k == S - 1
+        in_flight, pending = schedule_held("zb-h1", S, k, m)
+        own = cost.settings.stage_recompute(st.recompute)
+        allowed = cost.settings.recompute_modes  # least recompute first
+        blocks = st.layers[1] - st.layers[0]
+        for mode in (allowed[allowed.index(own):] if own in allowed else (own,)):
+            u = cost.unit_costs(st.gpu, bws[k], plan.tp, plan.micro_batch_size, mode)
+            if u.stage_memory_bytes(blocks, first, last, in_flight, pending) <= u.capacity_bytes:
+                break
+        else:
+            return None
+        modes.append(None if mode == own else mode)
+        c, in_s, wgt_s = u.stage_terms_s(blocks, first, last, "zb-h1")
+        stage_s.append(c)
+        backward_s.append(in_s + wgt_s)
+        weight_s.append(wgt_s)
+    if not any(weight_s):
+        return None  # nothing splits: 1F1B under another name
+    zb_s = eager_pipeline_s(stage_s, backward_s, pe.p2p_s, list(range(S, 0, -1)), m, cost.p2p_duplex, weight_s)[1]
+    if pipe.eager:
+        now_s = eager_pipeline_s(pe.stage_s, pe.backward_s, pe.p2p_s, [st.in_flight for st in pipe.stages], m,
+                                 cost.p2p_duplex)[1]
+    else:
+        now_s = one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, m)
+    return modes if zb_s < now_s * (1 - 1e-9) else None
 
 
 def _least_recompute_that_fits(cost: CostModel, plan: Plan, stage: StagePlan, intra_bw_gbps: float, first: bool,

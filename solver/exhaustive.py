@@ -14,7 +14,7 @@ import time
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.spec.specs import ClusterSpec
-from solver.assemble import eager_in_flight, finish, score
+from solver.assemble import choose_schedules, finish, score
 from solver.common import PlanResult, explain_no_plan, spaces
 from solver.space import Template
 
@@ -54,6 +54,6 @@ def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12
         raise NoPlanError(explain_no_plan(cluster, cost))
     info = {"planner": "exhaustive", "status": "optimal", "gap": 0.0,
             "wall_s": round(time.perf_counter() - t0, 4), "candidates": seen}
-    plan, est = eager_in_flight(best[1], cost, best[2])
+    plan, est = choose_schedules(best[1], cost, best[2])
     plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

@@ -19,7 +19,7 @@ from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
 from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
-from solver.assemble import eager_in_flight, finish, score
+from solver.assemble import choose_schedules, finish, score
 from solver.improve import improve
 from solver.milp import fluid_lower_bound_s, solve_templates
 from solver.space import Space, build_space, group_classes
@@ -207,6 +207,6 @@ def plan_milp(
         "lower_bound_s": round(min(f for f, _, _ in pending), 6),
         **extra,
     }
-    plan, est = eager_in_flight(plan, cost, est)
+    plan, est = choose_schedules(plan, cost, est)
     plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

@@ -16,7 +16,7 @@ from hetrain.errors import HetrainError, NoPlanError
 from hetrain.plan.schema import SolverInfo
 from hetrain.profiling.profile import Profile
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.assemble import eager_in_flight, finish
+from solver.assemble import choose_schedules, finish
 from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_search
 from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
@@ -41,7 +41,7 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
             progress(f"checking {name}'s layouts")
         seed, _ = search(cluster, cost, incumbent_s=best.estimate.iteration_time_s if best else None)
         if seed is not None:
-            plan, est = eager_in_flight(seed[1], cost)
+            plan, est = choose_schedules(seed[1], cost)
             if best is None or est.iteration_time_s < best.estimate.iteration_time_s:
                 best = PlanResult(*finish(plan, cost, info | {"scope": f"{name}'s layout"}, est))
     if best is None:
@@ -80,7 +80,7 @@ def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: 
     """The MILP's plan for the slice, on every copy of it (``solver.symmetry``), priced on the whole cluster."""
     small = plan_milp(part.cluster, CostModel(part.cluster, cost.model, part.settings, cost.profile),
                       time_limit_s=time_limit_s, progress=progress)
-    plan, est = eager_in_flight(replicate(small.plan, part, cluster, cost.settings), cost)
+    plan, est = choose_schedules(replicate(small.plan, part, cluster, cost.settings), cost)
     info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope')}, "
                                                       f"1/{part.copies} slice x {part.copies}"}
     return PlanResult(*finish(plan, cost, info, est))

@@ -67,6 +67,8 @@ def test_entries_for_every_type_tp_and_micro_batch(profile, gpus):
                 assert entry is not None, (gpu, t, b)
                 for k in TIMES:
                     assert getattr(entry, k) > 0, (gpu, t, b, k)
+                # ZB-H1's split backward: the weight gradient is part of the split's input + weight
+                assert 0 < entry.block_weight_backward_s < entry.block_split_backward_s, (gpu, t, b)
 
 
 def test_slow_type_is_derived_by_its_slowdown(profile, gpus):
@@ -74,7 +76,7 @@ def test_slow_type_is_derived_by_its_slowdown(profile, gpus):
     for t in TPS:
         for b in MBS:
             fast, slow = profile.lookup(FAST, t, b), profile.lookup(SLOW, t, b)
-            for k in TIMES:
+            for k in (*TIMES, "block_split_backward_s", "block_weight_backward_s"):
                 assert getattr(slow, k) == pytest.approx(ratio * getattr(fast, k), rel=1e-12)
             assert slow.block_activation_bytes == fast.block_activation_bytes
 

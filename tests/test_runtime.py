@@ -110,6 +110,37 @@ def test_eager_1f1b_matches_single_process(tmp_path: Path):
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
+def test_zero_bubble_h1_matches_single_process(tmp_path: Path):
+    """ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``) on an asymmetric plan: a pipeline of three
+    stages splitting their backward (stage k running its weight gradients k backwards late) beside one
+    of two whose last stage recomputes (its backward runs whole); the same gradients, parameters and
+    losses as one process (a weight gradient run twice, never, or on the wrong micro-batch's graph
+    would show)."""
+    spec = load_model(TINY)
+
+    def stage(device: str, layers: list[int], recompute: str = "none") -> dict:
+        return {"devices": [device], "gpu": "cpu", "layers": layers, "recompute": recompute}
+
+    plan = Plan.model_validate({
+        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
+        "global_batch_size": 8, "micro_batch_size": 1, "tp": 1,
+        "pipelines": [
+            {"num_microbatches": 5, "schedule": "zb-h1",
+             "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4]), stage("a/2", [4, 6])]},
+            {"num_microbatches": 3, "schedule": "zb-h1", "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6], "full")]},
+        ],
+    })
+    train_and_match_single_process(tmp_path, plan, TINY)
+
+
+def test_zero_bubble_h1_under_tensor_parallelism_matches_single_process(tmp_path: Path):
+    """ZB-H1 on the TP 2 asymmetric plan: the second stage (no recompute) splits its backward over
+    DTensor blocks, the vocabulary-split head's weight gradient waits for W too."""
+    plan = asymmetric_plan(2)
+    plan = plan.model_copy(update={"pipelines": [p.model_copy(update={"schedule": "zb-h1"}) for p in plan.pipelines]})
+    train_and_match_single_process(tmp_path, plan, TINY)
+
+
 def train_and_match_single_process(tmp_path: Path, plan: Plan, spec_file: Path) -> None:
     """Train ``plan`` for a few SGD steps and compare with ``reference``: every rank's gradients of step 0,
     its parameters after, and the losses."""

@@ -55,8 +55,9 @@ def plan_table(plan, est, title: str) -> Table:
     for i, r in enumerate(rows):
         first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
-                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"], str(r["micro-batches"]) if first else "",
-                      str(r["in flight"]), f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
+                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"],
+                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")) if first else "",
+                      str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""), f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
     return table
 
 

@@ -200,24 +200,28 @@ class CostModel:
         finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
         for pipe in plan.pipelines:
             S = len(pipe.stages)
-            stage_s, p2p, backward_s = [], [], []
+            stage_s, p2p, backward_s, weight_s = [], [], [], []
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
-                in_flight = pipe.in_flight(k)
-                key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight)
+                in_flight, pending = pipe.in_flight(k), pipe.weight_pending(k)
+                key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight, pending)
                 if key not in stages_seen:
                     u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute)
                     first, last = k == 0, k == S - 1
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
-                                        u.stage_memory_bytes(n_blocks, first, last, in_flight) / GB,
+                                        u.stage_memory_bytes(n_blocks, first, last, in_flight, pending) / GB,
                                         u.capacity_bytes / GB,
                                         self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
-                                        u.stage_backward_s(n_blocks, last))
-                seconds, mem_gb, cap_gb, opt_s, bwd_s = stages_seen[key]
+                                        u.stage_backward_s(n_blocks, last),
+                                        u.stage_backward_split_s(n_blocks, first, last))
+                seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = stages_seen[key]
+                if pipe.schedule_name == "zb-h1":  # B + W: the whole backward and what splitting it adds
+                    seconds, bwd_s = seconds + in_s + wgt_s - bwd_s, in_s + wgt_s
                 stage_s.append(seconds)
                 backward_s.append(bwd_s)
+                weight_s.append(wgt_s)
                 for d in stage.devices:
                     peak[d] = mem_gb
                     cap[d] = cap_gb
@@ -227,12 +231,7 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            if not pipe.eager:  # torch's 1F1B
-                tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
-                ends = [total - ahead for ahead in drain_ahead_s(backward_s)]
-            else:  # eager 1F1B, played out
-                tau, total, ends = eager_pipeline_s(stage_s, backward_s, p2p, [st.in_flight for st in pipe.stages],
-                                                    pipe.num_microbatches, duplex=self.p2p_duplex)
+            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))
@@ -245,6 +244,18 @@ class CostModel:
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
+                    p2p: list[float]) -> tuple[float, float, list[float]]:
+        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule."""
+        schedule = pipe.schedule_name
+        if schedule == "1f1b":  # torch's 1F1B, closed form
+            tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
+            return tau, total, [total - ahead for ahead in drain_ahead_s(backward_s)]
+        # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
+        counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
+        return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
+                                weight_s=weight_s if schedule == "zb-h1" else None)
 
     def _sync_ends(self, plan: Plan, node_of: dict[str, str],
                    finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:

@@ -20,10 +20,13 @@ Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from hetrain.errors import HetrainError
-from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split
+from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split, zero_bubble_order
 
+
+Seconds = Sequence[float]  # one value per stage (or boundary)
 
 def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
     """(tau, fill) of one 1F1B pipeline, ``T_pipe(m) = m * tau + fill``: sends block (module docstring).
@@ -36,10 +39,59 @@ def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] 
     return tau, sum(stage_s) + 2 * sum(p2p_s) - tau
 
 
-def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
-                     p2p_s: list[float] | tuple[float, ...], in_flight: list[int] | tuple[int, ...],
-                     num_microbatches: int, duplex: bool = False) -> tuple[float, float, list[float]]:
+def schedule_terms(schedule: str, stage_s: list[float] | tuple[float, ...],
+                   backward_input_s: list[float] | tuple[float, ...], backward_weight_s: list[float] | tuple[float, ...],
+                   p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
+    """(tau, fill) of one pipeline under ``schedule``, ``T_pipe(m) = m * tau + fill``, for the planner.
+
+    stage_s: c_k (forward + backward + the runtime's own work), backward_input_s / backward_weight_s:
+    the two parts of stage k's backward, p2p_s: e_k; per stage, ``UnitCosts.stage_terms_s(blocks, first,
+    last, schedule)`` gives (c_k, B, W) ((whole, 0) where a stage does not split its backward; under
+    zb-h1 c_k holds what the split costs beyond the whole backward). Sends take e_k both ways per
+    micro-batch as in 1F1B:
+        1f1b, eager-1f1b:  ``pipeline_terms`` (eager with 1F1B's counts; more in flight is
+                            ``solver.assemble``'s pass, played out);
+        zb-h1:  tau = max_k (c_k + e_{k-1} + e_k),
+                fill = sum_k g_k - g_{k*} + 2 sum_k e_k,  g_k = f_k + max(b_k - w_k, 0) (k > 0), g_0 = f_0,
+                f_k = c_k - b_k - w_k, k* the stage that sets tau.
+    Why g: the first micro-batch's forward must cross every stage (f_k), and the last one's input
+    gradient every stage back but the first, which sends it nowhere (b_k), but each stage fills
+    that drain with its deferred weight gradients (w_k each); exact on equal stages without sends
+    (fill (S-1)(f + max(b - w, 0)):
+    a third of 1F1B's (S-1)(f + b + w) where f = b = w), and within -4 % .. +16 % of the
+    played-out schedule (``eager_pipeline_s`` with ``weight_s``, what ``CostModel.estimate`` uses)
+    on random unequal pipelines (tests/test_costmodel.py), mostly above it at m = S, like 1F1B's.
+    """
+    if schedule != "zb-h1":
+        return pipeline_terms(stage_s, p2p_s)
+    S = len(stage_s)
+    cycle = [stage_s[k] + (p2p_s[k - 1] if k > 0 else 0.0) + (p2p_s[k] if k < S - 1 else 0.0) for k in range(S)]
+    tau = max(cycle)
+    g = [c - b - w + (max(b - w, 0.0) if k else 0.0)
+         for k, (c, b, w) in enumerate(zip(stage_s, backward_input_s, backward_weight_s))]
+    return tau, sum(g) - g[cycle.index(tau)] + 2 * sum(p2p_s)
+
+
+def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int | None = None,
+                  in_flight: int | None = None) -> tuple[int, int]:
+    """(in flight, weight pending) on stage k of ``num_stages`` at its peak: micro-batches whose forward
+    has run and backward not (their activations), and, under ZB-H1, those whose input gradient has run
+    and weight gradient not (activations and the gradients W needs: ``UnitCosts.stage_memory_bytes``,
+    which counts them only where the stage splits its backward). 1F1B: S - k; eager: ``in_flight``;
+    ZB-H1: S - k (or ``in_flight``) + k pending, as many in all as 1F1B's first stage; at most
+    ``num_microbatches`` (None: no cap).
+    """
+    cap = num_microbatches if num_microbatches is not None else 1 << 30
+    n = min(in_flight or num_stages - k, cap)
+    return n, (min(k, cap - n) if schedule == "zb-h1" else 0)
+
+
+def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_flight: list[int] | tuple[int, ...],
+                     num_microbatches: int, duplex: bool = False,
+                     weight_s: Seconds | None = None) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
+    ``weight_s``: ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``), per stage the weight-gradient
+    part of ``backward_s``, run k backwards late on stage k (``hetrain.plan.eager.zero_bubble_order``).
 
     Played out op by op as the runtime runs it: stage k does ``in_flight[k]`` forwards, then a
     backward and a forward in turn; a forward waits for its activation, a backward for its
@@ -48,21 +100,19 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     has posted the receive, and takes e_k. Under NCCL (``duplex`` False) a message also waits for
     the one before it on the boundary, either way: NCCL runs two ranks' point-to-point on one stream
     in order. gloo (CPU ranks, ``duplex``) moves the two directions at once, each in order.
-    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward
-    of slack for its sends, but how much of the fill the extra micro-batches save depends on the
-    stages' speeds; playing it is exact for this model at O(stages x micro-batches).
-    tau: the steady-state time per micro-batch, the rest fill.
+    Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward of
+    slack for its sends, but how much of the fill the extra micro-batches save depends on the stages'
+    speeds; playing it is exact for this model at O(stages x micro-batches). tau: the steady state.
     """
     S, M = len(stage_s), num_microbatches
     n = [min(c, M) for c in in_flight]
     if any(a <= b for a, b in zip(n, n[1:])):
         raise HetrainError(f"eager 1F1B needs in_flight decreasing along the pipeline, got {list(in_flight)}")
-    fwd = [c - b for c, b in zip(stage_s, backward_s)]
-    f_end = [[None] * M for _ in range(S)]  # when stage k finished the forward (backward) of micro-batch i
-    b_end = [[None] * M for _ in range(S)]
+    fwd, bwd, wgt = _op_times(stage_s, backward_s, weight_s)
+    f_end, b_end = [[None] * M for _ in range(S)], [[None] * M for _ in range(S)]  # when stage k ended F (B) of i
     msgs = _EagerBoundaries(n, M, p2p_s, duplex, f_end, b_end)
     done = msgs.done
-    orders = [one_f_one_b_order(M, n[k]) for k in range(S)]
+    orders = [one_f_one_b_order(M, n[k]) if weight_s is None else zero_bubble_order(M, n[k], k) for k in range(S)]
     clock, pos = [0.0] * S, [0] * S
 
     def step(k: int) -> bool:
@@ -70,7 +120,9 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
         if pos[k] == len(orders[k]):
             return False
         kind, i = orders[k][pos[k]]
-        if kind == "F":
+        if kind == "W":  # the weight gradient waits for nothing but its own B, earlier on this stage
+            clock[k] += wgt[k]
+        elif kind == "F":
             ready = done[k - 1].get(("act", i)) if k else 0.0
             if ready is None:
                 return False
@@ -79,7 +131,7 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
             ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
             if ready is None:
                 return False
-            clock[k] = b_end[k][i] = max(clock[k], ready) + backward_s[k]
+            clock[k] = b_end[k][i] = max(clock[k], ready) + bwd[k]
         pos[k] += 1
         for b in (k - 1, k):
             if 0 <= b < S - 1:
@@ -94,6 +146,12 @@ def eager_pipeline_s(stage_s: list[float] | tuple[float, ...], backward_s: list[
     total = max(clock)
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+def _op_times(stage_s, backward_s, weight_s) -> tuple[list[float], list[float], list[float]]:
+    """Per stage: F (the rest of c_k), B (the input gradient: the whole backward without a split), W."""
+    wgt = list(weight_s) if weight_s is not None else [0.0] * len(stage_s)
+    return [c - b for c, b in zip(stage_s, backward_s)], [b - w for b, w in zip(backward_s, wgt)], wgt
 
 
 class _EagerBoundaries:

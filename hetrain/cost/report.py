@@ -9,7 +9,8 @@ from hetrain.spec.arithmetic import block_forward_flops, head_forward_flops
 
 def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
     """pipeline, stage, gpu, devices, blocks, recompute, micro-batches, in flight, stage ms, peak GB (and the device's
-    capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k)."""
+    capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k); ``weight
+    pending``: those ZB-H1 keeps waiting for their weight gradient; ``schedule``: the pipeline's."""
     settings = plan.settings()
     rows = []
     for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
@@ -18,7 +19,8 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
             rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": list(stage.devices),
                          "blocks": f"{lo}-{hi}", "num_blocks": hi - lo,
                          "recompute": settings.stage_recompute(stage.recompute), "micro-batches": pipe.num_microbatches,
-                         "in flight": pipe.in_flight(k),
+                         "in flight": pipe.in_flight(k), "weight pending": pipe.weight_pending(k),
+                         "schedule": pipe.schedule_name,
                          "stage ms": round(stage_s * 1e3, 2),
                          "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2),
                          "capacity GB": est.capacity_gb[stage.devices[0]]})
@@ -71,12 +73,12 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
             mode = st.stage_recompute(stage.recompute)
             recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
                                        - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
-            if not pipe.eager:  # 1F1B: a stage waits for its own sends
+            if pipe.schedule_name == "1f1b":  # 1F1B: a stage waits for its own sends
                 sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
                 own = pest.stage_s[k] + sends
                 waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own),
                          "fill_drain": pest.time_s - (mb - 1) * tau - own}
-            else:  # eager 1F1B, played out: sends overlap compute; what they still cost is a steady state
+            else:  # eager 1F1B and ZB-H1, played out: sends overlap compute; what they still cost is a steady state
                 # above the slowest stage, the rest of the stage's idle time is fill and drain
                 slowest = max(pest.stage_s)
                 waits = {"sends": (mb - 1) * max(0.0, tau - slowest),

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from hetrain.cost.collectives import ring_allreduce_s
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
 from hetrain.spec.arithmetic import (RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
+                                     block_weight_grad_bytes, block_weight_grad_fraction,
                                      embed_params, head_forward_flops, head_params, selective_activation_bytes,
                                      selective_recompute_bytes)
 from hetrain.spec.catalog import GPUType
@@ -89,6 +90,13 @@ class UnitCosts:
     # whole table, it is more than a rank's vocabulary shard costs.
     block_bwd_s: float = 0.0
     head_bwd_s: float = 0.0
+    # ZB-H1's split backward (``stage_backward_split_s``): the weight-gradient part of block_bwd_s and
+    # head_bwd_s, and what one micro-batch holds between its B and its W beyond its activations
+    block_wgt_s: float = 0.0
+    head_wgt_s: float = 0.0
+    block_split_extra_s: float = 0.0  # what splitting a block's backward costs beyond running it whole (measured)
+    block_wgrad_bytes: float = 0.0
+    head_wgrad_bytes: float = 0.0
 
     def stage_time_s(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_s + (self.embed_s if first else 0.0) + (self.head_s if last else 0.0)
@@ -98,30 +106,66 @@ class UnitCosts:
         """The backward of one micro-batch on a stage, at most: blocks and head (``block_bwd_s``)."""
         return num_blocks * self.block_bwd_s + (self.head_bwd_s if last else 0.0)
 
+    def splits_backward(self, first: bool) -> bool:
+        """Whether ZB-H1 runs this stage's backward as B then W (``hetrain.runtime.pipeline``): not on the
+        first stage (nothing waits for its input gradient) and not under recompute (torch's split runs
+        the weight part as a second backward through the checkpointed blocks: selective refuses it,
+        full recomputes every block again), where B is the whole backward and W nothing."""
+        return not first and self.recompute == "none"
+
+    def stage_backward_split_s(self, num_blocks: int, first: bool, last: bool) -> tuple[float, float]:
+        """(B, W) seconds of one micro-batch's backward under ZB-H1: input gradient (with the backward's
+        TP all-reduces and the loss) and weight gradient; (whole backward, 0) where it does not split.
+        B + W may exceed ``stage_backward_s``: the split walks the graph twice (``block_split_extra_s``,
+        charged to B)."""
+        whole = self.stage_backward_s(num_blocks, last)
+        if not self.splits_backward(first):
+            return whole, 0.0
+        weight = num_blocks * self.block_wgt_s + (self.head_wgt_s if last else 0.0)
+        return whole - weight + num_blocks * self.block_split_extra_s, weight
+
+    def stage_terms_s(self, num_blocks: int, first: bool, last: bool, schedule: str = "1f1b") -> tuple[float, float, float]:
+        """(c_k, B, W) of one micro-batch on this stage under ``schedule``, what ``schedule_terms`` takes:
+        1F1B's c_k with (its whole backward, 0); ZB-H1's with the split's extra charged to c_k and B."""
+        c, whole = self.stage_time_s(num_blocks, first, last), self.stage_backward_s(num_blocks, last)
+        if schedule != "zb-h1":
+            return c, whole, 0.0
+        b, w = self.stage_backward_split_s(num_blocks, first, last)
+        return c + b + w - whole, b, w
+
     def _states(self, num_blocks: int, first: bool, last: bool) -> float:
         return (num_blocks * self.block_param_bytes + (self.embed_param_bytes if first else 0.0)
                 + (self.head_param_bytes if last else 0.0))
 
-    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
+    def _activations(self, num_blocks: int, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> float:
         # stage boundaries: the received input and the output kept for backward, per micro-batch in flight
         boundaries = (0 if first else 1) + (0 if last else 1)
         mem = num_blocks * in_flight * self.block_act_bytes + in_flight * boundaries * self.boundary_bytes
+        if weight_pending and self.splits_backward(first):  # ZB-H1: B done, W not yet; the output was let go
+            mem += weight_pending * (num_blocks * (self.block_act_bytes + self.block_wgrad_bytes)
+                                     + (0 if first else 1) * self.boundary_bytes
+                                     + (self.head_wgrad_bytes if last else 0.0))
         if last:  # the last micro-batch's logits stay referenced by the schedule through backward
             mem += self.head_out_bytes
         # backward's transients come one after another: the loss's fp32 tensors first, then block by block
         return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
 
-    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int) -> float:
-        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries)."""
+    def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int,
+                           weight_pending: int = 0) -> float:
+        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries).
+
+        ``weight_pending``: micro-batches whose weight gradient ZB-H1 has not run yet (``schedule_held``)."""
         states = self._states(num_blocks, first, last)
-        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight),
+        return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight, weight_pending),
                                                  self.opt_temp_ratio * states)
 
-    def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
+    def max_blocks(self, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> int:
         """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
         free_bwd = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
-            - self._activations(0, first, last, in_flight)
-        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes
+            - self._activations(0, first, last, in_flight, weight_pending)
+        pending = weight_pending if self.splits_backward(first) else 0
+        per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes \
+            + pending * (self.block_act_bytes + self.block_wgrad_bytes)
         free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
         per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
         if free_bwd < 0 or free_opt < 0:
@@ -184,6 +228,23 @@ def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: 
     return blk_fwd, embed_compute, head_compute, head_bwd
 
 
+def _split_costs(model: ModelSpec, settings: TrainingSettings, entry: ProfileEntry | None, t: int, b: int,
+                 recompute: RecomputeMode, block_bwd_s: float, head_bwd_s: float) -> dict[str, float]:
+    """ZB-H1's split of the backward (``UnitCosts.stage_backward_split_s``): the weight gradients' seconds,
+    measured where the profile has them (no recompute), else the FLOP share of the compute (no TP
+    communication: those all-reduces carry input gradients); the head's two products are the same
+    size. What a micro-batch holds between B and W: ``block_weight_grad_bytes``, and on the last stage
+    the logits' gradient and the final norm's."""
+    m, s, V, h = model, model.seq_length, model.vocab_size, model.hidden_size
+    out = {"block_wgt_s": block_weight_grad_fraction(m) * block_bwd_s, "block_split_extra_s": 0.0,
+           "head_wgt_s": head_bwd_s / 2, "block_wgrad_bytes": block_weight_grad_bytes(m, settings, t, b),
+           "head_wgrad_bytes": s * b * (V / t * settings.activation_bytes + h * RESIDUAL_BYTES)}
+    if recompute == "none" and entry is not None and entry.block_weight_backward_s is not None:
+        out["block_wgt_s"] = entry.block_weight_backward_s
+        out["block_split_extra_s"] = max(entry.block_split_backward_s - block_bwd_s, 0.0)
+    return out
+
+
 def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
                bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
                overheads: RuntimeOverheads | None, cpu_ranks: bool) -> UnitCosts:
@@ -220,6 +281,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         # (two, four under full recompute); the head's input-gradient all-reduce
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
+        **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd),
         block_param_bytes=st.bytes_per_param * block_params(m) / t,
         # the runtime splits the token embedding and the head by vocabulary
         embed_param_bytes=st.bytes_per_param * embed_params(m, t),

@@ -1,4 +1,4 @@
-"""The order of eager 1F1B, shared by the runtime that runs it and the cost model that plays it.
+"""The order of eager 1F1B and of ZB-H1, shared by the runtime that runs them and the cost model that plays them.
 
 Eager 1F1B (``hetrain.runtime.pipeline``): stage k keeps ``n_k`` micro-batches in flight, more
 than the next stage; sends do not block. Two things must agree between the runtime and the cost
@@ -8,6 +8,13 @@ stream, in order, so two different orders wait on each other forever).
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
+
+# A pipeline's schedule (``hetrain.plan.schema.PipelinePlan.schedule``): torch's 1F1B, eager 1F1B
+# (``in_flight`` per stage), ZB-H1 (backward split into input and weight gradients, W filling the drain)
+Schedule = Literal["1f1b", "eager-1f1b", "zb-h1"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 def one_f_one_b_order(num_microbatches: int, in_flight: int) -> list[tuple[str, int]]:
@@ -19,6 +26,24 @@ def one_f_one_b_order(num_microbatches: int, in_flight: int) -> list[tuple[str, 
         if warmup + b < num_microbatches:
             order.append(("F", warmup + b))
     return order
+
+
+def zero_bubble_order(num_microbatches: int, in_flight: int, deferred: int) -> list[tuple[str, int]]:
+    """("F" | "B" | "W", micro-batch) in one ZB-H1 stage's order (Qi et al., ICLR'24).
+
+    1F1B's order of forwards and backwards (``one_f_one_b_order``), each backward split in two: B,
+    the input gradient the previous stage waits for, and W, the weight gradient nobody waits for.
+    W of micro-batch j runs right after B of j + ``deferred`` (the rest at the end), so a stage
+    that ends its backwards ``deferred`` input-gradient times before its pipeline fills that drain
+    with weight gradients. ZB-H1 defers k on stage k: every stage then holds up to S micro-batches
+    (in flight, or waiting for W), as many as 1F1B's first stage.
+    """
+    order = []
+    for kind, i in one_f_one_b_order(num_microbatches, in_flight):
+        order.append((kind, i))
+        if kind == "B" and i >= deferred:
+            order.append(("W", i - deferred))
+    return order + [("W", j) for j in range(max(num_microbatches - deferred, 0), num_microbatches)]
 
 
 def recv_split(in_flight_here: int, in_flight_next: int) -> int:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
+from hetrain.plan.eager import Schedule
 from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings,
                                  describe_validation_error)
 
@@ -41,15 +42,31 @@ class PipelinePlan(BaseModel):
 
     num_microbatches: PositiveInt
     stages: list[StagePlan] = Field(min_length=1)
+    schedule: Schedule | None = Field(
+        default=None, description="the pipeline's schedule: 1f1b (torch's Schedule1F1B), eager-1f1b (its stages' "
+        "in_flight, hetrain.runtime.pipeline), zb-h1 (zero bubble: each backward split into the input gradient and "
+        "the weight gradient, stage k running its weight gradients k backwards late to fill the drain; "
+        "hetrain.runtime.pipeline.ScheduleZeroBubbleH1). Absent: eager-1f1b where the stages set in_flight, else 1f1b")
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule this pipeline runs: ``schedule``, or what a plan without it meant (``in_flight``: eager)."""
+        if self.schedule is not None:
+            return self.schedule
+        return "eager-1f1b" if self.stages[0].in_flight is not None else "1f1b"
 
     @property
     def eager(self) -> bool:
-        """Runs eager 1F1B (its stages set ``in_flight``; ``_check_in_flight``: all or none), else torch's 1F1B."""
-        return self.stages[0].in_flight is not None
+        """Runs eager 1F1B (its stages set ``in_flight``; ``_check_in_flight``: all or none)."""
+        return self.schedule_name == "eager-1f1b"
 
     def in_flight(self, k: int) -> int:
         """Micro-batches stage k keeps in flight: eager 1F1B's count, else 1F1B's S - k, at most the pipeline's."""
         return min(self.stages[k].in_flight or len(self.stages) - k, self.num_microbatches)
+
+    def weight_pending(self, k: int) -> int:
+        """Micro-batches whose weight gradient stage k holds back at its peak (ZB-H1; ``schedule_held``)."""
+        return min(k, self.num_microbatches - self.in_flight(k)) if self.schedule_name == "zb-h1" else 0
 
 
 class Predicted(BaseModel):
@@ -172,6 +189,13 @@ def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
     Each stage keeping more in flight than the next is what lets a stage post its receives early
     without waiting on a peer that waits on it (``hetrain.runtime.pipeline``)."""
     counts = [st.in_flight for st in pipe.stages]
+    if pipe.schedule in ("1f1b", "zb-h1") and any(c is not None for c in counts):
+        at = next(si for si, c in enumerate(counts) if c is not None)
+        raise HetrainError(f"pipelines[{pi}].stages[{at}]: in_flight is for schedule eager-1f1b, not {pipe.schedule}; "
+                           f"remove it or set the pipeline's schedule to eager-1f1b")
+    if pipe.schedule == "eager-1f1b" and all(c is None for c in counts):
+        raise HetrainError(f"pipelines[{pi}]: schedule eager-1f1b needs in_flight on every stage (micro-batches "
+                           f"each keeps in flight, decreasing along the pipeline)")
     if all(c is None for c in counts):
         return
     if any(c is None for c in counts):

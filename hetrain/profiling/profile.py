@@ -73,6 +73,11 @@ class ProfileEntry(BaseModel):
     head_forward_s: NonNegativeFloat = 0.0
     head_backward_s: NonNegativeFloat = 0.0
     block_activation_bytes: NonNegativeInt | None = None
+    # ZB-H1's split backward without recompute (torch.distributed.pipelining's, as the runtime runs
+    # it): the input gradient and the weight gradient together, and the weight gradient alone
+    # (absent in older profiles: the cost model splits block_backward_s by FLOPs)
+    block_split_backward_s: NonNegativeFloat | None = None
+    block_weight_backward_s: NonNegativeFloat | None = None
     # Per recompute mode (profiles from before per-stage recompute have only the profile's own mode above).
     recompute: dict[Literal["none", "selective", "full"], RecomputeEntry] = {}
 

@@ -306,6 +306,7 @@ def _measure(
 
         fwd_s, bwd_s = _time_fwd_bwd(block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats)
         per_mode[mode] = (fwd_s, bwd_s, _kept_bytes(block_fwd, block.parameters(), x0, device, precision))
+    split_s, weight_s = _time_split_backward(block, x0, gy, device, precision, warmup, repeats)
     del block
     own = "full" if activation_recompute else "none"
     block_fwd_s = per_mode["none"][0]  # the forward every mode runs (selective's policy adds its own dispatch)
@@ -331,7 +332,36 @@ def _measure(
         head_backward_s=head_bwd_s,
         block_activation_bytes=act_bytes,
         recompute=recompute,
+        block_split_backward_s=split_s,
+        block_weight_backward_s=weight_s,
     )
+
+
+def _time_split_backward(block: nn.Module, x0: torch.Tensor, gy: torch.Tensor, device: torch.device,
+                         precision: Precision, warmup: int, repeats: int) -> tuple[float, float]:
+    """(input + weight gradient, weight gradient alone) seconds of one block's backward split as ZB-H1
+    runs it (``stage_backward_input``, then ``stage_backward_weight``, no recompute): the split walks
+    the graph twice, which costs more than one backward on a CPU."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    leaf: list[torch.Tensor] = []
+    weight: list[float] = []
+
+    def forward() -> torch.Tensor:
+        leaf[:] = [x0.detach().requires_grad_()]
+        return run_block(block, leaf[0], "none")
+
+    def split(y: torch.Tensor) -> None:
+        groups = stage_backward_input([y], [gy], leaf, block.parameters())[1]
+        _sync(device)
+        started = clock()
+        stage_backward_weight(block.parameters(), groups)
+        _sync(device)
+        weight.append(clock() - started)
+
+    both = _time_fwd_bwd(forward, split, device, precision, warmup, repeats)[1]
+    return both, statistics.median(weight[warmup:]) if len(weight) > warmup else statistics.median(weight)
 
 
 def _measure_ends(
@@ -419,6 +449,8 @@ def _scaled(entry: ProfileEntry, slowdown: float) -> ProfileEntry:
         for k in ("block_forward_s", "block_backward_s", "embed_forward_s", "embed_backward_s",
                   "head_forward_s", "head_backward_s")
     }
+    times |= {k: getattr(entry, k) * slowdown for k in ("block_split_backward_s", "block_weight_backward_s")
+              if getattr(entry, k) is not None}
     times["recompute"] = {mode: r.model_copy(update={"block_backward_s": r.block_backward_s * slowdown})
                           for mode, r in entry.recompute.items()}
     return entry.model_copy(update=times)

@@ -48,7 +48,9 @@ class _OnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, callback: Callable[[], None]) -> torch.Tensor:
         ctx.callback = callback
-        return x.view_as(x)
+        # the same storage, not a view of it: ZB-H1's split backward detaches the stage's output in
+        # place once its input gradient is out (``stage_backward_input``), which a view refuses
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -192,6 +194,14 @@ class StageMeter:
         started = _now()
         yield
         self._stretch(started)
+
+    @contextlib.contextmanager
+    def weight_work(self) -> Iterator[None]:
+        """A backward's weight-gradient part run on its own (ZB-H1's W, ``hetrain.runtime.pipeline``):
+        backward time, stretched like the rest (the hooks see only a backward that crosses the stage's input)."""
+        started = _now()
+        yield
+        self.backward_s += self._stretch(started)
 
     def _stretch(self, started: tuple[float, float]) -> float:
         """Wall seconds since ``started``, after sleeping up to ``slowdown`` x the CPU seconds used."""

@@ -20,13 +20,14 @@ torch's own ``Schedule1F1B`` calls (``get_fwd_recv_ops``, ``forward_one_chunk``,
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining.schedules import _batch_p2p, _wait_batch_p2p
 
-from hetrain.plan.eager import one_f_one_b_order, recv_split
+from hetrain.plan.eager import one_f_one_b_order, recv_split, zero_bubble_order
 
 
 # Input gradients a stage lets wait to be sent (each 1/t of an activation): bounds what the sends hold
@@ -50,6 +51,7 @@ class ScheduleEager1F1B(Schedule1F1B):
     def __init__(self, stage, n_microbatches: int, in_flight: list[int], stage_index: int, loss_fn=None,
                  scale_grads: bool = True):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        self.stage_index = stage_index
         if any(a <= b for a, b in zip(in_flight, in_flight[1:])) or in_flight[-1] < 1:
             raise ValueError(f"in_flight must decrease along the pipeline to at least 1, got {in_flight}")
         self.in_flight = in_flight[stage_index]
@@ -92,8 +94,10 @@ class ScheduleEager1F1B(Schedule1F1B):
             return works
 
         post([], recvs("act", self.up_in_flight - 1 - self.up_split), fwd_recvs)
-        for kind, i in one_f_one_b_order(count, n):
-            if kind == "F":
+        for kind, i in self._order(count, n):
+            if kind == "W":
+                self._weight_backward(i, last=i == count - 1)
+            elif kind == "F":
                 _wait_batch_p2p(fwd_recvs.pop(i, []))
                 output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
                 self._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
@@ -104,7 +108,7 @@ class ScheduleEager1F1B(Schedule1F1B):
                 post([], recvs("grad", i), bwd_recvs)  # only where the micro-batches ran out first
                 _wait_batch_p2p(bwd_recvs.pop(i, []))
                 _wait_batch_p2p(act_sends.pop(i, []))  # long done: its gradient has come back
-                stage.backward_one_chunk(i, loss=self._maybe_get_loss(stage, i), last_backward=i == count - 1)
+                self._input_backward(i, last=i == count - 1)
                 upto = i + self.up_in_flight - self.up_split
                 grad_sends.append(post(stage.get_bwd_send_ops(i), recvs("act", upto), fwd_recvs))
                 while len(grad_sends) > GRAD_SENDS_OUT:
@@ -113,3 +117,53 @@ class ScheduleEager1F1B(Schedule1F1B):
             _wait_batch_p2p(work)
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(count if self.scale_grads else 1)
+
+    def _order(self, count: int, in_flight: int) -> list[tuple[str, int]]:
+        """This stage's computations in order (``hetrain.plan.eager``): 1F1B's, backwards whole."""
+        return one_f_one_b_order(count, in_flight)
+
+    def _input_backward(self, i: int, last: bool) -> None:
+        """The backward of micro-batch i whose input gradient the previous stage waits for: here all of it."""
+        self._stage.backward_one_chunk(i, loss=self._maybe_get_loss(self._stage, i), last_backward=last)
+
+    def _weight_backward(self, i: int, last: bool) -> None:
+        """The weight gradient of micro-batch i, where the order splits it off (``ScheduleZeroBubbleH1``)."""
+        raise NotImplementedError("eager 1F1B runs each backward whole")
+
+
+class ScheduleZeroBubbleH1(ScheduleEager1F1B):
+    """ZB-H1 (Qi et al., ICLR'24) on one stage per rank: 1F1B's order, sends and counts, each backward split
+    into the input gradient (B, sent on at once) and the weight gradient (W), which stage k runs k
+    backwards later (``hetrain.plan.eager.zero_bubble_order``) so that it fills the drain, where the
+    stages after it have run out of work while the last input gradients travel back.
+
+    The split is torch.distributed.pipelining's (``backward_one_chunk(full_backward=False)``, then
+    ``backward_weight_one_chunk``): B keeps the autograd graph and the gradients arriving at the
+    weights' nodes until W. ``split`` False (the first stage, whose input gradient nobody waits for,
+    and a stage that recomputes activations, where torch's split cannot run the weight part: selective
+    checkpointing refuses a second backward, full recomputes every block again) runs each backward
+    whole at B and W does nothing (``hetrain.cost.stage.UnitCosts.splits_backward``, the cost model's
+    rule). ``weight_timer``: a context the weight gradients run in (the stage meter's, which sees a
+    backward only where it crosses the stage's input, as B does). Memory on CPU ranks: the meter's
+    saved-tensor count releases a tensor when B unpacks it, so it misses what waits for W;
+    ``trace_memory`` (``AllocationTracker``) follows the storages and counts it.
+    """
+
+    def __init__(self, stage, n_microbatches: int, num_stages: int, stage_index: int, split: bool, loss_fn=None,
+                 scale_grads: bool = True, weight_timer=None):
+        super().__init__(stage, n_microbatches, list(range(num_stages, 0, -1)), stage_index, loss_fn=loss_fn,
+                         scale_grads=scale_grads)
+        self.split = split
+        self.weight_timer = weight_timer or contextlib.nullcontext
+
+    def _order(self, count: int, in_flight: int) -> list[tuple[str, int]]:
+        return zero_bubble_order(count, in_flight, self.stage_index)
+
+    def _input_backward(self, i: int, last: bool) -> None:
+        self._stage.backward_one_chunk(i, loss=self._maybe_get_loss(self._stage, i), full_backward=not self.split,
+                                       last_backward=last and not self.split)
+
+    def _weight_backward(self, i: int, last: bool) -> None:
+        if self.split:
+            with self.weight_timer():
+                self._stage.backward_weight_one_chunk(i, last_backward=last)

@@ -36,7 +36,7 @@ from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
-from hetrain.runtime.pipeline import ScheduleEager1F1B
+from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
 
@@ -153,11 +153,16 @@ class Trainer:
         self.vocab_start = vocab_shard(plan.model.vocab_size, plan.tp, role.tp_rank)[0]
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
         pipe = plan.pipelines[role.pipeline]
-        if not pipe.eager:
-            self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
-        else:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
+        if pipe.schedule_name == "zb-h1":  # backward split, weight gradients filling the drain
+            split = not role.is_first and recompute in ("none", False)
+            self.schedule = ScheduleZeroBubbleH1(stage, role.num_microbatches, role.num_stages, role.stage, split,
+                                                 loss_fn=self._loss, scale_grads=False,
+                                                 weight_timer=self.meter.weight_work)
+        elif pipe.eager:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
             self.schedule = ScheduleEager1F1B(stage, role.num_microbatches, [st.in_flight for st in pipe.stages],
                                               role.stage, loss_fn=self._loss, scale_grads=False)
+        else:
+            self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)

@@ -61,6 +61,34 @@ def block_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
     return micro_batch_size * (2 * s * matmuls + 4 * s * s * h)
 
 
+def block_weight_grad_fraction(model: ModelSpec) -> float:
+    """The share of a block's backward that is weight gradients (ZB-H1's W, ``hetrain.cost.pipeline``).
+
+    Backward is two forwards of FLOPs: each weight matrix's product gives one for the input
+    gradient and one for the weight gradient; attention's core (no weights) is all input gradient.
+    """
+    h, f, s = model.hidden_size, model.ffn_size, model.seq_length
+    matmuls = block_forward_flops(model, 1) - 4 * s * s * h
+    return matmuls / (2 * block_forward_flops(model, 1))
+
+
+def block_weight_grad_bytes(model: ModelSpec, settings: TrainingSettings, tp: int, micro_batch_size: int) -> float:
+    """Bytes one block holds per micro-batch between its input gradient (B) and its weight gradient (W).
+
+    torch.distributed.pipelining's split backward keeps the gradient arriving at each node that
+    leads to a weight (``stage_backward_input``'s hooks): the output gradient of every projection
+    (column-parallel ones split ``tp`` ways, row-parallel ones whole) in the compute dtype, and of
+    the two norms (fp32). The activations themselves stay too (the graph is retained): counted with
+    the activations.
+    """
+    h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
+    if model.arch == "llama":  # q, k, v, SwiGLU's gate and up (column); o and down (row)
+        column, row = h + 2 * model.kv_size + 2 * f, 2 * h
+    else:  # q, k, v, fc1 (column); o and fc2 (row)
+        column, row = 3 * h + f, 2 * h
+    return s * b * (settings.activation_bytes * (column / t + row) + 2 * h * RESIDUAL_BYTES)
+
+
 def head_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
     return 2.0 * micro_batch_size * model.seq_length * model.hidden_size * model.vocab_size
 

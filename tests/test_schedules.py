@@ -1,0 +1,171 @@
+"""Pipeline schedules beyond 1F1B in the plan file and the planner: ZB-H1 (zero bubble)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetrain.errors import HetrainError
+from hetrain.plan.eager import zero_bubble_order
+from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, load_plan, validate_plan_structure
+from hetrain.spec.specs import ModelSpec
+
+MODEL = ModelSpec(name="m", num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
+
+
+def _plan(schedule: str | None, counts=(None, None, None, None), microbatches: int = 8) -> Plan:
+    stages = [StagePlan(devices=[f"n/{k}"], gpu="T4", layers=(k, k + 1), in_flight=c) for k, c in enumerate(counts)]
+    return Plan(model=MODEL, cluster="c", global_batch_size=microbatches, micro_batch_size=1, tp=1,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages, schedule=schedule)])
+
+
+def test_a_plan_without_a_schedule_means_what_it_meant():
+    assert _plan(None).pipelines[0].schedule_name == "1f1b"
+    eager = _plan(None, (7, 5, 3, 1)).pipelines[0]
+    assert eager.schedule_name == "eager-1f1b" and eager.eager
+    zb = _plan("zb-h1").pipelines[0]
+    assert zb.schedule_name == "zb-h1" and not zb.eager
+    assert [zb.in_flight(k) for k in range(4)] == [4, 3, 2, 1] and [zb.weight_pending(k) for k in range(4)] == [0, 1, 2, 3]
+    # written out and read back: the field is kept where set, and absent (old files) where not
+    assert "schedule" not in _plan(None).to_json()
+    assert Plan.model_validate_json(_plan("zb-h1").to_json()).pipelines[0].schedule == "zb-h1"
+
+
+def test_schedules_are_checked_in_one_line(tmp_path: Path):
+    validate_plan_structure(_plan("zb-h1"))
+    validate_plan_structure(_plan("eager-1f1b", (7, 5, 3, 1)))
+    for schedule, counts, message in (
+            ("zb-h1", (7, 5, 3, 1), r"pipelines\[0\]\.stages\[0\]: in_flight is for schedule eager-1f1b, not zb-h1"),
+            ("1f1b", (None, 5, 3, 1), r"pipelines\[0\]\.stages\[1\]: in_flight is for schedule eager-1f1b, not 1f1b"),
+            ("eager-1f1b", (None,) * 4, r"pipelines\[0\]: schedule eager-1f1b needs in_flight on every stage")):
+        with pytest.raises(HetrainError, match=message):
+            validate_plan_structure(_plan(schedule, counts))
+    data = json.loads(_plan(None).to_json())
+    data["pipelines"][0]["schedule"] = "zb-h2"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(HetrainError) as err:
+        load_plan(tmp_path / "plan.json")
+    assert "pipelines[0].schedule" in str(err.value) and "got 'zb-h2'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_zero_bubble_order_defers_stage_ks_weight_gradients_by_k():
+    """Stage 1 of 3 (2 in flight, W one backward late): every micro-batch's F, B, W once, W after its B,
+    and no more than 3 micro-batches between their F and their W."""
+    order = zero_bubble_order(5, 2, 1)
+    assert order[:6] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("W", 0)]
+    for kind in "FBW":
+        assert [i for k, i in order if k == kind] == list(range(5))
+    held = peak = 0
+    for kind, i in order:
+        held += {"F": 1, "B": 0, "W": -1}[kind]
+        peak = max(peak, held)
+        if kind == "W":
+            assert order.index(("B", i)) < order.index(("W", i))
+    assert peak == 3
+
+
+# --------------------------------------------------------------------------- the planner's choice
+
+def test_the_planner_runs_zb_h1_where_it_is_faster_and_fits():
+    """Two pipelines of different depth (4 A100 stages; 2 V100 stages) without recompute: ZB-H1 on both
+    (their drains filled with weight gradients), the plan predicted faster than with 1F1B, every stage
+    within its memory. On GPUs too small to hold the micro-batches ZB-H1 keeps waiting for their weight
+    gradient, the pipeline keeps its schedule."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+    from solver.assemble import choose_schedules
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
+                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
+    settings = TrainingSettings(global_batch_size=24, activation_recompute=False)
+
+    def stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
+        return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+
+    plan = Plan(model=model, cluster="c", global_batch_size=24, micro_batch_size=1, tp=1, training=settings,
+                pipelines=[PipelinePlan(num_microbatches=16, stages=stages("a", "A100-80G", [0, 2, 4, 6, 8])),
+                           PipelinePlan(num_microbatches=8, stages=stages("b", "V100-32G", [0, 4, 8]))])
+    cost = CostModel(cluster, model, settings)
+    before = cost.estimate(plan)
+    chosen, est = choose_schedules(plan, cost, before)
+    assert [p.schedule_name for p in chosen.pipelines] == ["zb-h1", "zb-h1"]
+    assert est.iteration_time_s < before.iteration_time_s and not est.over_capacity()
+    assert est.iteration_time_s == pytest.approx(cost.estimate(chosen).iteration_time_s)
+
+    # the V100 pipeline's last stage on a GPU holding just what it needs under 1F1B: ZB-H1 would keep
+    # one more micro-batch there, waiting for its weight gradient
+    def with_last_stage_gb(memory_gb: float) -> tuple[ClusterSpec, Plan]:
+        data = cluster.model_dump()
+        data["gpu_types"] = {"tight": {**data.get("gpu_types", {}).get("V100-32G", {}), "tflops": 125,
+                                       "memory_gb": memory_gb, "memory_bandwidth_gbps": 900, "fp32_tflops": 15.7}}
+        data["nodes"].append({"name": "d", "gpu": "tight", "count": 1, "intra_node_bandwidth_gbps": 150})
+        last = StagePlan(devices=["d/0"], gpu="tight", layers=(4, 8))
+        pipes = [plan.pipelines[0].model_copy(update={"num_microbatches": 20}),  # the slower pipeline
+                 PipelinePlan(num_microbatches=4, stages=[plan.pipelines[1].stages[0], last])]
+        return ClusterSpec.model_validate(data), plan.model_copy(update={"pipelines": pipes})
+
+    roomy, moved = with_last_stage_gb(32)
+    need_gb = CostModel(roomy, model, settings).estimate(moved).peak_memory_gb["d/0"]
+    tight, moved = with_last_stage_gb(need_gb + 0.01)
+    chosen, est = choose_schedules(moved, CostModel(tight, model, settings))
+    assert chosen.pipelines[0].schedule_name == "zb-h1" and chosen.pipelines[1].schedule_name != "zb-h1"
+    assert not est.over_capacity()
+
+
+@pytest.mark.slow  # imports torch.distributed.pipelining (10 s on a loaded machine)
+def test_a_measured_split_prices_the_weight_gradient_and_what_splitting_costs():
+    """The profiler times torch's split backward of a block (input then weight gradient); the cost model
+    takes the weight gradient from it and charges the split's extra walk of the graph to B."""
+    import torch
+
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.profiling.profile import Profile, ProfileEntry
+    from hetrain.profiling.profiler import _time_split_backward, shard_block
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    block = shard_block(MODEL, 1)
+    x, gy = torch.randn(1, MODEL.seq_length, MODEL.hidden_size), torch.randn(1, MODEL.seq_length, MODEL.hidden_size)
+    both_s, weight_s = _time_split_backward(block, x, gy, torch.device("cpu"), "fp32", 1, 3)
+    assert 0 < weight_s < both_s
+
+    cluster = ClusterSpec.model_validate({"name": "c", "inter_node_bandwidth_gbps": 10, "nodes": [
+        {"name": "a", "gpu": "A100-80G", "count": 2, "intra_node_bandwidth_gbps": 100}]})
+    settings = TrainingSettings(global_batch_size=8, activation_recompute=False)
+    entry = ProfileEntry(tp=1, micro_batch_size=1, block_forward_s=0.01, block_backward_s=0.02,
+                         block_split_backward_s=0.025, block_weight_backward_s=0.008)
+    profile = Profile(model=MODEL, devices={"A100-80G": [entry]}, activation_recompute=False)
+    u = CostModel(cluster, MODEL, settings, profile).unit_costs(
+        "A100-80G", 100, 1, 1)
+    assert (u.block_wgt_s, u.block_split_extra_s) == pytest.approx((0.008, 0.005))
+    b, w = u.stage_backward_split_s(2, False, False)
+    assert (b, w) == pytest.approx((2 * (0.02 - 0.008 + 0.005), 2 * 0.008))
+
+
+def test_the_planners_terms_per_stage_price_a_template_as_the_estimate_plays_it():
+    """``UnitCosts.stage_terms_s`` + ``schedule_terms``: what a planner prices per template without a Plan,
+    against the estimate of the plan built from it (equal stages, sends inside a node: the closed form
+    is within its bounds of the play)."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.cost.pipeline import schedule_terms
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=1024, num_heads=16, seq_length=512, vocab_size=8000)
+    cluster = ClusterSpec.model_validate({"name": "c", "inter_node_bandwidth_gbps": 25, "nodes": [
+        {"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300}]})
+    settings = TrainingSettings(global_batch_size=16, activation_recompute=False)
+    cost = CostModel(cluster, model, settings)
+    u = cost.unit_costs("A100-80G", 300, 1, 1)
+    for schedule in ("1f1b", "zb-h1"):
+        terms = [u.stage_terms_s(2, k == 0, k == 3, schedule) for k in range(4)]
+        e = cost.send_s(300, 1)
+        tau, fill = schedule_terms(schedule, *zip(*terms), [e] * 3)
+        stages = [StagePlan(devices=[f"a/{k}"], gpu="A100-80G", layers=(2 * k, 2 * k + 2)) for k in range(4)]
+        est = cost.estimate(Plan(model=model, cluster="c", global_batch_size=16, micro_batch_size=1, tp=1,
+                                 pipelines=[PipelinePlan(num_microbatches=16, stages=stages, schedule=schedule)]))
+        assert est.pipelines[0].stage_s == pytest.approx([c for c, _, _ in terms])
+        assert 16 * tau + fill == pytest.approx(est.pipeline_s, rel=0.16)
