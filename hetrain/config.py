@@ -48,7 +48,7 @@ class TrainOptions(BaseModel):
     more_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description=(
         "train this many steps past the newest checkpoint instead of up to --steps (scheduled retraining)"))
     data: str | None = Field(None, description=(
-        "token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
+        "token file (.bin of uint8/uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
         "tokens (default: synthetic)"))
     seed: int = Field(0, ge=0, le=MAX_SEED, description="weights and data seed")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
