@@ -140,6 +140,7 @@ class RunConfig(BaseModel):
     compile: bool = False  # torch.compile each block (GPU only)
     trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
     metrics: str | None = None
+    tensorboard_dir: str | None = None  # rank 0 writes TensorBoard event files here (RunDir.tensorboard)
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
     run_id: str = "run"
@@ -206,6 +207,7 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
+                         tensorboard_dir=str(run.tensorboard),
                          checkpoint=ckpt, request_file=str(run.checkpoint_request),
                          backup_status_file=str(run.backup_status) if o.remote else None,
                          seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,

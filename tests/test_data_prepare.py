@@ -20,6 +20,7 @@ from conftest import run_cli
 from hetrain.errors import HetrainError
 from hetrain.runtime.data import TokenSource, open_tokens, prepare_tokens
 from hetrain.runtime.model import GPT, lm_loss
+from test_metrics_out import assert_board_matches_metrics
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -146,17 +147,18 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, bpe: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
-def test_a_corpus_trains_end_to_end(tmp_path: Path, bpe: Path, kind: str):
-    """`hetrain data prepare` then `hetrain train --data`: the run's first loss is the loss of the
-    same initial model on the file's first global batch, computed here in one process."""
+def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe: Path):
+    """`hetrain data prepare` of both into one file, then `hetrain train --data` on two pipeline
+    stages: the run's first loss is the loss of the same initial model on the file's first
+    global batch, computed here in one process (one run, to spend the wall time once). The
+    run's TensorBoard files hold its records (read by TensorBoard's reader)."""
     docs = documents(150, 6)
-    source = write_jsonl(tmp_path / "c.jsonl", docs) if kind == "jsonl" else write_parquet(tmp_path / "c.parquet",
-                                                                                         docs)
-    r = run_cli("data", "prepare", "--input", str(source), "--out", str(tmp_path / "c.bin"), "--tokenizer", str(bpe))
+    r = run_cli("data", "prepare", "--input", str(write_jsonl(tmp_path / "c.jsonl", docs[:90])),
+                "--input", str(write_parquet(tmp_path / "c.parquet", docs[90:])), "--out", str(tmp_path / "c.bin"),
+                "--tokenizer", str(bpe))
     assert r.returncode == 0, r.stderr
     assert_documents_between_eos(tmp_path / "c.bin", bpe, docs)
-    p = plan(1, [(8, [("a/0", [0, 6])])])
+    p = plan(1, [(8, [("a/0", [0, 3]), ("a/1", [3, 6])])])
     p.write(tmp_path / "plan.json")
     r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--data", str(tmp_path / "c.bin"), "--steps", "2",
                 "--run-dir", str(tmp_path / "run"))
@@ -168,3 +170,4 @@ def test_a_corpus_trains_end_to_end(tmp_path: Path, bpe: Path, kind: str):
     with torch.no_grad():
         want = lm_loss(model(seq[:, :-1]), seq[:, 1:]).item()
     assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
+    assert_board_matches_metrics(tmp_path / "run")
