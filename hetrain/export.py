@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
 SPEC_FILE = "hetrain-model.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # dcp.load's, whenever no process group is up
 
 # hetrain's parameter names -> transformers' LlamaForCausalLM names (per block, then the ends)
 _LLAMA_BLOCK = {
@@ -99,7 +101,9 @@ def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]
     model = GPT(spec)  # whole, on the CPU: DCP fills it from whatever shards the plan wrote
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner())
+        with warnings.catch_warnings():  # one process by design: DCP's warning that it is one says nothing to a user
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+            dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner(), no_dist=True)
     except HetrainError:
         raise
     except (Exception, CheckpointException) as e:  # an index that does not fit the model (no code runs: safe unpickler)
@@ -143,6 +147,9 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         save_file(tensors, str(staged[WEIGHTS]), metadata={"format": "pt", "hetrain_step": str(chosen),
                                                             "hetrain_arch": spec.arch})
         staged[SPEC_FILE].write_text(json.dumps(spec.model_dump(mode="json", exclude_none=True), indent=2) + "\n")
+        # safetensors creates its file private (0600); the export is for others to read, like the files
+        # written here through open(), whose mode the user's umask set
+        os.chmod(staged[WEIGHTS], staged[SPEC_FILE].stat().st_mode & 0o777)
         if spec.arch == "llama":
             staged[HF_CONFIG] = work / HF_CONFIG
             staged[HF_CONFIG].write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
