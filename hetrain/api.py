@@ -50,10 +50,11 @@ def load_cluster(path: PathLike) -> ClusterSpec:
 
 
 def load_model(path: PathLike) -> ModelSpec:
-    """A model YAML file (architecture, sizes, vocabulary), checked."""
-    from hetrain.spec.specs import load_model as load
+    """A model YAML file (architecture, sizes, vocabulary), or a model directory (a hetrain export, a
+    transformers Llama: its ``config.json``), checked."""
+    from hetrain.spec.hf import load_any_model
 
-    return load(path)
+    return load_any_model(path)
 
 
 def load_plan(path: PathLike) -> Plan:
@@ -164,6 +165,10 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
         from hetrain.runtime.data import TokenSource
 
         TokenSource(the_plan.model.seq_length, the_plan.model.vocab_size, path=opts.data)  # bad data: one error now
+    if opts.init_from is not None:
+        from hetrain.spec.hf import check_pretrained
+
+        check_pretrained(opts.init_from, the_plan.model)
     with contextlib.ExitStack() as held:  # the run directory's lock, until the launch ends
         prepared = prepare_run(run, config, the_plan, nodes, more_steps=opts.more_steps, resume=resume,
                                restart=restart, hold=held)

@@ -7,10 +7,8 @@ nodes' directories or peer servers, then the bucket), loads its model part into 
 single-process model (DCP reshards: any plan, any TP degree), and writes:
 
 * ``model.safetensors``: every weight, whole, in ``dtype``. Llama-family specs use the
-  ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...):
-  the runtime's rotary convention is ``transformers``' (``rotate_half``), so no weight is
-  permuted; GPT specs keep hetrain's names (GPT-2's own layout differs: fused, transposed,
-  with biases).
+  ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...;
+  ``hetrain.spec.hf`` owns the mapping); GPT specs keep hetrain's names.
 * ``config.json`` in the ``transformers`` Llama layout (Llama-family specs only).
 * ``hetrain-model.json``: the model spec, so ``load_export`` (and hetrain) can rebuild it.
 
@@ -30,50 +28,11 @@ from pathlib import Path
 import torch
 
 from hetrain.errors import HetrainError
+from hetrain.spec.hf import HF_CONFIG, SPEC_FILE, WEIGHTS, exported_name, hf_config  # their owner
 from hetrain.spec.specs import ModelSpec
 
-WEIGHTS = "model.safetensors"
-HF_CONFIG = "config.json"
-SPEC_FILE = "hetrain-model.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # dcp.load's, whenever no process group is up
-
-# hetrain's parameter names -> transformers' LlamaForCausalLM names (per block, then the ends)
-_LLAMA_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_LLAMA_ENDS = {"tok_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "head.weight": "lm_head.weight"}
-
-
-def exported_name(spec: ModelSpec, name: str) -> str:
-    """The name ``name`` (a parameter of ``hetrain.runtime.model.GPT``) has in the export."""
-    if spec.arch != "llama":
-        return name
-    if name in _LLAMA_ENDS:
-        return _LLAMA_ENDS[name]
-    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return f"model.layers.{index}.{_LLAMA_BLOCK[rest]}"
-
-
-def hf_config(spec: ModelSpec, dtype: str) -> dict:
-    """``config.json`` for ``transformers``' ``LlamaForCausalLM``."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.seq_length, "rope_theta": spec.rope_base,
-        "rms_norm_eps": spec.eps, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-    }
 
 
 def check_dtype(dtype: str) -> None:

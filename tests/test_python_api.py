@@ -17,7 +17,8 @@ from conftest import EXAMPLES, ROOT
 def test_import_is_light_and_plan_export_are_functions_and_modules():
     """`import hetrain` loads neither torch nor the planner; `hetrain.plan` calls the planner and is
     still the package of the plan file, whichever was imported first."""
-    code = ("import sys, hetrain; heavy = sorted(m for m in ('torch', 'solver', 'pyomo', 'prefect') if m in sys.modules); "
+    code = ("import sys, hetrain; "
+            "heavy = sorted(m for m in ('torch', 'solver', 'pyomo', 'prefect') if m in sys.modules); "
             "import hetrain.plan.layout as layout; from hetrain.export import export_run; "
             "print(heavy, callable(hetrain.plan), callable(hetrain.export), layout.__name__, "
             "hetrain.export.export_run is export_run)")

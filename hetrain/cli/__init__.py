@@ -29,7 +29,8 @@ for command in (plan.plan, plan.estimate, plan.profile, train.train, checkpoints
                 recovery.switch, checkpoints.export, recovery.restore, recovery.watch):
     app.command()(command)
 
-node_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP, help="Run this machine as a node of a cluster.")
+node_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
+                       help="Run this machine as a node of a cluster.")
 app.add_typer(node_app, name="node")
 node_app.command("start")(node.node_start)
 

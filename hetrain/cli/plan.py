@@ -107,7 +107,8 @@ def summary_line(plan, est) -> str:
 @user_errors
 def plan(
     cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
-    model: Annotated[Path, typer.Option(help="model YAML file")],
+    model: Annotated[Path, typer.Option(help="model YAML file, or a model directory (a transformers Llama, "
+                                             "an export) to plan for its --init-from")],
     global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
@@ -125,7 +126,8 @@ def plan(
     """Find the fastest plan for a model on a mixed cluster."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
-    from hetrain.spec.specs import load_cluster, load_model
+    from hetrain.spec.hf import load_any_model as load_model
+    from hetrain.spec.specs import load_cluster
     from solver.planner import PLANNERS, make_plan
 
     if planner not in PLANNERS:
@@ -197,8 +199,9 @@ def comparison_rows(results: dict) -> list[dict]:
 
 def comparison_table(rows: list[dict], title: str) -> Table:
     table, names = _compact_table(title, [
-        ("planner", "planner"), ("iteration s", "iteration\ns"), ("tokens/s", "tokens/s"), ("vs megatron", "vs\nmegatron"),
-        ("min headroom GB", "min headroom\nGB"), ("solve s", "solve\ns"), ("layout", "layout")])
+        ("planner", "planner"), ("iteration s", "iteration\ns"), ("tokens/s", "tokens/s"),
+        ("vs megatron", "vs\nmegatron"), ("min headroom GB", "min headroom\nGB"), ("solve s", "solve\ns"),
+        ("layout", "layout")])
     for col in names:
         table.add_column(col, justify="left" if col in ("planner", "layout") else "right", no_wrap=col != "layout")
     for r in rows:

@@ -82,6 +82,10 @@ def train(
         from hetrain.runtime.data import TokenSource
 
         TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
+    if options.init_from is not None:
+        from hetrain.spec.hf import check_pretrained
+
+        check_pretrained(options.init_from, pl.model)  # weights of another model: one line now, not per rank
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)

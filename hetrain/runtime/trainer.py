@@ -38,6 +38,7 @@ from hetrain.runtime.parallelize import (bucket_params, local_tensor, paralleliz
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B
+from hetrain.runtime.pretrained import load_pretrained
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
 
@@ -105,6 +106,8 @@ class Trainer:
                                    f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
                                    f"processes out of device order")
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
+        if config.init_from and not config.resume_from:  # after TP: each rank reads only its shards
+            load_pretrained(model, plan.model, config.init_from)
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
