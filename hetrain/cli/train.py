@@ -178,7 +178,8 @@ def _report_run(records: list[dict], config, run_dir: Path) -> None:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
-                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}",
+                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}"
+                  + (f", curves: tensorboard --logdir {config.tensorboard_dir}" if config.tensorboard_dir else ""),
                   highlight=False)
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
