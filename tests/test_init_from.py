@@ -20,7 +20,7 @@ from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.pretrained import load_pretrained
-from hetrain.spec.hf import (WEIGHTS_INDEX, check_pretrained, exported_name, hf_config, load_any_model,
+from hetrain.spec.hf import (SPEC_FILE, WEIGHTS_INDEX, check_pretrained, exported_name, hf_config, load_any_model,
                              pretrained_spec)
 from hetrain.spec.specs import load_model
 
@@ -66,6 +66,22 @@ def test_a_stage_reads_only_its_tensors(tmp_path: Path, shards: int):
     for name, t in stage.state_dict().items():
         assert torch.equal(t, want[name]), name
     assert read == sum(t.numel() * t.element_size() for t in stage.state_dict().values())
+
+
+def test_a_gpt_export_directory_reloads(tmp_path: Path):
+    """A GPT export (hetrain's names, hetrain-model.json; no transformers layout) is a model directory too."""
+    spec = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
+    full = GPT(spec)
+    full.init_weights(3)
+    d = tmp_path / "gpt"
+    d.mkdir()
+    (d / SPEC_FILE).write_text(json.dumps(spec.model_dump(mode="json", exclude_none=True)))
+    save_file({n: t.contiguous() for n, t in full.state_dict().items()}, str(d / "model.safetensors"))
+    assert load_any_model(d) == spec
+    check_pretrained(d, spec)
+    stage = GPT(spec, [0, 3])
+    load_pretrained(stage, spec, d)
+    assert all(torch.equal(t, full.state_dict()[n]) for n, t in stage.state_dict().items())
 
 
 def test_weights_of_another_model_are_one_line(tmp_path: Path):
