@@ -11,6 +11,8 @@ single-process model (DCP reshards: any plan, any TP degree), and writes:
   ``hetrain.spec.hf`` owns the mapping); GPT specs keep hetrain's names.
 * ``config.json`` in the ``transformers`` Llama layout (Llama-family specs only).
 * ``hetrain-model.json``: the model spec, so ``load_export`` (and hetrain) can rebuild it.
+* ``tokenizer.json`` (and its transformers config files) when the run's data was made with one
+  (``hetrain data prepare --tokenizer``): the model and its tokenizer travel together.
 
 Files are written under temporary names and renamed when whole.
 """
@@ -33,6 +35,29 @@ from hetrain.spec.specs import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # dcp.load's, whenever no process group is up
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # transformers' names
+
+
+def tokenizer_files(data: str | None) -> dict[str, Path]:
+    """The tokenizer the run's token file was made with (``hetrain data prepare --tokenizer``), by export name.
+
+    ``tokenizer.json`` and, where they sit beside it (a transformers model directory), its
+    ``tokenizer_config.json`` and ``special_tokens_map.json``; nothing for byte-level data, a file
+    without a description or a tokenizer moved away since.
+    """
+    from hetrain.runtime.data import token_file_description
+
+    meta = token_file_description(data) if data else None
+    source = meta.get("tokenizer_path") if meta else None
+    if not isinstance(source, str):
+        return {}
+    main = Path(source) if Path(source).is_file() else Path(source) / TOKENIZER_FILES[0]
+    if not main.is_file():
+        return {}
+    return {TOKENIZER_FILES[0]: main} | {name: main.parent / name for name in TOKENIZER_FILES[1:]
+                                         if (main.parent / name).is_file()}
 
 
 def check_dtype(dtype: str) -> None:
@@ -112,6 +137,9 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         if spec.arch == "llama":
             staged[HF_CONFIG] = work / HF_CONFIG
             staged[HF_CONFIG].write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        for name, source in tokenizer_files(config.data).items():  # the tokenizer travels with the model
+            staged[name] = work / name
+            shutil.copyfile(source, staged[name])
         for name, path in staged.items():  # whole files only, each renamed into place
             os.replace(path, out_dir / name)
     finally:

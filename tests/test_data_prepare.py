@@ -151,7 +151,8 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
     """`hetrain data prepare` of both into one file, then `hetrain train --data` on two pipeline
     stages: the run's first loss is the loss of the same initial model on the file's first
     global batch, computed here in one process (one run, to spend the wall time once). The
-    run's TensorBoard files hold its records (read by TensorBoard's reader)."""
+    run's TensorBoard files hold its records (read by TensorBoard's reader), and its export
+    carries the tokenizer."""
     docs = documents(150, 6)
     r = run_cli("data", "prepare", "--input", str(write_jsonl(tmp_path / "c.jsonl", docs[:90])),
                 "--input", str(write_parquet(tmp_path / "c.parquet", docs[90:])), "--out", str(tmp_path / "c.bin"),
@@ -171,3 +172,6 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
         want = lm_loss(model(seq[:, :-1]), seq[:, 1:]).item()
     assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
     assert_board_matches_metrics(tmp_path / "run")
+    r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model

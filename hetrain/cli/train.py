@@ -78,14 +78,7 @@ def train(
     config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
                               peers=_peer_urls(peer), trace_memory=trace_memory,
                               dump_dir=str(dump_dir.resolve()) if dump_dir else None)
-    if options.data is not None:
-        from hetrain.runtime.data import TokenSource
-
-        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
-    if options.init_from is not None:
-        from hetrain.spec.hf import check_pretrained
-
-        check_pretrained(options.init_from, pl.model)  # weights of another model: one line now, not per rank
+    _check_inputs(options, pl)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
@@ -107,6 +100,18 @@ def train(
         _note_analytic(pl)
         records = _launch_with_progress(config, layout, run_dir)
     _report_run(records, config, run_dir)
+
+
+def _check_inputs(options: TrainOptions, pl) -> None:
+    """Bad data or weights of another model: one line now, not one from every rank after the launch."""
+    if options.data is not None:
+        from hetrain.runtime.data import TokenSource
+
+        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)
+    if options.init_from is not None:
+        from hetrain.spec.hf import check_pretrained
+
+        check_pretrained(options.init_from, pl.model)
 
 
 def _note_analytic(pl) -> None:

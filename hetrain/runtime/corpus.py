@@ -50,6 +50,7 @@ class Encoder:
     vocab_size: int
     eos_id: int | None
     encode_batch: Callable[[list[str | bytes]], list[list[int] | np.ndarray]]
+    path: str | None  # the tokenizer's file or directory, absolute (an export copies it), None: byte-level
 
 
 @dataclass
@@ -223,7 +224,7 @@ def load_encoder(tokenizer: str | Path | None, eos: str | None = None) -> Encode
         if eos not in (None, NO_EOS):
             raise HetrainError(f"--eos {eos}: byte-level data (no --tokenizer) has no end-of-document token; "
                                f"every id of its 256 is a byte")
-        return Encoder("bytes", 256, None, lambda texts: [_as_bytes(t) for t in texts])
+        return Encoder("bytes", 256, None, lambda texts: [_as_bytes(t) for t in texts], None)
     p = Path(tokenizer)
     file = p / "tokenizer.json" if p.is_dir() else p
     if p.is_dir() and not file.is_file():
@@ -241,7 +242,7 @@ def load_encoder(tokenizer: str | Path | None, eos: str | None = None) -> Encode
 
     def encode(texts: list[str | bytes]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch_fast([_as_text(t) for t in texts], add_special_tokens=False)]
-    return Encoder(str(file), tok.get_vocab_size(with_added_tokens=True), eos_id, encode)
+    return Encoder(str(file), tok.get_vocab_size(with_added_tokens=True), eos_id, encode, str(file.resolve()))
 
 
 def _configured_eos(directory: Path) -> str | None:
@@ -291,4 +292,4 @@ def _transformers_encoder(p: Path, eos: str | None) -> Encoder:
 
     def encode(texts: list[str | bytes]) -> list[list[int]]:
         return list(tok([_as_text(t) for t in texts], add_special_tokens=False)["input_ids"])
-    return Encoder(str(p), len(tok), eos_id, encode)
+    return Encoder(str(p), len(tok), eos_id, encode, str(p.resolve()))

@@ -35,7 +35,8 @@ from hetrain.errors import HetrainError
 from hetrain.files import check_output_file, parse_json, read_text
 
 # The description's versions. v2 (written now) is v1 plus the dtype uint8 and the fields eos_id,
-# documents and sources; a v1 reader reads every v2 file but a uint8 one, which it refuses by name.
+# documents, sources and tokenizer_path; a v1 reader reads every v2 file but a uint8 one, which it
+# refuses by name.
 TOKENS_SCHEMA = "hetrain.tokens/v2"
 TOKENS_SCHEMAS_READ = ("hetrain.tokens/v1", TOKENS_SCHEMA)
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
@@ -91,6 +92,18 @@ def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
     if size == 0:
         return np.zeros(0, TOKEN_DTYPES[dtype_name])
     return np.memmap(p, dtype=TOKEN_DTYPES[dtype_name], mode="r")
+
+
+def token_file_description(path: str | Path) -> dict | None:
+    """The description ``prepare_tokens`` wrote beside a token file; None when there is none or it is no JSON object."""
+    meta_path = Path(path).with_name(Path(path).name + ".json")
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = parse_json(read_text(meta_path), str(meta_path))
+    except HetrainError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def check_ids(tokens: np.ndarray, vocab_size: int, source: str, offset: int = 0) -> None:
@@ -215,6 +228,7 @@ def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
                     progress(done, total, count)
         meta = {"schema": TOKENS_SCHEMA, "dtype": dtype, "num_tokens": count, "vocab_size": encoder.vocab_size,
                 "max_id": max_id, "eos_id": encoder.eos_id, "documents": documents, "tokenizer": encoder.name,
+                "tokenizer_path": encoder.path,
                 "source": ", ".join(s.name for s in sources), "sources": [s.name for s in sources]}
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
         tmp_meta.replace(dst.with_name(dst.name + ".json"))  # first: a reader of the .bin finds its dtype
