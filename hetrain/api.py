@@ -141,7 +141,8 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
     directory resumes from its newest committed checkpoint, as the command does; ``restart``
     archives it and starts over. ``cluster`` (a YAML path) checks the plan against it and
     applies its CPU emulation. ``on_record(record)`` sees each step's record as it is written
-    to ``RUN_DIR/metrics.jsonl`` (TensorBoard files go to ``RUN_DIR/tensorboard``).
+    to ``RUN_DIR/metrics.jsonl`` (TensorBoard files go to ``RUN_DIR/tensorboard``, and at the end
+    ``loss.png`` and ``ranks.png`` into ``RUN_DIR``, where matplotlib is installed).
     """
     from pydantic import ValidationError
 
@@ -173,7 +174,11 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
         prepared = prepare_run(run, config, the_plan, nodes, more_steps=opts.more_steps, resume=resume,
                                restart=restart, hold=held)
         the_plan.write(RunDir(run).plan)
-        return launch(prepared.config, build_layout(the_plan), run, on_record=on_record)
+        records = launch(prepared.config, build_layout(the_plan), run, on_record=on_record)
+    from hetrain.pictures import write_run_pictures
+
+    write_run_pictures(RunDir(run).metrics, run)  # loss.png, ranks.png where matplotlib is installed
+    return records
 
 
 def export(run_dir: PathLike, out_dir: PathLike, *, step: int | None = None, dtype: str = "fp32",

@@ -11,6 +11,7 @@ message helpers below. Torch-free, so the control plane and the ranks share it.
     RUN/cluster.json               a node run's cluster; cluster-from-step-N.json after a recovery
     RUN/metrics.jsonl              rank 0's per-step records (a path of the user's choice instead)
     RUN/tensorboard/               rank 0's TensorBoard event files of the same records (`tensorboard --logdir RUN`)
+    RUN/loss.png, RUN/ranks.png    the records drawn when the run ends (hetrain.pictures; with matplotlib)
     RUN/backup.json                rank 0's account of what reached the remote store, when the run ends
     RUN/launch[-NODE].log          the launcher's output
     RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)

@@ -172,6 +172,7 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
         want = lm_loss(model(seq[:, :-1]), seq[:, 1:]).item()
     assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
     assert_board_matches_metrics(tmp_path / "run")
+    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
     r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model

@@ -66,3 +66,25 @@ def test_a_resumed_run_shows_each_step_once(tmp_path: Path):
     assert board["loss"] == {0: 10.0, 1: 9.0, 2: 8.0, 3: 103.0, 4: 104.0, 5: 105.0}
     assert board["compute_s/rank1"][5] == pytest.approx(0.2)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_the_run_pictures_are_pngs_of_the_records(tmp_path: Path):
+    """loss.png and ranks.png from a metrics file (a torn last line skipped), real PNGs of sensible size."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from hetrain.pictures import write_run_pictures
+
+    lines = [json.dumps(record(step, 10.0 - step)) for step in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')
+    written, why_not = write_run_pictures(tmp_path / "metrics.jsonl", tmp_path)
+    assert why_not is None and [p.name for p in written] == ["loss.png", "ranks.png"]
+    for path in written:
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.width > 500 and image.height > 200
+            colors = image.convert("RGB").getcolors(maxcolors=1 << 16)
+            assert colors is not None and len(colors) > 10  # drawn, not blank
+    (tmp_path / "empty.jsonl").write_text("")
+    assert write_run_pictures(tmp_path / "empty.jsonl", tmp_path / "x") == ([], f"no pictures: "
+                                                                             f"{tmp_path / 'empty.jsonl'} holds no "
+                                                                             f"step records")

@@ -63,5 +63,6 @@ def test_the_notebook_example_plans_trains_and_exports(tmp_path: Path):
     assert "Warning" not in r.stderr, r.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in records] == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
     weights, spec = tmp_path / "export" / "model.safetensors", tmp_path / "export" / "hetrain-model.json"
     assert stat.S_IMODE(weights.stat().st_mode) == stat.S_IMODE(spec.stat().st_mode)

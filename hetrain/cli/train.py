@@ -186,6 +186,13 @@ def _report_run(records: list[dict], config, run_dir: Path) -> None:
                   f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}"
                   + (f", curves: tensorboard --logdir {config.tensorboard_dir}" if config.tensorboard_dir else ""),
                   highlight=False)
+    from hetrain.pictures import write_run_pictures
+
+    pictures, why_not = write_run_pictures(config.metrics or RunDir.of(run_dir).metrics, run_dir)
+    if pictures:
+        out.print(f"pictures: {', '.join(str(p) for p in pictures)}", highlight=False, soft_wrap=True)
+    elif records:
+        say_note(why_not)
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
         err.print(labelled("backup", problem), highlight=False, soft_wrap=True)
