@@ -11,6 +11,8 @@ megabytes before anything is timed. Each path runs in its own process, one after
   ``DOC_BATCH_BYTES``, which the tokenizers library spreads over its thread pool (every core);
 * text, one thread: the same with ``TOKENIZERS_PARALLELISM=false``: what batching alone gives.
 
+The paths run in turn, ``--repeats`` rounds (the machine is shared and noisy: a slow minute
+then falls on every path, not on one); each row gives the median and the best of its rounds.
 Prints a table, writes bench/results/data_prepare.json. The speed-up from threads is bounded
 by the cores the machine has free (``os.cpu_count()`` is printed with the table).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -122,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=8.0, help="megabytes of text in the corpus")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every path, in turn")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -133,22 +137,29 @@ def main() -> None:
         docs = build_corpus(directory, args.mb)
         train_tokenizer(directory, docs, args.vocab)
         text_bytes = (directory / "corpus.txt").stat().st_size
+        times: dict[str, list[float]] = {mode: [] for mode, _ in MODES}
+        tokens: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for mode, env in MODES:
+                r = subprocess.run([sys.executable, __file__, "--one", mode, "--dir", str(directory)], check=True,
+                                   capture_output=True, text=True,
+                                   env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+                one = json.loads(r.stdout)
+                times[mode].append(one["seconds"])
+                tokens[mode] = one["tokens"]
         rows = []
-        for mode, env in MODES:
-            r = subprocess.run([sys.executable, __file__, "--one", mode, "--dir", str(directory)], check=True,
-                               capture_output=True, text=True, env={**os.environ, **env,
-                                                                    "PYTHONPATH": str(ROOT)})
-            row = json.loads(r.stdout) | {"mode": mode}
-            row["mb_per_s"] = text_bytes / (1 << 20) / row["seconds"]
-            row["ktokens_per_s"] = row["tokens"] / row["seconds"] / 1e3
-            rows.append(row)
-        for row in rows:
-            row["speedup"] = rows[0]["seconds"] / row["seconds"]
+        for mode, _ in MODES:
+            seconds = statistics.median(times[mode])
+            rows.append({"mode": mode, "seconds": seconds, "best_s": min(times[mode]), "rounds_s": times[mode],
+                         "tokens": tokens[mode], "mb_per_s": text_bytes / (1 << 20) / seconds,
+                         "ktokens_per_s": tokens[mode] / seconds / 1e3,
+                         "speedup": statistics.median(times["single-chunk"]) / seconds})
     title = (f"hetrain data prepare: {text_bytes / (1 << 20):.1f} MB of Python source, {len(docs)} documents, "
              f"byte-level BPE of {args.vocab}, {os.cpu_count()} cores")
-    print_table(title, rows, [("path", "mode"), ("seconds", "{seconds:.1f}"), ("tokens", "{tokens:,}"),
+    print_table(title, rows, [("path", "mode"), ("median s", "{seconds:.1f}"), ("best s", "{best_s:.1f}"),
+                              ("tokens", "{tokens:,}"),
                               ("MB/s", "{mb_per_s:.2f}"), ("k tokens/s", "{ktokens_per_s:.0f}"),
-                              ("speed-up", "{speedup:.2f}x")])
+                              ("speed-up (median)", "{speedup:.2f}x")])
     print(f"\nwrote {write_results('data_prepare', rows)}")
 
 
