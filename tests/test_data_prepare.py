@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,29 @@ def test_a_tokenizer_directory_names_its_eos_and_text_files_are_one_document(tmp
     assert ids[:-1] == tok.encode("\n".join(docs), add_special_tokens=False).ids
     with pytest.raises(HetrainError, match="--eos <nope>: not a token of"):
         prepare_tokens(tmp_path / "t.txt", tmp_path / "u.bin", bpe, eos="<nope>")
+
+
+def test_a_big_text_file_in_pieces_encodes_as_one_encoding_of_it(tmp_path: Path):
+    """A file of many pieces (real Python source: blank lines, long indented blocks), a byte-level
+    BPE: the pieces are cut where the pre-tokenizer splits anyway, so the ids are exactly those of
+    one encode call on the whole file (cuts at any newline gave 13 tokens fewer on 3 MB)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hetrain.runtime.corpus import TEXT_PIECE_BYTES
+
+    source = Path(sysconfig.get_paths()["stdlib"]) / "_pydecimal.py"
+    if not source.is_file() or source.stat().st_size < 2 * TEXT_PIECE_BYTES:
+        pytest.skip(f"{source}: not here, or too small for several pieces")
+    text = source.read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text[:50_000]], trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "code.txt").write_text(text)
+    meta = prepare_tokens(tmp_path / "code.txt", tmp_path / "code.bin", tmp_path / "tokenizer.json", eos="none")
+    assert meta["dtype"] == "uint16"
+    assert np.fromfile(tmp_path / "code.bin", np.uint16).tolist() == tok.encode(text, add_special_tokens=False).ids
 
 
 def test_old_token_files_still_read_and_newer_schemas_are_refused(tmp_path: Path):

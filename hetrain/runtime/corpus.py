@@ -24,6 +24,7 @@ one big file is a batch of many pieces too).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 # GPT-2 and most BPE models, Llama 1/2 and T5, Llama 3, Gemma.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 NO_EOS = "none"  # --eos none: documents are joined without a separator
+_SAFE_CUT = re.compile(rb"(?<=\S)\n(?=\S)|(?<=\S)(?= [A-Za-z])")  # see _cut
 
 
 @dataclass
@@ -81,15 +83,29 @@ def open_input(path: str | Path, field: str = "text", split: str = "train") -> I
     return Input(str(p), p.stat().st_size, lambda: _text_pieces(p))
 
 
+def _cut(chunk: bytes) -> int:
+    """Where to end a piece: the last place a pre-tokenizer splits anyway, else after the last newline.
+
+    Such a place is a lone newline (non-space bytes on both sides) or a single space between a
+    non-space byte and a letter: GPT-2's byte-level pattern and whitespace splitting both end a
+    pre-token there, so pieces cut there encode as the whole file does (a run of whitespace is
+    split differently at the end of a text, so no cut falls inside one unless there is no other).
+    """
+    last = None
+    for last in _SAFE_CUT.finditer(chunk):
+        pass
+    return last.end() if last is not None else chunk.rfind(b"\n") + 1
+
+
 def _text_pieces(p: Path) -> Iterator[tuple[bytes, bool, int]]:
-    """The file in pieces cut after a newline (no word in two), the last one ending the document."""
+    """The file in pieces cut at newlines (``_cut``: no word in two), the last one ending the document."""
     done, carry = 0, b""
     with p.open("rb") as f:
         while True:
             block = f.read(TEXT_PIECE_BYTES)
             done += len(block)
             chunk = carry + block
-            cut = chunk.rfind(b"\n") + 1 if block else len(chunk)
+            cut = _cut(chunk) if block else len(chunk)
             chunk, carry = (chunk[:cut], chunk[cut:]) if cut else (b"", chunk)
             if chunk or not block:
                 yield chunk, not block, done
