@@ -48,7 +48,7 @@ class TrainOptions(BaseModel):
     more_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description=(
         "train this many steps past the newest checkpoint instead of up to --steps (scheduled retraining)"))
     data: str | None = Field(None, description=(
-        "token file (.bin of uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
+        "token file (.bin of uint8/uint16/uint32 ids, .npy; see `hetrain data prepare`) or a text file read as byte-level "
         "tokens (default: synthetic)"))
     seed: int = Field(0, ge=0, le=MAX_SEED, description="weights and data seed")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
@@ -61,6 +61,9 @@ class TrainOptions(BaseModel):
     precision: Precision | None = Field(None, description=(
         "default: the plan's (a plan without training settings: bf16 on GPU, fp32 on CPU)"))
     compile: bool = Field(False, description="torch.compile each block (GPU only)")
+    init_from: str | None = Field(None, description=(
+        "start from these weights instead of random ones: a transformers Llama directory (config.json + "
+        "safetensors, sharded or not) or a hetrain export; each rank reads only its own tensors"))
     checkpoints: bool = Field(True, description="checkpoint the run (off: a preempted or failed run cannot resume)")
     checkpoint_dir: str | None = Field(None, description=(
         "each node's checkpoint root (path or fsspec URL; {node} becomes the node name; default "
@@ -140,6 +143,8 @@ class RunConfig(BaseModel):
     compile: bool = False  # torch.compile each block (GPU only)
     trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
     metrics: str | None = None
+    init_from: str | None = None  # a model directory (hetrain.spec.hf) to start from; a resume's checkpoint wins
+    tensorboard_dir: str | None = None  # rank 0 writes TensorBoard event files here (RunDir.tensorboard)
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
     run_id: str = "run"
@@ -206,6 +211,8 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
+                         tensorboard_dir=str(run.tensorboard),
+                         init_from=str(Path(o.init_from).resolve()) if o.init_from else None,
                          checkpoint=ckpt, request_file=str(run.checkpoint_request),
                          backup_status_file=str(run.backup_status) if o.remote else None,
                          seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,

@@ -7,12 +7,12 @@ nodes' directories or peer servers, then the bucket), loads its model part into 
 single-process model (DCP reshards: any plan, any TP degree), and writes:
 
 * ``model.safetensors``: every weight, whole, in ``dtype``. Llama-family specs use the
-  ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...):
-  the runtime's rotary convention is ``transformers``' (``rotate_half``), so no weight is
-  permuted; GPT specs keep hetrain's names (GPT-2's own layout differs: fused, transposed,
-  with biases).
+  ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...;
+  ``hetrain.spec.hf`` owns the mapping); GPT specs keep hetrain's names.
 * ``config.json`` in the ``transformers`` Llama layout (Llama-family specs only).
 * ``hetrain-model.json``: the model spec, so ``load_export`` (and hetrain) can rebuild it.
+* ``tokenizer.json`` (and its transformers config files) when the run's data was made with one
+  (``hetrain data prepare --tokenizer``): the model and its tokenizer travel together.
 
 Files are written under temporary names and renamed when whole.
 """
@@ -23,55 +23,41 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hetrain.errors import HetrainError
+from hetrain.spec.hf import HF_CONFIG, SPEC_FILE, WEIGHTS, exported_name, hf_config  # their owner
 from hetrain.spec.specs import ModelSpec
 
-WEIGHTS = "model.safetensors"
-HF_CONFIG = "config.json"
-SPEC_FILE = "hetrain-model.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# hetrain's parameter names -> transformers' LlamaForCausalLM names (per block, then the ends)
-_LLAMA_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_LLAMA_ENDS = {"tok_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "head.weight": "lm_head.weight"}
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # dcp.load's, whenever no process group is up
 
 
-def exported_name(spec: ModelSpec, name: str) -> str:
-    """The name ``name`` (a parameter of ``hetrain.runtime.model.GPT``) has in the export."""
-    if spec.arch != "llama":
-        return name
-    if name in _LLAMA_ENDS:
-        return _LLAMA_ENDS[name]
-    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return f"model.layers.{index}.{_LLAMA_BLOCK[rest]}"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # transformers' names
 
 
-def hf_config(spec: ModelSpec, dtype: str) -> dict:
-    """``config.json`` for ``transformers``' ``LlamaForCausalLM``."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size, "max_position_embeddings": spec.seq_length, "rope_theta": spec.rope_base,
-        "rms_norm_eps": spec.eps, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-    }
+def tokenizer_files(data: str | None) -> dict[str, Path]:
+    """The tokenizer the run's token file was made with (``hetrain data prepare --tokenizer``), by export name.
+
+    ``tokenizer.json`` and, where they sit beside it (a transformers model directory), its
+    ``tokenizer_config.json`` and ``special_tokens_map.json``; nothing for byte-level data, a file
+    without a description or a tokenizer moved away since.
+    """
+    from hetrain.runtime.data import token_file_description
+
+    meta = token_file_description(data) if data else None
+    source = meta.get("tokenizer_path") if meta else None
+    if not isinstance(source, str):
+        return {}
+    main = Path(source) if Path(source).is_file() else Path(source) / TOKENIZER_FILES[0]
+    if not main.is_file():
+        return {}
+    return {TOKENIZER_FILES[0]: main} | {name: main.parent / name for name in TOKENIZER_FILES[1:]
+                                         if (main.parent / name).is_file()}
 
 
 def check_dtype(dtype: str) -> None:
@@ -99,7 +85,9 @@ def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]
     model = GPT(spec)  # whole, on the CPU: DCP fills it from whatever shards the plan wrote
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner())
+        with warnings.catch_warnings():  # one process by design: DCP's warning that it is one says nothing to a user
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+            dcp.load(state, storage_reader=SafeFsspecReader(checkpoint_dir), planner=SafeLoadPlanner(), no_dist=True)
     except HetrainError:
         raise
     except (Exception, CheckpointException) as e:  # an index that does not fit the model (no code runs: safe unpickler)
@@ -143,9 +131,15 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         save_file(tensors, str(staged[WEIGHTS]), metadata={"format": "pt", "hetrain_step": str(chosen),
                                                             "hetrain_arch": spec.arch})
         staged[SPEC_FILE].write_text(json.dumps(spec.model_dump(mode="json", exclude_none=True), indent=2) + "\n")
+        # safetensors creates its file private (0600); the export is for others to read, like the files
+        # written here through open(), whose mode the user's umask set
+        os.chmod(staged[WEIGHTS], staged[SPEC_FILE].stat().st_mode & 0o777)
         if spec.arch == "llama":
             staged[HF_CONFIG] = work / HF_CONFIG
             staged[HF_CONFIG].write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        for name, source in tokenizer_files(config.data).items():  # the tokenizer travels with the model
+            staged[name] = work / name
+            shutil.copyfile(source, staged[name])
         for name, path in staged.items():  # whole files only, each renamed into place
             os.replace(path, out_dir / name)
     finally:

@@ -10,6 +10,8 @@ message helpers below. Torch-free, so the control plane and the ranks share it.
                                    plan-standby.json while a warm start waits
     RUN/cluster.json               a node run's cluster; cluster-from-step-N.json after a recovery
     RUN/metrics.jsonl              rank 0's per-step records (a path of the user's choice instead)
+    RUN/tensorboard/               rank 0's TensorBoard event files of the same records (`tensorboard --logdir RUN`)
+    RUN/loss.png, RUN/ranks.png    the records drawn when the run ends (hetrain.pictures; with matplotlib)
     RUN/backup.json                rank 0's account of what reached the remote store, when the run ends
     RUN/launch[-NODE].log          the launcher's output
     RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)
@@ -97,6 +99,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.path / METRICS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
 
     @property
     def backup_status(self) -> Path:

@@ -87,3 +87,29 @@ def test_an_error_that_looks_like_markup_prints_as_it_is(cli, tmp_path):
     odd = tmp_path / "x[/gloo]" / "plan.json"
     r = cli("estimate", "--plan", str(odd), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {odd}: file not found"], r.stderr
+
+
+def test_help_and_the_plan_table_fit_80_columns_whole(tmp_path):
+    """At 80 columns no line is longer, no option's name and no number is cut ('…')."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def run(*args):
+        env = {**os.environ, "COLUMNS": "80", "NO_COLOR": "1"}
+        r = subprocess.run([sys.executable, "-m", "hetrain", *args], capture_output=True, text=True, cwd=ROOT,
+                           env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+        assert "…" not in r.stdout, r.stdout
+        return r.stdout
+
+    helped = run("plan", "--help")
+    for option in ("--global-batch-size", "--micro-batch-size", "--no-recompute", "--time-limit", "--compare"):
+        assert option in helped
+    table = run("plan", "--cluster", str(EXAMPLES / "clusters/paper-3types.yaml"), "--model",
+                str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "64", "--compare", "--time-limit", "5")
+    for cell in ("RTX3090", "rtx/{0,1}", "32.4/80", "131.6", "vs", "megatron", "pipelines=2"):
+        assert cell in table

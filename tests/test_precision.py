@@ -208,16 +208,16 @@ def test_prepare_byte_level_and_tokenizer(tmp_path: Path):
     text = tmp_path / "t.txt"
     text.write_text("hello world\n" * 200)
     meta = prepare_tokens(text, tmp_path / "t.bin")
-    assert meta["dtype"] == "uint16" and meta["num_tokens"] == 2400
-    assert (np.fromfile(tmp_path / "t.bin", dtype=np.uint16) == np.frombuffer(text.read_bytes(), np.uint8)).all()
+    assert meta["dtype"] == "uint8" and meta["num_tokens"] == 2400  # byte-level: one byte a token
+    assert (np.fromfile(tmp_path / "t.bin", dtype=np.uint8) == np.frombuffer(text.read_bytes(), np.uint8)).all()
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     r = run_cli("data", "prepare", "--text", str(text), "--out", str(tmp_path / "w.bin"),
-                "--tokenizer", str(tmp_path / "tokenizer.json"))
+                "--tokenizer", str(tmp_path / "tokenizer.json"), "--eos", "none")
     assert r.returncode == 0, r.stderr
-    assert np.fromfile(tmp_path / "w.bin", dtype=np.uint16).tolist() == [0, 1] * 200
+    assert np.fromfile(tmp_path / "w.bin", dtype=np.uint8).tolist() == [0, 1] * 200
     assert json.loads((tmp_path / "w.bin.json").read_text())["vocab_size"] == 3
 
 
@@ -227,9 +227,9 @@ def test_prepare_byte_level_and_tokenizer(tmp_path: Path):
     (lambda d: (d / "x.bin").write_bytes(b"\0" * 2001), "2001 bytes is not a whole number of uint16"),
     (lambda d: np.save(d / "x.npy", np.zeros(100, np.float32)), "expected a 1-D array of integer token ids"),
     (lambda d: (np.arange(100, dtype=np.uint16).tofile(d / "x.bin"),
-                (d / "x.bin.json").write_text('{"dtype": "int8"}')), "dtype: expected one of uint16, uint32"),
+                (d / "x.bin.json").write_text('{"dtype": "int8"}')), "dtype: expected one of uint8, uint16, uint32"),
     (lambda d: (np.arange(100, dtype=np.uint16).tofile(d / "x.bin"),
-                (d / "x.bin.json").write_text('{"dtype": ["uint16"]}')), "dtype: expected one of uint16, uint32"),
+                (d / "x.bin.json").write_text('{"dtype": ["uint16"]}')), "dtype: expected one of uint8, uint16, uint32"),
 ])
 def test_bad_token_files_are_one_line_errors(tmp_path: Path, make, message):
     make(tmp_path)

@@ -10,21 +10,31 @@ them. Importing this package stays fast: torch and the planners load inside the 
 
 from __future__ import annotations
 
+import shutil
+
 import typer
 
 from hetrain.cli import checkpoints, data, node, plan, recovery, train
 from hetrain.cli.common import err, say_error
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train large models on mixed, preemptible GPUs.")
+# Help in a terminal narrower than this: click's two columns, which wrap the help text and keep every
+# option's name whole; rich's panels (seven columns: names, switches, types, help...) need about this
+# much before they cut names ("--global-batch-s…") to fit.
+RICH_HELP_MIN_COLUMNS = 100
+HELP_MARKUP = "rich" if shutil.get_terminal_size().columns >= RICH_HELP_MIN_COLUMNS else None
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
+                  help="Train large models on mixed, preemptible GPUs.")
 for command in (plan.plan, plan.estimate, plan.profile, train.train, checkpoints.serve, recovery.recover,
                 recovery.switch, checkpoints.export, recovery.restore, recovery.watch):
     app.command()(command)
 
-node_app = typer.Typer(no_args_is_help=True, help="Run this machine as a node of a cluster.")
+node_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
+                       help="Run this machine as a node of a cluster.")
 app.add_typer(node_app, name="node")
 node_app.command("start")(node.node_start)
 
-data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 data_app.command("prepare")(data.data_prepare)
 

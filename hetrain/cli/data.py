@@ -1,4 +1,4 @@
-"""``hetrain data prepare``: a text file into a flat token file."""
+"""``hetrain data prepare``: text, JSON lines, Parquet or a saved dataset into a flat token file."""
 
 from __future__ import annotations
 
@@ -13,24 +13,33 @@ from hetrain.cli.common import err, out, user_errors
 
 @user_errors
 def data_prepare(
-    text: Annotated[Path, typer.Option(help="text file (UTF-8)")],
+    inputs: Annotated[list[Path], typer.Option(
+        "--input", "--text", "-i", help="a text file (one document), JSON lines (.jsonl: a document a line), "
+        "Parquet (.parquet: a document a row) or a datasets dataset saved to disk (a directory); repeat for more")],
     out_file: Annotated[Path, typer.Option("--out", help="token file to write (.bin; a .bin.json describes it)")],
-    tokenizer: Annotated[Path | None, typer.Option(help="Hugging Face tokenizer.json (default: byte-level, "
-                                                        "one token per byte)")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="tokenizer.json, or a transformers model directory (default: byte-level, one token per byte)")] = None,
+    field: Annotated[str, typer.Option(help="the text field of JSON lines, Parquet and datasets")] = "text",
+    split: Annotated[str, typer.Option(help="the split of a saved DatasetDict")] = "train",
+    eos: Annotated[str | None, typer.Option(
+        help="end-of-document token put between documents (default: the tokenizer's own; 'none': no token)")] = None,
 ):
-    """Tokenize a text file into a flat token file for `hetrain train --data`."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    """Tokenize documents into a flat token file for `hetrain train --data`, on every core."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
 
     from hetrain.runtime.data import prepare_tokens
 
-    with Progress(TextColumn("[bold]tokenize"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+    with Progress(TextColumn("[bold]tokenize"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TextColumn("{task.fields[tokens]:,} tokens"), TimeRemainingColumn(),
                   console=err, transient=True) as bar:
-        task = bar.add_task("tokenize", total=None)
-        meta = prepare_tokens(text, out_file, tokenizer,
-                              progress=lambda done, total: bar.update(task, completed=done, total=total))
+        task = bar.add_task("tokenize", total=None, tokens=0)
+        meta = prepare_tokens(inputs, out_file, tokenizer, field=field, eos=eos, split=split,
+                              progress=lambda done, total, tokens: bar.update(task, completed=done, total=total,
+                                                                              tokens=tokens))
     table = Table(title=f"{out_file}", title_justify="left")
-    for col in ("tokens", "dtype", "vocabulary", "largest id", "tokenizer"):
-        table.add_column(col, justify="left" if col == "tokenizer" else "right")
-    table.add_row(f"{meta['num_tokens']:,}", meta["dtype"], f"{meta['vocab_size']:,}", str(meta["max_id"]),
-                  meta["tokenizer"])
+    for col in ("tokens", "documents", "dtype", "vocabulary", "end of document", "tokenizer"):
+        table.add_column(col, justify="left" if col == "tokenizer" else "right", overflow="fold")
+    table.add_row(f"{meta['num_tokens']:,}", f"{meta['documents']:,}", meta["dtype"], f"{meta['vocab_size']:,}",
+                  "none" if meta["eos_id"] is None else str(meta["eos_id"]), meta["tokenizer"])
     out.print(table)

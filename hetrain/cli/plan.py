@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -44,11 +45,31 @@ _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_siz
                     "tp_degrees": "--tp", "activation_recompute": "--recompute"}
 
 
+NARROW_TABLE_COLUMNS = 100  # in a terminal narrower than this, headers take two lines so that cells fit whole
+
+
+def _compact_table(title: str, headers: list[tuple[str, str]]) -> tuple[Table, list[str]]:
+    """A table with a rule under the header only and one space between columns; the headers' wide
+    or two-line names (``(wide, narrow)``) by the terminal's width. A boxed, padded table of ten
+    columns cut every cell at 80 columns."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
+    narrow = out.width < NARROW_TABLE_COLUMNS
+    return table, [n if narrow else w for w, n in headers]
+
+
+# a pipeline's schedule beside its micro-batches, short enough for 80 columns (1F1B, the default, says nothing)
+SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb"}
+
+
 def plan_table(plan, est, title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("pipeline", "stage", "gpu", "devices", "blocks", "recompute", "micro-batches", "in flight", "stage ms",
-                "memory GB"):
-        table.add_column(col, justify="right" if col not in ("gpu", "devices", "recompute") else "left")
+    """One row a stage; numbers never wrap, and long names of GPUs and devices wrap instead of being cut."""
+    table, names = _compact_table(title, [
+        ("pipeline", "pipe-\nline"), ("stage", "stage"), ("gpu", "gpu"), ("devices", "devices"), ("blocks", "blocks"),
+        ("recompute", "recompute"), ("micro-batches", "micro\nbatches"), ("in flight", "in\nflight"),
+        ("stage ms", "stage\nms"), ("memory GB", "memory\nGB")])
+    for i, col in enumerate(names):
+        table.add_column(col, justify="left" if i in (2, 3, 5) else "right", no_wrap=i not in (2, 3, 4, 5),
+                         overflow="fold")
     from hetrain.cost.report import plan_rows
 
     rows = plan_rows(plan, est)
@@ -56,8 +77,10 @@ def plan_table(plan, est, title: str) -> Table:
         first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
                       f"{r['blocks']} ({r['num_blocks']})", r["recompute"],
-                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {r['schedule']}")) if first else "",
-                      str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""), f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f} / {r['capacity GB']:.0f}", end_section=last)
+                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}"))
+                      if first else "",
+                      str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""),
+                      f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f}/{r['capacity GB']:.0f}", end_section=last)
     return table
 
 
@@ -97,7 +120,8 @@ def summary_line(plan, est) -> str:
 @user_errors
 def plan(
     cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
-    model: Annotated[Path, typer.Option(help="model YAML file")],
+    model: Annotated[Path, typer.Option(help="model YAML file, or a model directory (a transformers Llama, "
+                                             "an export) to plan for its --init-from")],
     global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
@@ -116,7 +140,8 @@ def plan(
     """Find the fastest plan for a model on a mixed cluster."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
-    from hetrain.spec.specs import load_cluster, load_model
+    from hetrain.spec.hf import load_any_model as load_model
+    from hetrain.spec.specs import load_cluster
     from solver.planner import PLANNERS, make_plan
 
     if planner not in PLANNERS:
@@ -189,9 +214,12 @@ def comparison_rows(results: dict) -> list[dict]:
 
 
 def comparison_table(rows: list[dict], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("planner", "iteration s", "tokens/s", "vs megatron", "min headroom GB", "solve s", "layout"):
-        table.add_column(col, justify="left" if col in ("planner", "layout") else "right")
+    table, names = _compact_table(title, [
+        ("planner", "planner"), ("iteration s", "iteration\ns"), ("tokens/s", "tokens/s"),
+        ("vs megatron", "vs\nmegatron"), ("min headroom GB", "min headroom\nGB"), ("solve s", "solve\ns"),
+        ("layout", "layout")])
+    for col in names:
+        table.add_column(col, justify="left" if col in ("planner", "layout") else "right", no_wrap=col != "layout")
     for r in rows:
         if "error" in r:
             table.add_row(r["planner"], "-", "-", "-", "-", "-", Text(str(r['error']), style="red"))

@@ -78,10 +78,7 @@ def train(
     config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
                               peers=_peer_urls(peer), trace_memory=trace_memory,
                               dump_dir=str(dump_dir.resolve()) if dump_dir else None)
-    if options.data is not None:
-        from hetrain.runtime.data import TokenSource
-
-        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)  # bad data: one line now, not per rank
+    _check_inputs(options, pl)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
@@ -103,6 +100,18 @@ def train(
         _note_analytic(pl)
         records = _launch_with_progress(config, layout, run_dir)
     _report_run(records, config, run_dir)
+
+
+def _check_inputs(options: TrainOptions, pl) -> None:
+    """Bad data or weights of another model: one line now, not one from every rank after the launch."""
+    if options.data is not None:
+        from hetrain.runtime.data import TokenSource
+
+        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)
+    if options.init_from is not None:
+        from hetrain.spec.hf import check_pretrained
+
+        check_pretrained(options.init_from, pl.model)
 
 
 def _note_analytic(pl) -> None:
@@ -174,8 +183,16 @@ def _report_run(records: list[dict], config, run_dir: Path) -> None:
         tail = records[len(records) // 2:] or records
         mean_tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
         out.print(f"done: {len(records)} steps, loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
-                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}",
+                  f"{mean_tps:,.0f} tokens/s (second half); metrics in {config.metrics or RunDir.of(run_dir).metrics}"
+                  + (f", curves: tensorboard --logdir {config.tensorboard_dir}" if config.tensorboard_dir else ""),
                   highlight=False)
+    from hetrain.pictures import write_run_pictures
+
+    pictures, why_not = write_run_pictures(config.metrics or RunDir.of(run_dir).metrics, run_dir)
+    if pictures:
+        out.print(f"pictures: {', '.join(str(p) for p in pictures)}", highlight=False, soft_wrap=True)
+    elif records:
+        say_note(why_not)
     problem = backup_problem(config)
     if problem:  # trained, and the checkpoints are on the nodes' disks, but not (all) in the remote store
         err.print(labelled("backup", problem), highlight=False, soft_wrap=True)

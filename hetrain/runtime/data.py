@@ -9,7 +9,8 @@ rank touches only the windows of its own pipeline's slice):
 
 * ``.bin``: a flat array of token ids, nanoGPT's ``train.bin`` or Megatron's ``.bin`` without
   its index. The dtype comes from the ``<file>.json`` that ``hetrain data prepare`` writes
-  beside it (``hetrain.tokens/v1``), else uint16 when the vocabulary fits, uint32 otherwise.
+  beside it (``hetrain.tokens/v2``; v1 files read the same), else uint16 when the vocabulary
+  fits, uint32 otherwise.
 * ``.npy``: a 1-D array of unsigned (or non-negative signed) integers; numpy's header gives the dtype.
 * anything else: text, one token per byte (byte-level, vocabulary 256).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +34,23 @@ import torch
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_file, parse_json, read_text
 
-TOKENS_SCHEMA = "hetrain.tokens/v1"
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# The description's versions. v2 (written now) is v1 plus the dtype uint8 and the fields eos_id,
+# documents, sources and tokenizer_path; a v1 reader reads every v2 file but a uint8 one, which it
+# refuses by name.
+TOKENS_SCHEMA = "hetrain.tokens/v2"
+TOKENS_SCHEMAS_READ = ("hetrain.tokens/v1", TOKENS_SCHEMA)
+TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 VOCAB_CHECK_TOKENS = 1 << 20  # ids checked when the file is opened; every batch read is checked too
 
 
 def token_dtype_for(vocab_size: int) -> str:
+    """The dtype of a ``.bin`` without a description: nanoGPT's and Megatron's rule, never uint8."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def smallest_token_dtype(vocab_size: int) -> str:
+    """The dtype ``prepare_tokens`` writes: the smallest that holds every id (byte-level data in one byte)."""
+    return next(name for name, t in TOKEN_DTYPES.items() if vocab_size - 1 <= np.iinfo(t).max)
 
 
 def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
@@ -65,6 +77,10 @@ def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
         meta = parse_json(read_text(meta_path), str(meta_path))
         if not isinstance(meta, dict) or "dtype" not in meta:
             raise HetrainError(f"{meta_path}: expected JSON with a 'dtype' field ({TOKENS_SCHEMA})")
+        schema = meta.get("schema", TOKENS_SCHEMAS_READ[0])
+        if schema not in TOKENS_SCHEMAS_READ:
+            raise HetrainError(f"{meta_path}: schema {schema!r} is not one this hetrain reads "
+                               f"({', '.join(TOKENS_SCHEMAS_READ)}); was it written by a newer hetrain?")
         dtype_name = meta["dtype"]
         if not isinstance(dtype_name, str) or dtype_name not in TOKEN_DTYPES:
             raise HetrainError(f"{meta_path}: dtype: expected one of {', '.join(TOKEN_DTYPES)}, got {dtype_name!r}")
@@ -76,6 +92,18 @@ def open_tokens(path: str | Path, vocab_size: int) -> np.ndarray:
     if size == 0:
         return np.zeros(0, TOKEN_DTYPES[dtype_name])
     return np.memmap(p, dtype=TOKEN_DTYPES[dtype_name], mode="r")
+
+
+def token_file_description(path: str | Path) -> dict | None:
+    """The description ``prepare_tokens`` wrote beside a token file; None when there is none or it is no JSON object."""
+    meta_path = Path(path).with_name(Path(path).name + ".json")
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = parse_json(read_text(meta_path), str(meta_path))
+    except HetrainError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def check_ids(tokens: np.ndarray, vocab_size: int, source: str, offset: int = 0) -> None:
@@ -155,68 +183,53 @@ class PipelineSampler:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-TEXT_CHUNK_BYTES = 1 << 20  # text read and tokenized a megabyte at a time: any size of file, flat memory
+def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
+                   tokenizer: str | Path | None = None, field: str = "text", eos: str | None = None,
+                   split: str = "train", progress: Callable[[int, int, int], None] | None = None) -> dict:
+    """Tokenize text, JSON lines, Parquet and saved ``datasets`` into a flat ``.bin`` plus its description.
 
-
-def prepare_tokens(text: str | Path, out: str | Path, tokenizer: str | Path | None = None,
-                   progress=None) -> dict:
-    """Tokenize a text file into a flat ``.bin`` of token ids plus its ``.json`` description.
-
-    Byte-level (one token per byte, vocabulary 256) by default; with ``tokenizer``, a local
-    Hugging Face ``tokenizer.json`` through the ``tokenizers`` library (chunks end at a newline,
-    so no word is cut in two). Written under temporary names and renamed: a reader never sees
-    half a file. ``progress(done_bytes, total_bytes)`` is called as it goes.
+    The inputs are read in order (hetrain.runtime.corpus) and encoded in batches on every core,
+    ``eos`` (by default the tokenizer's own end-of-document token) after each document. The
+    ids go out in the smallest dtype that holds the vocabulary. Written under temporary names
+    and renamed: a reader never sees half a file. ``progress(bytes_read, total_bytes, tokens)``
+    is called after every batch.
     """
-    src, dst = Path(text), Path(out)
-    if not src.is_file():
-        raise HetrainError(f"--text {src}: file not found")
+    from hetrain.runtime.corpus import batches, join_ids, load_encoder, open_input
+
+    paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(i) for i in inputs]
+    dst = Path(out)
+    if not paths:
+        raise HetrainError("--input: expected at least one file or dataset directory")
     if dst.suffix != ".bin":
         raise HetrainError(f"--out {dst}: expected a .bin file name")
-    check_output_file(dst, "--out", {"--text": src, "--tokenizer": tokenizer})
-    check_output_file(dst.with_suffix(".bin.json"), "--out's description", {"--text": src, "--tokenizer": tokenizer})
-    encode, vocab_size, name = (lambda chunk: np.frombuffer(chunk, dtype=np.uint8)), 256, "bytes"
-    if tokenizer is not None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise HetrainError("--tokenizer needs the tokenizers package: pip install 'hetrain[data]'") from None
-        try:
-            tok = Tokenizer.from_file(str(tokenizer))
-        except Exception as e:
-            raise HetrainError(f"--tokenizer {tokenizer}: not a tokenizer.json the tokenizers library reads ({e})") \
-                from None
-        vocab_size, name = tok.get_vocab_size(with_added_tokens=True), str(tokenizer)
-
-        def encode(chunk: bytes) -> np.ndarray:
-            return np.asarray(tok.encode(chunk.decode("utf-8", errors="replace"), add_special_tokens=False).ids)
-    dtype = token_dtype_for(vocab_size)
+    sources = [open_input(p, field, split) for p in paths]
+    read = {f"--input {p}": p for p in paths} | {"--tokenizer": tokenizer}
+    check_output_file(dst, "--out", read)
+    check_output_file(dst.with_suffix(".bin.json"), "--out's description", read)
+    encoder = load_encoder(tokenizer, eos)
+    dtype = smallest_token_dtype(encoder.vocab_size)
+    total = sum(s.size_bytes for s in sources)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin, tmp_meta = dst.with_name(f".{dst.name}.tmp"), dst.with_name(f".{dst.name}.json.tmp")
-    total, done, count, max_id = src.stat().st_size, 0, 0, -1
+    count, max_id, documents = 0, -1, 0
     try:
-        with src.open("rb") as f, tmp_bin.open("wb") as w:
-            carry = b""
-            while True:
-                block = f.read(TEXT_CHUNK_BYTES)
-                chunk = carry + block
-                if block and tokenizer is not None:  # cut after the last newline; the rest goes with the next block
-                    cut = chunk.rfind(b"\n") + 1
-                    chunk, carry = (chunk[:cut], chunk[cut:]) if cut else (b"", chunk)
-                else:
-                    carry = b""
-                if chunk:
-                    ids = encode(chunk)
-                    if ids.size:
-                        max_id = max(max_id, int(ids.max()))
-                        ids.astype(TOKEN_DTYPES[dtype]).tofile(w)
-                        count += ids.size
-                done += len(block)
+        with tmp_bin.open("wb") as w:
+            for texts, ends, done in batches(sources):
+                ids = join_ids(encoder.encode_batch(texts), ends, encoder.eos_id)
+                documents += sum(ends)
+                if ids.size:
+                    max_id = max(max_id, int(ids.max()))
+                    if max_id > np.iinfo(TOKEN_DTYPES[dtype]).max:
+                        raise HetrainError(f"--tokenizer {encoder.name}: token id {max_id} is past its vocabulary "
+                                           f"of {encoder.vocab_size}")
+                    ids.astype(TOKEN_DTYPES[dtype]).tofile(w)
+                    count += ids.size
                 if progress:
-                    progress(done, total)
-                if not block:
-                    break
-        meta = {"schema": TOKENS_SCHEMA, "dtype": dtype, "num_tokens": count, "vocab_size": vocab_size,
-                "max_id": max_id, "tokenizer": name, "source": str(src)}
+                    progress(done, total, count)
+        meta = {"schema": TOKENS_SCHEMA, "dtype": dtype, "num_tokens": count, "vocab_size": encoder.vocab_size,
+                "max_id": max_id, "eos_id": encoder.eos_id, "documents": documents, "tokenizer": encoder.name,
+                "tokenizer_path": encoder.path,
+                "source": ", ".join(s.name for s in sources), "sources": [s.name for s in sources]}
         tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
         tmp_meta.replace(dst.with_name(dst.name + ".json"))  # first: a reader of the .bin finds its dtype
         tmp_bin.replace(dst)

@@ -31,12 +31,14 @@ from hetrain.rundir import done_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
+from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
+from hetrain.runtime.pretrained import load_pretrained
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
 
@@ -104,6 +106,8 @@ class Trainer:
                                    f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
                                    f"processes out of device order")
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
+        if config.init_from and not config.resume_from:  # after TP: each rank reads only its shards
+            load_pretrained(model, plan.model, config.init_from)
         apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
@@ -298,7 +302,8 @@ class Trainer:
         plan = self.plan
         tokens_per_step = plan.global_batch_size * plan.model.seq_length
         # the plan's rank 0 (its first node) writes them: torchrun's own rank 0 may sit on any node
-        metrics = open(config.metrics, "a") if config.metrics and self.role.rank == 0 else None
+        metrics = (MetricsWriter(config.metrics, config.tensorboard_dir, config.start_step)
+                   if self.role.rank == 0 and (config.metrics or config.tensorboard_dir) else None)
         try:
             for step in range(config.start_step, config.steps):
                 record = self.train_step(step)
@@ -337,8 +342,7 @@ class Trainer:
                 if metrics is not None:
                     record["tokens_per_s"] = tokens_per_step / record["step_time_s"]
                     record["time"] = time.time()
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    metrics.write(record)
                 if "stopped" in record:
                     break
             if self.checkpointer is not None:

@@ -6,6 +6,7 @@ was expected, e.g. ``clusters/x.yaml: nodes[1].count: expected an integer >= 1, 
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -451,8 +452,14 @@ _PYDANTIC_BOUNDS = {  # error type -> (words, ctx key)
 
 
 def describe_validation_error(source: str, err: ValidationError) -> str:
-    """First error of a pydantic ValidationError as one line naming source and field."""
-    first = err.errors()[0]
+    """First error of a pydantic ValidationError as one line naming source and field.
+
+    An unknown key comes first, with the required field it may be a typo of: a misspelt
+    ``num_layer:`` is also a missing ``num_layers``, and naming only the missing one hides the typo.
+    """
+    errors = err.errors()
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    first = unknown[0] if unknown else errors[0]
     ctx_err = (first.get("ctx") or {}).get("error")
     if isinstance(ctx_err, _FieldError):
         where, what = ctx_err.field, ctx_err.message
@@ -473,7 +480,12 @@ def describe_validation_error(source: str, err: ValidationError) -> str:
             what = f"expected {msg[0].lower() + msg[1:]}" if not msg.lower().startswith("expected") else msg
             if "input" in first and kind not in ("missing",) and ", got " not in what:  # unless the check said it
                 what += f", got {first['input']!r}"
-    more = len(err.errors()) - 1
+    if unknown:
+        missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
+        close = difflib.get_close_matches(str(first["loc"][-1]), missing, n=1)
+        if close:
+            what += f" (did you mean {close[0]}?)"
+    more = len(errors) - 1
     tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     return f"{source}: {where}: {what}{tail}"
 

@@ -1,0 +1,226 @@
+"""hetrain from Python: plan, train, export and prepare data without the shell.
+
+Each function is what the command of the same name does, through the same library calls
+(``hetrain plan`` -> ``plan``, ``hetrain train`` -> ``train``, ...), minus the printing: it
+returns what the command prints. ``import hetrain`` exposes them lazily, so the import stays
+fast and torch, pydantic models and the planner load on first use::
+
+    import hetrain
+
+    result = hetrain.plan("examples/clusters/cpu-emulated.yaml", "examples/models/gpt-tiny.yaml",
+                          global_batch_size=8, precision="fp32")
+    print(result.estimate.tokens_per_s)
+    records = hetrain.train(result.plan, "runs/notebook", cluster="examples/clusters/cpu-emulated.yaml",
+                            steps=20, data="examples/data/tiny.txt")
+    hetrain.export("runs/notebook", "exported/")
+
+Errors in what the caller gave (a file that does not parse, a plan that does not fit the
+cluster, a bad option) raise ``hetrain.HetrainError`` with the one line the CLI would print.
+
+Like the CLI, this is the application layer: it may import the planners (``solver``), which
+the library below it never does (.importlinter); the CLI and this module do not import each
+other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hetrain.errors import HetrainError
+
+if TYPE_CHECKING:
+    from hetrain.config import TrainOptions
+    from hetrain.export import ExportResult
+    from hetrain.plan.schema import Plan
+    from hetrain.profiling.profile import Profile
+    from hetrain.spec.specs import ClusterSpec, ModelSpec
+    from solver.common import PlanResult
+
+PathLike = str | Path
+
+
+def load_cluster(path: PathLike) -> ClusterSpec:
+    """A cluster YAML file (nodes, GPU types, bandwidths), checked."""
+    from hetrain.spec.specs import load_cluster as load
+
+    return load(path)
+
+
+def load_model(path: PathLike) -> ModelSpec:
+    """A model YAML file (architecture, sizes, vocabulary), or a model directory (a hetrain export, a
+    transformers Llama: its ``config.json``), checked."""
+    from hetrain.spec.hf import load_any_model
+
+    return load_any_model(path)
+
+
+def load_plan(path: PathLike) -> Plan:
+    """A plan JSON file (``hetrain.plan/v1``), as ``hetrain plan --out`` writes it."""
+    from hetrain.plan.schema import load_plan as load
+
+    return load(path)
+
+
+def load_profile(path: PathLike) -> Profile:
+    """A measured profile JSON file (``hetrain.profile/v1``), as ``hetrain profile`` writes it."""
+    from hetrain.profiling.profile import load_profile as load
+
+    return load(path)
+
+
+def _cluster(cluster: ClusterSpec | PathLike) -> ClusterSpec:
+    return load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+
+
+def _model(model: ModelSpec | PathLike) -> ModelSpec:
+    return load_model(model) if isinstance(model, (str, Path)) else model
+
+
+def _plan(plan: Plan | PathLike) -> Plan:
+    return load_plan(plan) if isinstance(plan, (str, Path)) else plan
+
+
+def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_batch_size: int, *,
+         micro_batch_size: int | None = None, tp: Sequence[int] | None = None, precision: str = "bf16",
+         recompute: str = "auto", planner: str = "hetrain", profile: Profile | PathLike | None = None,
+         time_limit_s: float = 10.0, progress: Callable[[str], None] | None = None) -> PlanResult:
+    """The fastest plan for ``model`` on ``cluster`` (``hetrain plan``): ``.plan`` and its ``.estimate``.
+
+    ``micro_batch_size`` fixes it (default: the planner searches 1, 2, 4); ``tp`` lists the
+    tensor-parallel degrees allowed (default 1, 2, 4, 8); ``recompute`` is ``auto`` (per stage,
+    as memory needs), ``none``, ``selective`` or ``full``; ``planner`` one of ``hetrain``,
+    ``megatron``, ``whale``, ``exhaustive``; ``profile`` a measured profile (default: the GPU
+    catalog's figures). ``result.plan.write(path)`` saves it for ``hetrain train --plan``.
+    """
+    from pydantic import ValidationError
+
+    from hetrain.spec.specs import TrainingSettings, describe_validation_error
+    from solver.planner import PLANNERS, make_plan
+
+    if planner not in PLANNERS:
+        raise HetrainError(f"planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
+    fields: dict[str, Any] = {"global_batch_size": global_batch_size, "precision": precision,
+                              "activation_recompute": recompute}
+    if micro_batch_size is not None:
+        fields["micro_batch_sizes"] = [micro_batch_size]
+    if tp is not None:
+        fields["tp_degrees"] = list(tp)
+    try:
+        settings = TrainingSettings(**fields)
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error("plan()", e)) from None
+    if micro_batch_size is not None:
+        settings.check_batch(micro_batch_size)
+    prof = load_profile(profile) if isinstance(profile, (str, Path)) else profile
+    return make_plan(planner, _cluster(cluster), _model(model), settings, prof, time_limit_s=time_limit_s,
+                     progress=progress)
+
+
+def check_plan(plan: Plan | PathLike, cluster: ClusterSpec | PathLike | None = None) -> Plan:
+    """The plan, checked on its own and, given ``cluster``, against its devices and memory."""
+    from hetrain.plan.schema import validate_plan, validate_plan_structure
+
+    p = _plan(plan)
+    if cluster is not None:
+        validate_plan(p, _cluster(cluster))
+    else:
+        validate_plan_structure(p)
+    return p
+
+
+def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None = None, *,
+          cluster: PathLike | None = None, resume: bool = False, restart: bool = False,
+          on_record: Callable[[dict], None] | None = None, **option_values: Any) -> list[dict]:
+    """Train under ``plan`` in ``run_dir`` on this machine (``hetrain train``); the per-step records.
+
+    The options are ``hetrain train``'s (``TrainOptions``: ``steps``, ``data``, ``lr``,
+    ``checkpoint_every``...), as an object or as keywords (``steps=20``). An existing run
+    directory resumes from its newest committed checkpoint, as the command does; ``restart``
+    archives it and starts over. ``cluster`` (a YAML path) checks the plan against it and
+    applies its CPU emulation. ``on_record(record)`` sees each step's record as it is written
+    to ``RUN_DIR/metrics.jsonl`` (TensorBoard files go to ``RUN_DIR/tensorboard``, and at the end
+    ``loss.png`` and ``ranks.png`` into ``RUN_DIR``, where matplotlib is installed).
+    """
+    from pydantic import ValidationError
+
+    from hetrain.config import TrainOptions, build_run_config
+    from hetrain.plan.layout import build_layout
+    from hetrain.recovery.runs import prepare_run
+    from hetrain.rundir import RunDir
+    from hetrain.runtime.launch import launch
+    from hetrain.spec.specs import describe_validation_error
+
+    try:  # validated whole, so a keyword is checked as the command's option is
+        opts = TrainOptions.model_validate({**(options.model_dump() if options else {}), **option_values})
+    except ValidationError as e:
+        raise HetrainError(describe_validation_error("train() options", e)) from None
+    the_plan = check_plan(plan, cluster)
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    nodes = list(build_layout(the_plan).nodes)
+    config = build_run_config(run, RunDir(run).plan, opts, cluster=Path(cluster) if cluster else None)
+    if opts.data is not None:
+        from hetrain.runtime.data import TokenSource
+
+        TokenSource(the_plan.model.seq_length, the_plan.model.vocab_size, path=opts.data)  # bad data: one error now
+    if opts.init_from is not None:
+        from hetrain.spec.hf import check_pretrained
+
+        check_pretrained(opts.init_from, the_plan.model)
+    with contextlib.ExitStack() as held:  # the run directory's lock, until the launch ends
+        prepared = prepare_run(run, config, the_plan, nodes, more_steps=opts.more_steps, resume=resume,
+                               restart=restart, hold=held)
+        the_plan.write(RunDir(run).plan)
+        records = launch(prepared.config, build_layout(the_plan), run, on_record=on_record)
+    from hetrain.pictures import write_run_pictures
+
+    write_run_pictures(RunDir(run).metrics, run)  # loss.png, ranks.png where matplotlib is installed
+    return records
+
+
+def export(run_dir: PathLike, out_dir: PathLike, *, step: int | None = None, dtype: str = "fp32",
+           timeout_s: float = 10.0) -> ExportResult:
+    """A run's committed checkpoint (the newest, or ``step``) as one ``model.safetensors`` (``hetrain export``).
+
+    Whatever plan trained it; Llama-family models in transformers' names with a ``config.json``.
+    ``load_export(out_dir)`` reads it back as a spec and hetrain-named weights.
+    """
+    from hetrain.export import export_run
+    from hetrain.files import check_output_dir
+    from hetrain.rundir import RunDir
+
+    if not RunDir.of(run_dir).config.is_file():
+        raise HetrainError(f"run_dir {run_dir}: no config.json (not a run directory)")
+    check_output_dir(Path(out_dir), "out_dir")
+    return export_run(Path(run_dir), Path(out_dir), step=step, dtype=dtype, timeout_s=timeout_s)
+
+
+def load_export(out_dir: PathLike) -> tuple[ModelSpec, dict]:
+    """An export's model spec and weights by hetrain's names: ``load_model_weights`` builds the model."""
+    from hetrain.export import load_export as load
+
+    return load(Path(out_dir))
+
+
+def build_model(spec: ModelSpec | PathLike, weights: dict | None = None):
+    """The whole model (a ``torch.nn.Module`` on the CPU) of ``spec``, with ``weights`` or freshly initialized."""
+    from hetrain.runtime.model import GPT
+
+    model = GPT(_model(spec))
+    if weights is None:
+        model.init_weights(0)
+    else:
+        model.load_state_dict(weights)
+    return model
+
+
+def prepare_data(inputs: PathLike | Sequence[PathLike], out: PathLike, tokenizer: PathLike | None = None, *,
+                 field: str = "text", eos: str | None = None, split: str = "train") -> dict:
+    """Tokenize text, JSON lines, Parquet or a saved ``datasets`` dataset into a token file (``hetrain data
+    prepare``); its description (tokens, documents, dtype, vocabulary, end-of-document id)."""
+    from hetrain.runtime.data import prepare_tokens
+
+    return prepare_tokens(inputs, out, tokenizer, field=field, eos=eos, split=split)

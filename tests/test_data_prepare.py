@@ -1,0 +1,202 @@
+"""``hetrain data prepare`` on JSON lines, Parquet, saved datasets and text, with a BPE tokenizer trained here.
+
+The tokenizer is a real byte-pair encoding trained in the test (the tokenizers library, a
+vocabulary under the tiny model's 256), so the token files fit examples/models/gpt-tiny.yaml
+and train end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_helpers import TINY, metrics, plan
+from conftest import run_cli
+from hetrain.errors import HetrainError
+from hetrain.runtime.data import TokenSource, open_tokens, prepare_tokens
+from hetrain.runtime.model import GPT, lm_loss
+from test_metrics_out import assert_board_matches_metrics
+
+tokenizers = pytest.importorskip("tokenizers")
+
+EOS = "<|endoftext|>"
+BPE_VOCAB = 200  # under gpt-tiny's 256: the token files train the tiny model, and fit in uint8
+WORDS = ("the cat sat on a mat while dogs ran far away from home under grey skies and "
+         "every river sang softly to stones").split()
+
+
+def documents(count: int, seed: int) -> list[str]:
+    """Sentences of random words, documents of different lengths (some a single word)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    """A tokenizer.json: BPE on whitespace-split words, trained on this test's documents."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(documents(200, seed=1), trainers.BpeTrainer(vocab_size=BPE_VOCAB,
+                                                                        special_tokens=["<unk>", EOS]))
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def write_parquet(path: Path, docs: list[str], field: str = "text") -> Path:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({field: docs, "n": list(range(len(docs)))}), path, row_group_size=7)
+    return path
+
+
+def assert_documents_between_eos(token_file: Path, tokenizer: Path, docs: list[str]) -> None:
+    """The file is each document's own encoding followed by the end-of-document id, in order."""
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer))
+    meta = json.loads(token_file.with_name(token_file.name + ".json").read_text())
+    eos_id = tok.token_to_id(EOS)
+    assert meta["eos_id"] == eos_id and meta["dtype"] == "uint8" and meta["documents"] == len(docs)
+    ids = np.asarray(open_tokens(token_file, BPE_VOCAB)).tolist()
+    want = [t for d in docs for t in tok.encode(d, add_special_tokens=False).ids + [eos_id]]
+    assert ids == want
+    assert ids.count(eos_id) == len(docs)
+
+
+def test_jsonl_parquet_and_a_saved_dataset_in_one_file(tmp_path: Path, bpe: Path):
+    """Inputs of three kinds, in the order given, each document closed by the EOS id."""
+    datasets = pytest.importorskip("datasets")
+    a, b, c = documents(40, 2), documents(25, 3), documents(15, 4)
+    write_jsonl(tmp_path / "a.jsonl", a)
+    write_parquet(tmp_path / "b.parquet", b, field="body")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": c}),
+                          "test": datasets.Dataset.from_dict({"body": ["unused"]})}).save_to_disk(tmp_path / "c")
+    with pytest.raises(HetrainError, match="line 1: no field 'body' \\(fields: id, text\\)"):
+        prepare_tokens([tmp_path / "a.jsonl"], tmp_path / "x.bin", bpe, field="body")
+    seen = []
+    meta = prepare_tokens([tmp_path / "b.parquet", tmp_path / "c"], tmp_path / "bc.bin", bpe, field="body",
+                          progress=lambda done, total, tokens: seen.append((done, total, tokens)))
+    assert_documents_between_eos(tmp_path / "bc.bin", bpe, b + c)
+    assert seen[-1][0] == seen[-1][1] and seen[-1][2] == meta["num_tokens"]
+    assert meta["sources"] == [str(tmp_path / "b.parquet"), str(tmp_path / "c")]
+    prepare_tokens([tmp_path / "a.jsonl"], tmp_path / "a.bin", bpe)
+    assert_documents_between_eos(tmp_path / "a.bin", bpe, a)
+
+
+def test_a_tokenizer_directory_names_its_eos_and_text_files_are_one_document(tmp_path: Path, bpe: Path):
+    """transformers' layout: tokenizer.json beside a tokenizer_config.json naming eos_token."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_bytes(bpe.read_bytes())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<unk>"}}))
+    docs = documents(30, 5)
+    (tmp_path / "t.txt").write_text("\n".join(docs))
+    meta = prepare_tokens(tmp_path / "t.txt", tmp_path / "t.bin", model_dir)
+    tok = tokenizers.Tokenizer.from_file(str(bpe))
+    ids = np.fromfile(tmp_path / "t.bin", dtype=np.uint8).tolist()
+    assert meta["eos_id"] == tok.token_to_id("<unk>") and ids[-1] == meta["eos_id"]
+    assert ids[:-1] == tok.encode("\n".join(docs), add_special_tokens=False).ids
+    with pytest.raises(HetrainError, match="--eos <nope>: not a token of"):
+        prepare_tokens(tmp_path / "t.txt", tmp_path / "u.bin", bpe, eos="<nope>")
+
+
+def test_a_big_text_file_in_pieces_encodes_as_one_encoding_of_it(tmp_path: Path):
+    """A file of many pieces (real Python source: blank lines, long indented blocks), a byte-level
+    BPE: the pieces are cut where the pre-tokenizer splits anyway, so the ids are exactly those of
+    one encode call on the whole file (cuts at any newline gave 13 tokens fewer on 3 MB)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hetrain.runtime.corpus import TEXT_PIECE_BYTES
+
+    source = Path(sysconfig.get_paths()["stdlib"]) / "_pydecimal.py"
+    if not source.is_file() or source.stat().st_size < 2 * TEXT_PIECE_BYTES:
+        pytest.skip(f"{source}: not here, or too small for several pieces")
+    text = source.read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text[:50_000]], trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "code.txt").write_text(text)
+    meta = prepare_tokens(tmp_path / "code.txt", tmp_path / "code.bin", tmp_path / "tokenizer.json", eos="none")
+    assert meta["dtype"] == "uint16"
+    assert np.fromfile(tmp_path / "code.bin", np.uint16).tolist() == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_old_token_files_still_read_and_newer_schemas_are_refused(tmp_path: Path):
+    """A v1 description (uint16) and a bare nanoGPT .bin read as before; a future schema is named."""
+    ids = (np.arange(200) % 256).astype(np.uint16)
+    ids.tofile(tmp_path / "v1.bin")
+    (tmp_path / "v1.bin.json").write_text(json.dumps({"schema": "hetrain.tokens/v1", "dtype": "uint16"}))
+    ids.tofile(tmp_path / "bare.bin")
+    for name in ("v1.bin", "bare.bin"):
+        assert np.asarray(open_tokens(tmp_path / name, 256)).tolist() == ids.tolist()
+    (tmp_path / "v1.bin.json").write_text(json.dumps({"schema": "hetrain.tokens/v9", "dtype": "uint16"}))
+    with pytest.raises(HetrainError, match="schema 'hetrain.tokens/v9' is not one this hetrain reads"):
+        open_tokens(tmp_path / "v1.bin", 256)
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path: Path, bpe: Path):
+    """Each names the file (and line or field) and what was expected; nothing is written."""
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n[1, 2]\n')
+    (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "notparquet.parquet").write_text("hello")
+    (tmp_path / "dir").mkdir()
+    for name, eos, message in [
+        ("bad.jsonl", None, "bad.jsonl: line 2: expected a JSON object, got list"),
+        ("num.jsonl", None, "num.jsonl: line 1: field 'text' is int, expected a string"),
+        ("notparquet.parquet", None, "not a Parquet file pyarrow reads"),
+        ("dir", None, "not a datasets dataset saved to disk"),
+        ("num.jsonl", EOS, "byte-level data \\(no --tokenizer\\) has no end-of-document token"),
+    ]:
+        with pytest.raises(HetrainError, match=message):
+            prepare_tokens(tmp_path / name, tmp_path / "o.bin", eos=eos)
+        assert not (tmp_path / "o.bin").exists()
+    r = run_cli("data", "prepare", "--input", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o.bin"))
+    assert r.returncode == 2 and "line 2: expected a JSON object" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.bin").exists()
+
+
+@pytest.mark.slow
+def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe: Path):
+    """`hetrain data prepare` of both into one file, then `hetrain train --data` on two pipeline
+    stages: the run's first loss is the loss of the same initial model on the file's first
+    global batch, computed here in one process (one run, to spend the wall time once). The
+    run's TensorBoard files hold its records (read by TensorBoard's reader), and its export
+    carries the tokenizer."""
+    docs = documents(150, 6)
+    r = run_cli("data", "prepare", "--input", str(write_jsonl(tmp_path / "c.jsonl", docs[:90])),
+                "--input", str(write_parquet(tmp_path / "c.parquet", docs[90:])), "--out", str(tmp_path / "c.bin"),
+                "--tokenizer", str(bpe))
+    assert r.returncode == 0, r.stderr
+    assert_documents_between_eos(tmp_path / "c.bin", bpe, docs)
+    p = plan(1, [(8, [("a/0", [0, 3]), ("a/1", [3, 6])])])
+    p.write(tmp_path / "plan.json")
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--data", str(tmp_path / "c.bin"), "--steps", "2",
+                "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    losses = [m["loss"] for m in metrics(tmp_path) if "loss" in m]
+    model = GPT(TINY)
+    model.init_weights(0)
+    seq = TokenSource(TINY.seq_length, TINY.vocab_size, seed=0, path=tmp_path / "c.bin").sequences(0, 8)
+    with torch.no_grad():
+        want = lm_loss(model(seq[:, :-1]), seq[:, 1:]).item()
+    assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
+    assert_board_matches_metrics(tmp_path / "run")
+    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
+    r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model
