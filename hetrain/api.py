@@ -91,7 +91,8 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
 
     ``micro_batch_size`` fixes it (default: the planner searches 1, 2, 4); ``tp`` lists the
     tensor-parallel degrees allowed (default 1, 2, 4, 8); ``recompute`` is ``auto`` (per stage,
-    as memory needs), ``none``, ``selective`` or ``full``; ``planner`` one of ``hetrain``,
+    as memory needs), ``none``, ``selective`` or ``full``; ``planner`` one of ``hetrain``
+    (the MILP search seeded with the baselines' layouts), ``milp`` (the search alone),
     ``megatron``, ``whale``, ``exhaustive``; ``profile`` a measured profile (default: the GPU
     catalog's figures). ``result.plan.write(path)`` saves it for ``hetrain train --plan``.
     """
