@@ -25,6 +25,9 @@ Messages (each a file; a rename is the answer, so a reader never sees half of on
     RUN/checkpoint.request.done-N  the ranks answer: committed at step N
     RUN/standby.json               the switch a warm start waits for ({"resume_from", "start_step"} or cancel)
     RUN/standby.json.ready         the warm start says it is built and waiting
+    RUN/checkpoint.request.live    a live switch's offer: the old ranks serve the step's state (``checkpoint.live``)
+    RUN/checkpoint.request.live.release   the old ranks may stop serving
+    RUN/standby.json.live          the warm start's answer to a live switch: loaded and verified, or why not
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ BACKUP_STATUS = "backup.json"
 CHECKPOINT_REQUEST = "checkpoint.request"
 METRICS = "metrics.jsonl"
 READY_SUFFIX = ".ready"
+LIVE_SUFFIX = ".live"
 DONE_INFIX = ".done-"
 LOCK = ".lock"
 ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
@@ -192,3 +196,21 @@ def ready_file(standby: str | Path) -> Path:
     """Where a warm start says it is built and waiting for the switch."""
     standby = Path(standby)
     return standby.with_name(standby.name + READY_SUFFIX)
+
+
+def live_offer_file(request: str | Path) -> Path:
+    """Where the old plan's rank 0 offers a live switch its emergency state (``hetrain.checkpoint.live``)."""
+    request = Path(request)
+    return request.with_name(request.name + LIVE_SUFFIX)
+
+
+def live_release_file(request: str | Path) -> Path:
+    """Present once the old ranks may stop serving their state."""
+    offer = live_offer_file(request)
+    return offer.with_name(offer.name + ".release")
+
+
+def live_result_file(standby: str | Path) -> Path:
+    """Where a warm start answers a live switch: loaded and verified, or why not."""
+    standby = Path(standby)
+    return standby.with_name(standby.name + LIVE_SUFFIX)

@@ -74,13 +74,15 @@ def _stored_train_state(keys) -> tuple[str, ...] | None:
 
 
 def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        storage_options: dict | None = None) -> dict[str, float] | None:
+                        storage_options: dict | None = None, reader=None) -> dict[str, float] | None:
     """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding.
 
     Returns the checkpoint's train state by name (schedule and loss scale; a checkpoint from
     before the names is read by position), or None for a checkpoint written before it was kept.
+    ``reader``: a DCP storage reader to read through instead of ``url``'s files (the live switch's).
     """
-    reader = SafeFsspecReader(url, **(storage_options or {}))
+    if reader is None:
+        reader = SafeFsspecReader(url, **(storage_options or {}))
     keys = reader.read_metadata().state_dict_metadata.keys()
     names = _stored_train_state(keys)
     template = None
@@ -89,7 +91,9 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     elif names:
         template = {name: torch.zeros((), dtype=torch.float64) for name in names}
     state = training_state(model, optimizer, template)
-    dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})), planner=SafeLoadPlanner())
+    if isinstance(reader, SafeFsspecReader):  # a fresh one: DCP's load sets the reader up again
+        reader = SafeFsspecReader(url, **(storage_options or {}))
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])
@@ -181,6 +185,7 @@ class Checkpointer:
         self._error: str | None = None
         self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
         self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
+        self.live = None  # the live switch's server (``save_live``), until ``finish_live``
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
@@ -208,6 +213,45 @@ class Checkpointer:
         self._thread.start()
         if wait:
             self.wait()
+
+    def save_live(self, step: int, offer_file: str | None) -> None:
+        """Collective: the emergency checkpoint of a live switch; returns once the state is served.
+
+        The state is saved into memory and served to the new plan's ranks (``hetrain.checkpoint.live``,
+        the plan's rank 0 writes the offer to ``offer_file``); the same snapshot is committed to
+        disk and the bucket in the background, as any checkpoint. ``finish_live`` waits for both.
+        """
+        from hetrain.checkpoint.live import offer_state, serve_host
+
+        self.wait()
+        state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
+        snapshot = self._snapshot.take(state)
+        group = self.group if self.group is not None else dist.group.WORLD
+        host = serve_host(self.config.peers.get(self.role.node))
+        self.live = offer_state(step, snapshot, group, node=self.role.node, host=host,
+                                offer_file=offer_file if self.role.rank == 0 else None)
+        if self.group is None:
+            self._write_and_commit(step, snapshot)
+            return
+        self._thread = threading.Thread(target=self._commit_in_background, args=(step, snapshot), daemon=True,
+                                        name=f"hetrain-checkpoint-{step}")
+        self._thread.start()
+
+    def finish_live(self, release_file: str | None) -> None:
+        """After a live save: wait for its commit, then serve until ``release_file`` appears (bounded)."""
+        from hetrain.checkpoint.live import SERVE_MAX_S
+
+        if self.live is None:
+            return
+        try:
+            self.wait()
+            self.live.committed.set()
+            deadline = time.monotonic() + SERVE_MAX_S
+            while release_file and not os.path.exists(release_file) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            self.live.close()
+            self.live = None
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is committed; raises what it failed with."""
