@@ -322,10 +322,12 @@ class LiveReader(FileSystemReader):
                 if time.time() > self.deadline:
                     raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes")
                 sock.settimeout(max(0.01, self.deadline - time.time()))
-                chunk = response.read(min(CHUNK_BYTES, length - len(out)))
+                chunk = response.read1(min(CHUNK_BYTES, length - len(out)))  # what has come, not a full chunk
                 if not chunk:
                     break
                 out += chunk
+        except TimeoutError:
+            raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes") from None
         except (OSError, http.client.HTTPException) as e:
             raise LiveTransferError(f"{url}: {type(e).__name__}: {e} after {len(out)} of {length} bytes") from None
         finally:
@@ -394,6 +396,7 @@ def load_live(trainer, switch: dict, standby_file: str, device) -> bool:
 
 
 def _cause(error: BaseException) -> str:
-    """One line for a failure DCP may have wrapped (``_WrappedException``: the exception and its traceback)."""
-    error = getattr(error, "exception", error)
+    """One line for a failure DCP may have wrapped (a tuple of the exception and its stack)."""
+    if isinstance(error, tuple):  # DCP's wrapped failure: (exception, its stack)
+        error = error[0]
     return f"{type(error).__name__}: {error}"
