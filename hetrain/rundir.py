@@ -181,6 +181,12 @@ def done_file(request: str | Path, step: int) -> Path:
     return request.with_name(f"{request.name}{DONE_INFIX}{step}")
 
 
+def answer_request(request: str | Path, step: int) -> None:
+    """The ranks answer a checkpoint request: committed at ``step`` (a rename: the request becomes ``.done-<step>``)."""
+    with contextlib.suppress(FileNotFoundError):  # another node's leader answered first
+        os.replace(request, done_file(request, step))
+
+
 def done_files(request: str | Path) -> list[Path]:
     """The answers to ``request`` present now."""
     request = Path(request)

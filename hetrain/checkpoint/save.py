@@ -185,21 +185,26 @@ class Checkpointer:
         self._error: str | None = None
         self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
         self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
-        self.live = None  # the live switch's server (``save_live``), until ``finish_live``
+        self.live = None  # the live switch's server (``save_live``), until ``finish``
+        self.live_step: int | None = None
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
         return (requested or (step + 1) % self.config.every_steps == 0
                 or (step == last_step and self.config.save_at_end))
 
-    def save(self, step: int, wait: bool = False) -> None:
+    def save(self, step: int, wait: bool = False, live_offer: str | os.PathLike | None = None) -> None:
         """Collective: checkpoint the state after ``step``; returns once training may change it.
 
         In the background mode that is after the snapshot (and after the previous checkpoint's
         commit, if it is still going: one at a time); ``wait`` also waits for this one's commit
         (an emergency checkpoint: the node may go right after). A background failure raises
         here or at the next ``take_committed``, as the synchronous save raises at once.
+        ``live_offer``: a live switch's emergency checkpoint instead (``save_live``).
         """
+        if live_offer is not None:
+            self.save_live(step, str(live_offer))
+            return
         waiting = time.perf_counter()
         self.wait()
         self.waited_s = time.perf_counter() - waiting
@@ -214,12 +219,12 @@ class Checkpointer:
         if wait:
             self.wait()
 
-    def save_live(self, step: int, offer_file: str | None) -> None:
+    def save_live(self, step: int, offer_file: str) -> None:
         """Collective: the emergency checkpoint of a live switch; returns once the state is served.
 
         The state is saved into memory and served to the new plan's ranks (``hetrain.checkpoint.live``,
         the plan's rank 0 writes the offer to ``offer_file``); the same snapshot is committed to
-        disk and the bucket in the background, as any checkpoint. ``finish_live`` waits for both.
+        disk and the bucket in the background, as any checkpoint. ``finish`` waits for both.
         """
         from hetrain.checkpoint.live import offer_state, serve_host
 
@@ -228,6 +233,7 @@ class Checkpointer:
         snapshot = self._snapshot.take(state)
         group = self.group if self.group is not None else dist.group.WORLD
         host = serve_host(self.config.peers.get(self.role.node))
+        self.live_step = step
         self.live = offer_state(step, snapshot, group, node=self.role.node, host=host,
                                 offer_file=offer_file if self.role.rank == 0 else None)
         if self.group is None:
@@ -237,17 +243,22 @@ class Checkpointer:
                                         name=f"hetrain-checkpoint-{step}")
         self._thread.start()
 
-    def finish_live(self, release_file: str | None) -> None:
-        """After a live save: wait for its commit, then serve until ``release_file`` appears (bounded)."""
+    def finish(self, request_file: str | None) -> None:
+        """The run ends: wait for the last checkpoint's commit. After a live save, answer the request
+        (committed at its step) and serve until the switch releases the state (bounded)."""
         from hetrain.checkpoint.live import SERVE_MAX_S
+        from hetrain.rundir import answer_request, live_release_file
 
+        self.wait()
         if self.live is None:
             return
         try:
-            self.wait()
+            if request_file and self.node_leader:
+                answer_request(request_file, self.live_step)
             self.live.committed.set()
+            release = live_release_file(request_file) if request_file else None
             deadline = time.monotonic() + SERVE_MAX_S
-            while release_file and not os.path.exists(release_file) and time.monotonic() < deadline:
+            while release is not None and not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
         finally:
             self.live.close()

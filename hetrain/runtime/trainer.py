@@ -27,7 +27,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, build_layout
 from hetrain.plan.schema import Plan, load_plan
-from hetrain.rundir import done_file, live_offer_file, live_release_file, ready_file
+from hetrain.rundir import answer_request, live_offer_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
@@ -60,12 +60,6 @@ def _asks_to_stop(request_file: str, key: str = "stop") -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get(key) is True
-
-
-def _answer(request_file: str, step: int) -> None:
-    """Answer a checkpoint request: committed at ``step`` (the watcher sees ``.done-<step>``)."""
-    with contextlib.suppress(FileNotFoundError):  # another node's leader answered first
-        os.replace(request_file, done_file(request_file, step))
 
 
 class StepTotals:
@@ -311,7 +305,8 @@ class Trainer:
                 record = self.train_step(step)
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
-                live = record.pop("live_requested") and stop  # a live switch's: served, committed behind
+                # a live switch's: served from memory to the new ranks, committed behind
+                live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
                 ckpt = self.checkpointer
                 if ckpt is not None:
                     committed = ckpt.take_committed()  # raises a background commit's failure
@@ -321,17 +316,14 @@ class Trainer:
                     saved = time.perf_counter()
                     # a notice's checkpoint is committed before the watcher hears of it (and the
                     # node may go); the others only stall training for the snapshot
-                    if live:
-                        ckpt.save_live(step, str(live_offer_file(config.request_file)))
-                    else:
-                        ckpt.save(step, wait=requested)
+                    ckpt.save(step, wait=requested, live_offer=live)
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                         record["checkpoint_waited_s"] = ckpt.waited_s
                     if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
                         self.release_device_memory()
-                    if config.request_file and ckpt.node_leader and not live:  # live: once committed, below
-                        _answer(config.request_file, step)
+                    if config.request_file and ckpt.node_leader and live is None:  # live: once committed
+                        answer_request(config.request_file, step)
                 if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
                     failures = ckpt.uploader.new_failures()
                     if failures:
@@ -352,11 +344,8 @@ class Trainer:
                 if "stopped" in record:
                     break
             if self.checkpointer is not None:
-                self.checkpointer.wait()  # the last checkpoint is committed before the run counts as done
-                if self.checkpointer.live is not None:  # committed: say so, then serve until released
-                    if self.checkpointer.node_leader:
-                        _answer(config.request_file, step)
-                    self.checkpointer.finish_live(str(live_release_file(config.request_file)))
+                # the last checkpoint is committed before the run counts as done (a live one's is answered then)
+                self.checkpointer.finish(config.request_file)
         finally:
             if metrics is not None:
                 metrics.close()
