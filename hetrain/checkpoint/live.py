@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import http.client
 import io
 import json
@@ -116,7 +117,7 @@ class LiveServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if token and self.headers.get("Authorization") != f"Bearer {token}":
+                if token and not hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {token}"):
                     self.send_error(401)
                     return
                 owner._answer(self)
@@ -326,13 +327,14 @@ class LiveReader(FileSystemReader):
                     break
                 out += chunk
         except TimeoutError:
-            raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes") from None
+            raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes"
+                                    ) from None
         except (OSError, http.client.HTTPException) as e:
             raise LiveTransferError(f"{url}: {type(e).__name__}: {e} after {len(out)} of {length} bytes") from None
         finally:
             conn.close()
         if len(out) != length:
-            raise LiveTransferError(f"{url}: {len(out)} of {length} bytes arrived")
+            raise LiveTransferError(f"{url}: the connection closed after {len(out)} of {length} bytes")
         with self._lock:
             self.bytes_read += length
         return bytes(out)

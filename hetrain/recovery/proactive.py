@@ -143,6 +143,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
         if result is not None:
             return result
         step = switch.committed_after_live(offer["step"])
+        if not switch.thread.is_alive():  # nothing waits for the disk path's switch: restart
+            why_not = f"the warm start failed: {switch.outcome.get('error')}"
     if step is None and why_not is None:
         why_not = "the old plan committed no checkpoint before the deadline"
     report = None

@@ -305,7 +305,6 @@ class Trainer:
                 record = self.train_step(step)
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
-                # a live switch's: served from memory to the new ranks, committed behind
                 live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
                 ckpt = self.checkpointer
                 if ckpt is not None:
@@ -314,8 +313,8 @@ class Trainer:
                         record["checkpoints_committed"] = committed
                 if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
                     saved = time.perf_counter()
-                    # a notice's checkpoint is committed before the watcher hears of it (and the
-                    # node may go); the others only stall training for the snapshot
+                    # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
+                    # live switch's served from memory (committed behind); the others stall for the snapshot
                     ckpt.save(step, wait=requested, live_offer=live)
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
@@ -343,8 +342,7 @@ class Trainer:
                     metrics.flush()
                 if "stopped" in record:
                     break
-            if self.checkpointer is not None:
-                # the last checkpoint is committed before the run counts as done (a live one's is answered then)
+            if self.checkpointer is not None:  # the last checkpoint committed (a live one's answered): done
                 self.checkpointer.finish(config.request_file)
         finally:
             if metrics is not None:
