@@ -181,8 +181,17 @@ def done_file(request: str | Path, step: int) -> Path:
     return request.with_name(f"{request.name}{DONE_INFIX}{step}")
 
 
-def answer_request(request: str | Path, step: int) -> None:
-    """The ranks answer a checkpoint request: committed at ``step`` (a rename: the request becomes ``.done-<step>``)."""
+def answer_request(request: str | Path, step: int, taken: bool = False) -> None:
+    """The ranks answer a checkpoint request: committed at ``step`` (a rename: the request becomes ``.done-<step>``).
+
+    ``taken``: a live switch took the request back when the state was offered (the new plan's
+    ranks read the same request file); the answer is then written afresh, by every node's leader.
+    """
+    if taken:
+        from hetrain.files import write_text_atomic
+
+        write_text_atomic(done_file(request, step), "{}\n", "checkpoint answer")
+        return
     with contextlib.suppress(FileNotFoundError):  # another node's leader answered first
         os.replace(request, done_file(request, step))
 

@@ -16,7 +16,11 @@ keeps DCP and drops the disk from the critical path:
   item is checked against the offer's length and digest *before* anything is deserialized
   or copied into the model; the index is unpickled by ``safe_metadata.load_metadata``.
 * The emergency checkpoint still goes to disk and the bucket: the old ranks commit the same
-  snapshot in the background (``Checkpointer``'s usual path) while they serve.
+  snapshot (``Checkpointer``'s usual path) once the switch releases them, so that the commit's
+  disk writes, hashing and upload do not compete with the transfer training waits for. A
+  failed transfer waits for that commit and takes the disk path; an old rank that dies before
+  committing takes its emergency step with it, and the run restarts from the newest committed
+  step (nothing committed is lost).
 
 Why DCP over an in-memory layer rather than our own sends over a process group: the plan-to-plan
 mapping (which slice of which stored tensor lands where in the new layout) already exists once,
@@ -66,8 +70,7 @@ from hetrain.files import write_text_atomic
 MEMORY_ROOT = "memory://hetrain-live"  # this process's own fsspec memory filesystem
 # Fault injection for the tests, on the serving (old) side: "corrupt:RANK" flips a byte of every
 # slice that rank serves; "stall:RANK" sends half a slice and goes silent; "kill:RANK" sends half a
-# slice and SIGKILLs the rank (once its disk commit is done: a rank that dies before committing
-# loses the emergency step by definition, and that recovery is the restart tested elsewhere).
+# slice and SIGKILLs the rank (its state was only in memory: the emergency step is lost with it).
 FAULT_LIVE = "HETRAIN_FAULT_LIVE"
 # The address the old ranks serve on, where nodes reach each other by another name than loopback
 # (default: the host of the node's peer URL when it is HTTP, else 127.0.0.1).
@@ -111,7 +114,6 @@ class LiveServer:
 
     def __init__(self, files: dict[str, bytes], host: str, rank: int) -> None:
         self.files, self.fault = files, _fault(rank)
-        self.committed = threading.Event()  # set once this rank's disk commit is done (the kill fault waits)
         token = os.environ.get(PEER_TOKEN_ENV)
         owner = self
 
@@ -156,8 +158,6 @@ class LiveServer:
             bad[len(bad) // 2] ^= 0xFF
             handler.wfile.write(bad)
             return
-        if self.fault == "kill":
-            self.committed.wait(SERVE_MAX_S)
         handler.wfile.write(body[: len(body) // 2])
         handler.wfile.flush()
         if self.fault == "kill":
@@ -247,7 +247,7 @@ class LiveReader(FileSystemReader):
         super().__init__("/")  # no path is opened: ``read_data`` swaps in what it fetched
         self.offer, self.deadline = offer, deadline
         self.bytes_read = 0
-        self._fetched: dict[tuple[str, int], bytes] = {}
+        self._fetched: dict[tuple[str, int], memoryview] = {}
         self._metadata: bytes | None = None
         self._lock = threading.Lock()
 
@@ -257,7 +257,7 @@ class LiveReader(FileSystemReader):
             data = self._get(meta["url"], 0, meta["size"])
             if hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 raise LiveTransferError(f"{meta['url']}: the index's SHA-256 differs from the offer's")
-            self._metadata = data
+            self._metadata = bytes(data)
         metadata = load_metadata(self._metadata, meta["url"])
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -299,9 +299,9 @@ class LiveReader(FileSystemReader):
                 if hashlib.sha256(chunk).hexdigest() != digest:
                     raise LiveTransferError(f"{url}: bytes {offset}+{length} differ from the offer's SHA-256")
                 with self._lock:
-                    self._fetched[(name, offset)] = bytes(chunk)
+                    self._fetched[(name, offset)] = chunk  # a view of the response's buffer: no copy
 
-    def _get(self, url: str, offset: int, length: int) -> bytes:
+    def _get(self, url: str, offset: int, length: int) -> memoryview:
         """``length`` bytes at ``offset`` of ``url``, or LiveTransferError (short, refused, past the deadline)."""
         parts = urlsplit(url)
         left_s = self.deadline - time.time()
@@ -311,33 +311,33 @@ class LiveReader(FileSystemReader):
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         if os.environ.get(PEER_TOKEN_ENV):
             headers["Authorization"] = f"Bearer {os.environ[PEER_TOKEN_ENV]}"
-        out = bytearray()
+        out, got = bytearray(length), 0
         try:
             conn.request("GET", parts.path, headers=headers)
             sock = conn.sock  # the response reads from it; the connection may drop its reference
             response = conn.getresponse()
             if response.status != 206:
                 raise LiveTransferError(f"{url}: answered {response.status} {response.reason}")
-            while len(out) < length:
+            while got < length:
                 if time.time() > self.deadline:
-                    raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes")
+                    raise LiveTransferError(f"{url}: the transfer's deadline passed after {got} of {length} bytes")
                 sock.settimeout(max(0.01, self.deadline - time.time()))
-                chunk = response.read1(min(CHUNK_BYTES, length - len(out)))  # what has come, not a full chunk
+                chunk = response.read1(min(CHUNK_BYTES, length - got))  # what has come, not a full chunk
                 if not chunk:
                     break
-                out += chunk
+                out[got: got + len(chunk)] = chunk
+                got += len(chunk)
         except TimeoutError:
-            raise LiveTransferError(f"{url}: the transfer's deadline passed after {len(out)} of {length} bytes"
-                                    ) from None
+            raise LiveTransferError(f"{url}: the transfer's deadline passed after {got} of {length} bytes") from None
         except (OSError, http.client.HTTPException) as e:
-            raise LiveTransferError(f"{url}: {type(e).__name__}: {e} after {len(out)} of {length} bytes") from None
+            raise LiveTransferError(f"{url}: {type(e).__name__}: {e} after {got} of {length} bytes") from None
         finally:
             conn.close()
-        if len(out) != length:
-            raise LiveTransferError(f"{url}: the connection closed after {len(out)} of {length} bytes")
+        if got != length:
+            raise LiveTransferError(f"{url}: the connection closed after {got} of {length} bytes")
         with self._lock:
             self.bytes_read += length
-        return bytes(out)
+        return memoryview(out)
 
 
 def _contiguous(items: list[tuple[int, int, str]]) -> Iterator[list[tuple[int, int, str]]]:

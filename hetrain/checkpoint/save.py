@@ -187,6 +187,7 @@ class Checkpointer:
         self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
         self.live = None  # the live switch's server (``save_live``), until ``finish``
         self.live_step: int | None = None
+        self._live_snapshot: dict | None = None
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
@@ -223,8 +224,10 @@ class Checkpointer:
         """Collective: the emergency checkpoint of a live switch; returns once the state is served.
 
         The state is saved into memory and served to the new plan's ranks (``hetrain.checkpoint.live``,
-        the plan's rank 0 writes the offer to ``offer_file``); the same snapshot is committed to
-        disk and the bucket in the background, as any checkpoint. ``finish`` waits for both.
+        the plan's rank 0 writes the offer to ``offer_file``). The same snapshot is committed to
+        disk and the bucket by ``finish``, once the switch released the state: a commit (disk
+        writes, hashing, the upload) running beside the transfer would compete with it for the
+        node's CPU, disk and network, and the transfer is what training waits for.
         """
         from hetrain.checkpoint.live import offer_state, serve_host
 
@@ -236,16 +239,11 @@ class Checkpointer:
         self.live_step = step
         self.live = offer_state(step, snapshot, group, node=self.role.node, host=host,
                                 offer_file=offer_file if self.role.rank == 0 else None)
-        if self.group is None:
-            self._write_and_commit(step, snapshot)
-            return
-        self._thread = threading.Thread(target=self._commit_in_background, args=(step, snapshot), daemon=True,
-                                        name=f"hetrain-checkpoint-{step}")
-        self._thread.start()
+        self._live_snapshot = snapshot
 
     def finish(self, request_file: str | None) -> None:
-        """The run ends: wait for the last checkpoint's commit. After a live save, answer the request
-        (committed at its step) and serve until the switch releases the state (bounded)."""
+        """The run ends: wait for the last checkpoint's commit. After a live save, serve until the
+        switch releases the state (bounded), then commit it and answer the request at its step."""
         from hetrain.checkpoint.live import SERVE_MAX_S
         from hetrain.rundir import answer_request, live_release_file
 
@@ -253,9 +251,6 @@ class Checkpointer:
         if self.live is None:
             return
         try:
-            if request_file and self.node_leader:
-                answer_request(request_file, self.live_step)
-            self.live.committed.set()
             release = live_release_file(request_file) if request_file else None
             deadline = time.monotonic() + SERVE_MAX_S
             while release is not None and not release.exists() and time.monotonic() < deadline:
@@ -263,6 +258,10 @@ class Checkpointer:
         finally:
             self.live.close()
             self.live = None
+        snapshot, self._live_snapshot = self._live_snapshot, None
+        self._write_and_commit(self.live_step, snapshot)  # collective, on the checkpoint's group
+        if request_file and self.node_leader:
+            answer_request(request_file, self.live_step, taken=True)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is committed; raises what it failed with."""

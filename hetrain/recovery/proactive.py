@@ -254,6 +254,8 @@ class _NoticeSwitch:
         request = {"stop": True, "reason": "notice-window switch", **({"live": True} if live else {})}
         write_text_atomic(self.request, json.dumps(request) + "\n", "checkpoint request")
         offer = self._wait_for_offer() if live else None
+        if offer is not None:  # answered by the offer: taken back, else the new plan's ranks would read it
+            self.request.unlink(missing_ok=True)
         step = offer["step"] if offer else wait_for_checkpoint(self.request, max(0.0, self.deadline - time.time()),
                                                                 poll_s=POLL_S)
         self.timings["checkpoint_s"] = time.perf_counter() - started
