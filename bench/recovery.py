@@ -234,6 +234,35 @@ SWITCH_MODES = {"notice-window switch": False, "live switch": True}  # mode -> l
 STEPS_AFTER = 2  # steps the new plan trains after recovering
 
 
+NOTICE_COLUMNS = [  # the downtime's parts, then the ratios
+    ("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
+    ("MB from bucket", "{bucket_mb:.0f}"), ("MB moved live", "{live_mb:.0f}"), ("new ranks started ahead s", "warm"),
+    ("emergency checkpoint s", "{emergency_checkpoint_s:.2f}"), ("fetch s", "{fetch_s:.2f}"),
+    ("start processes s", "{start_s:.2f}"), ("load s", "{load_s:.2f}"), ("other s", "{other_s:.2f}"),
+    ("downtime s", "{downtime_s:.2f}"), ("downtime vs bucket-only", "{ratio:.2f}x shorter"),
+    ("per-repeat ratio: median (min-max)", "ratio_spread")]
+
+
+def notice_rows(samples: dict[str, list[dict]]) -> list[dict]:
+    """A row per mode: its repeats' medians, its ratio to the bucket-only restart and that ratio's spread."""
+    rows = []
+    for mode, xs in samples.items():
+        med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
+                                                                  "fetch_s", "emergency_checkpoint_s", "load_s",
+                                                                  "start_s", "other_s", "live_mb")}
+        rows.append({"mode": mode, **med, "runs": xs,
+                     "warm": "-" if xs[0]["warm_start_s"] is None else
+                     f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
+    base_row = rows[0]
+    for r in rows:
+        r["ratio"] = base_row["downtime_s"] / r["downtime_s"]
+        # per repeat, against the same repeat's bucket-only restart: the spread of the ratio
+        ratios = [b["downtime_s"] / x["downtime_s"] for b, x in zip(base_row["runs"], r["runs"])]
+        r["ratios"] = ratios
+        r["ratio_spread"] = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return rows
+
+
 def notice_main(args) -> None:
     import threading
 
@@ -332,31 +361,11 @@ def notice_main(args) -> None:
         for proc in procs:
             proc.kill()
             proc.wait()
-    rows = []
-    for mode, xs in samples.items():
-        med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
-                                                                  "fetch_s", "emergency_checkpoint_s", "load_s",
-                                                                  "start_s", "other_s", "live_mb")}
-        rows.append({"mode": mode, **med, "runs": xs,
-                     "warm": "-" if xs[0]["warm_start_s"] is None else
-                     f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
-    base_row = rows[0]
-    for r in rows:
-        r["ratio"] = base_row["downtime_s"] / r["downtime_s"]
-        # per repeat, against the same repeat's bucket-only restart: the spread of the ratio
-        ratios = [b["downtime_s"] / x["downtime_s"] for b, x in zip(base_row["runs"], r["runs"])]
-        r["ratios"] = ratios
-        r["ratio_spread"] = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    rows = notice_rows(samples)
     print_table(
         f"Downtime after a notice for node {LOST} ({args.layers} layers x {args.hidden}, 4 one-device nodes, bucket "
         f"capped at {args.bucket_mb_s:g} MB/s), medians of {args.repeats} alternating runs (seconds)", rows,
-        [("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
-         ("MB from bucket", "{bucket_mb:.0f}"), ("MB moved live", "{live_mb:.0f}"),
-         ("new ranks started ahead s", "warm"),
-         ("emergency checkpoint s", "{emergency_checkpoint_s:.2f}"), ("fetch s", "{fetch_s:.2f}"),
-         ("start processes s", "{start_s:.2f}"), ("load s", "{load_s:.2f}"), ("other s", "{other_s:.2f}"),
-         ("downtime s", "{downtime_s:.2f}"), ("downtime vs bucket-only", "{ratio:.2f}x shorter"),
-         ("per-repeat ratio: median (min-max)", "ratio_spread")])
+        NOTICE_COLUMNS)
     print(f"\nresults: {write_results('recovery_notice', rows)}")
 
 

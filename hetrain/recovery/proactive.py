@@ -21,10 +21,12 @@ Live (``live=True``, ``hetrain.checkpoint.live``): at step 3 the old ranks save 
 into their memory and serve it instead of waiting for the disk commit; steps 4 and 5 become one:
 the warm ranks fetch exactly the slices their new stages need from the old ranks, verify them
 against the offer and load them (DCP reshards), within ``live_timeout_s``. The emergency
-checkpoint is committed to disk and the bucket behind it. A live transfer that fails on any
-rank (an old rank gone, a slice that differs from its digest, the deadline) is answered as
-failed; the old ranks' commit is then waited for and the switch takes the disk path (steps 4
-and 5) with the same warm ranks.
+checkpoint is committed to disk and the bucket once the new ranks have answered (a commit
+beside the transfer would compete with it). A live transfer that fails on any rank (a slice
+that differs from its digest, the deadline, an old rank gone) is answered as failed; the old
+ranks' commit is then waited for and the switch takes the disk path (steps 4 and 5) with the
+same warm ranks. An old rank that died took the emergency step with it (it was only in its
+memory): the fetch finds the step incomplete and the run restarts from the newest committed one.
 
 Deadline guard: if the warm start is not ready with ``switch_reserve_s`` left before the
 deadline, or dies, or the emergency step cannot be fetched whole (a leaving node gone before
