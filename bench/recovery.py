@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb-s", type=float, default=100.0, help="bucket bandwidth cap in MB/s (0: none)")
     ap.add_argument("--bed", action="store_true", help="across network namespaces (root): per-node restores")
     ap.add_argument("--notice", action="store_true", help="downtime: restarts vs the notice-window and live switches")
+    ap.add_argument("--skip-modes", type=lambda s: s.split(","), default=[],
+                    help="--notice: comma-separated modes to leave out (the bucket-only restart always runs)")
     ap.add_argument("--bucket-mbit", type=float, default=200.0, help="--bed: the bucket's link (Mbit/s)")
     ap.add_argument("--node-mbit", type=float, default=1000.0, help="--bed: each node's link (Mbit/s)")
     args = ap.parse_args()
@@ -279,7 +281,8 @@ def notice_main(args) -> None:
     def planner(cluster, m, s):
         return make_plan("hetrain", cluster, m, s).plan
 
-    samples: dict[str, list[dict]] = {mode: [] for mode in NOTICE_MODES}
+    modes = [NOTICE_MODES[0]] + [m for m in NOTICE_MODES[1:] if m not in args.skip_modes]  # the ratios' base first
+    samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="hetrain-notice-") as tmp_str:
             tmp = Path(tmp_str)
@@ -287,7 +290,7 @@ def notice_main(args) -> None:
             plan = planner(load_cluster(tmp / "cluster.yaml"), model, settings)
             plan.write(tmp / "plan.json")
             for rep in range(args.repeats):
-                for mode in NOTICE_MODES:
+                for mode in modes:
                     name = f"{mode.split()[0]}-{rep}"
                     root, run_dir = tmp / name, tmp / name / "run"
                     servers = {}

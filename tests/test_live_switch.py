@@ -13,23 +13,32 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import run
+from ckpt_helpers import moto_bucket, run
 from hetrain.checkpoint.live import FAULT_LIVE
 from hetrain.checkpoint.reassemble import Source, reassemble
 from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.rundir import live_offer_file
 from hetrain.runtime.launch import worker_pids
-from test_notice_switch import AFTER, planner, s3, start_old_run  # noqa: F401 - s3 is the module's bucket fixture
+from test_notice_switch import AFTER, planner, start_old_run
 
 pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+
+BUCKET = "hetrain-live"  # moto's state is one per process: not test_notice_switch's bucket
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on loopback with this module's bucket: (endpoint, filesystem)."""
+    with moto_bucket(BUCKET) as found:
+        yield found
 
 
 def metric_steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_live_switch_trains_on_as_a_restore_from_disk_would(tmp_path: Path, s3):  # noqa: F811
-    thread, _, cfg, run_dir = start_old_run(tmp_path, s3, "live")
+def test_a_live_switch_trains_on_as_a_restore_from_disk_would(tmp_path: Path, s3):
+    thread, _, cfg, run_dir = start_old_run(tmp_path, s3, "live", bucket=BUCKET)
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=5, live=True)
     thread.join(60)
@@ -52,7 +61,7 @@ def test_a_live_switch_trains_on_as_a_restore_from_disk_would(tmp_path: Path, s3
 
 
 @pytest.mark.parametrize("fault", ["kill", "corrupt", "stall"])
-def test_a_failed_live_transfer_falls_back_and_loses_nothing(tmp_path: Path, s3, fault, monkeypatch):  # noqa: F811
+def test_a_failed_live_transfer_falls_back_and_loses_nothing(tmp_path: Path, s3, fault, monkeypatch):
     """Old plan rank 0 (which always serves part of the state) dies mid-slice, flips a byte, or stalls.
 
     A corrupted or stalled transfer takes the disk path from the emergency step, which the old
@@ -61,7 +70,8 @@ def test_a_failed_live_transfer_falls_back_and_loses_nothing(tmp_path: Path, s3,
     nothing that was committed.
     """
     monkeypatch.setenv(FAULT_LIVE, f"{fault}:0")  # read by the old ranks' servers only
-    thread, _, _, run_dir = start_old_run(tmp_path, s3, f"live-{fault}", every_steps=5 if fault == "kill" else 100)
+    thread, _, _, run_dir = start_old_run(tmp_path, s3, f"live-{fault}", every_steps=5 if fault == "kill" else 100,
+                                          bucket=BUCKET)
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=5, live=True,
                                       live_timeout_s=3)

@@ -42,11 +42,11 @@ def planner(cluster, model, settings):
 
 
 def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None, every_steps: int = 100,
-                  ) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
+                  bucket: str = BUCKET) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
     endpoint, _ = s3
     (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
     cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=every_steps, keep=2,
-                           remote_url=f"s3://{BUCKET}/{name}", remote_options={"endpoint_url": endpoint},
+                           remote_url=f"s3://{bucket}/{name}", remote_options={"endpoint_url": endpoint},
                            peers=peers or {})
     run_dir = tmp_path / "old" / "run"
     out: dict = {}

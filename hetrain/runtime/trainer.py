@@ -451,7 +451,10 @@ def load_switch(trainer: Trainer, config: RunConfig, groups: ProcessGroups, devi
     deadline) is answered as failed by every rank, which then waits for the switch's disk path.
     """
     from hetrain.checkpoint.live import load_live
+    from hetrain.checkpoint.save import prepare_optimizer_state
 
+    # what a load does first, done while the old plan still trains rather than after the switch
+    prepare_optimizer_state(trainer.model, trainer.optimizer)
     switch = stand_by(config, groups, device)
     if switch is not None and "live" in switch and not load_live(trainer, switch, config.standby_file, device):
         switch = stand_by(config, groups, device, after=switch)
