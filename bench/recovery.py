@@ -44,9 +44,19 @@ directory over HTTP, the bucket behind the ``--bucket-mb-s`` cap):
   serve their shards and only n3's comes from the bucket;
 * notice-window switch (``hetrain.recovery.proactive``): while the old plan trains, the new
   plan's ranks start and wait; then the emergency checkpoint, n3's shard fetched from n3
-  itself, the switch.
+  itself, the switch;
+* live switch (``live=True``, ``hetrain.checkpoint.live``): the same warm start, but the old
+  ranks serve the emergency state from memory and each new rank fetches, verifies and loads
+  the slices its stage needs; the checkpoint reaches disk and the bucket behind it.
 
-    python bench/recovery.py --notice [--repeats 2] [--bucket-mb-s 100]
+Each repeat runs the modes in turn (alternating, so load from elsewhere on the machine falls on
+all of them); each mode's downtime ratio to the same repeat's bucket-only restart is printed
+with its spread (min and max over the repeats). The downtime's parts: the old plan's emergency
+checkpoint (for the live switch, its in-memory save and offer), the fetch, starting processes,
+the load (for the live switch, the transfer, verification and DCP's load together) and the rest
+(the controller's polls and messages, the new plan's first step's start).
+
+    python bench/recovery.py --notice [--repeats 3] [--bucket-mb-s 100]
 """
 
 from __future__ import annotations
@@ -126,7 +136,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--bucket-mb-s", type=float, default=100.0, help="bucket bandwidth cap in MB/s (0: none)")
     ap.add_argument("--bed", action="store_true", help="across network namespaces (root): per-node restores")
-    ap.add_argument("--notice", action="store_true", help="downtime: restarts vs the notice-window switch")
+    ap.add_argument("--notice", action="store_true", help="downtime: restarts vs the notice-window and live switches")
+    ap.add_argument("--skip-modes", type=lambda s: s.split(","), default=[],
+                    help="--notice: comma-separated modes to leave out (the bucket-only restart always runs)")
     ap.add_argument("--bucket-mbit", type=float, default=200.0, help="--bed: the bucket's link (Mbit/s)")
     ap.add_argument("--node-mbit", type=float, default=1000.0, help="--bed: each node's link (Mbit/s)")
     args = ap.parse_args()
@@ -219,8 +231,38 @@ def main() -> None:
     print(f"\nresults: {write_results('recovery', rows)}")
 
 
-NOTICE_MODES = ("bucket-only restart", "peers-first restart", "notice-window switch")
+NOTICE_MODES = ("bucket-only restart", "peers-first restart", "notice-window switch", "live switch")
+SWITCH_MODES = {"notice-window switch": False, "live switch": True}  # mode -> live
 STEPS_AFTER = 2  # steps the new plan trains after recovering
+
+
+NOTICE_COLUMNS = [  # the downtime's parts, then the ratios
+    ("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
+    ("MB from bucket", "{bucket_mb:.0f}"), ("MB moved live", "{live_mb:.0f}"), ("new ranks started ahead s", "warm"),
+    ("emergency checkpoint s", "{emergency_checkpoint_s:.2f}"), ("fetch s", "{fetch_s:.2f}"),
+    ("start processes s", "{start_s:.2f}"), ("load s", "{load_s:.2f}"), ("other s", "{other_s:.2f}"),
+    ("downtime s", "{downtime_s:.2f}"), ("downtime vs bucket-only", "{ratio:.2f}x shorter"),
+    ("per-repeat ratio: median (min-max)", "ratio_spread")]
+
+
+def notice_rows(samples: dict[str, list[dict]]) -> list[dict]:
+    """A row per mode: its repeats' medians, its ratio to the bucket-only restart and that ratio's spread."""
+    rows = []
+    for mode, xs in samples.items():
+        med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
+                                                                  "fetch_s", "emergency_checkpoint_s", "load_s",
+                                                                  "start_s", "other_s", "live_mb")}
+        rows.append({"mode": mode, **med, "runs": xs,
+                     "warm": "-" if xs[0]["warm_start_s"] is None else
+                     f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
+    base_row = rows[0]
+    for r in rows:
+        r["ratio"] = base_row["downtime_s"] / r["downtime_s"]
+        # per repeat, against the same repeat's bucket-only restart: the spread of the ratio
+        ratios = [b["downtime_s"] / x["downtime_s"] for b, x in zip(base_row["runs"], r["runs"])]
+        r["ratios"] = ratios
+        r["ratio_spread"] = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return rows
 
 
 def notice_main(args) -> None:
@@ -239,7 +281,8 @@ def notice_main(args) -> None:
     def planner(cluster, m, s):
         return make_plan("hetrain", cluster, m, s).plan
 
-    samples: dict[str, list[dict]] = {mode: [] for mode in NOTICE_MODES}
+    modes = [NOTICE_MODES[0]] + [m for m in NOTICE_MODES[1:] if m not in args.skip_modes]  # the ratios' base first
+    samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="hetrain-notice-") as tmp_str:
             tmp = Path(tmp_str)
@@ -247,7 +290,7 @@ def notice_main(args) -> None:
             plan = planner(load_cluster(tmp / "cluster.yaml"), model, settings)
             plan.write(tmp / "plan.json")
             for rep in range(args.repeats):
-                for mode in NOTICE_MODES:
+                for mode in modes:
                     name = f"{mode.split()[0]}-{rep}"
                     root, run_dir = tmp / name, tmp / name / "run"
                     servers = {}
@@ -272,17 +315,20 @@ def notice_main(args) -> None:
                     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
                         time.sleep(0.2)
                     notice_at = time.time()
-                    if mode == "notice-window switch":
+                    if mode in SWITCH_MODES:
                         result = recover_in_notice_window(run_dir, [LOST], planner, deadline=notice_at + 120,
-                                                          steps_after=STEPS_AFTER, timeout_s=5)
+                                                          steps_after=STEPS_AFTER, timeout_s=5,
+                                                          live=SWITCH_MODES[mode])
                         assert result.switched, result.why_not
+                        assert not SWITCH_MODES[mode] or result.live.get("ok"), result.live
                         thread.join()
                         kinds = result.bytes_from()
                         sample = {"downtime_s": result.timings_s["downtime_s"], "step": result.step,
                                   "staying_mb": kinds["staying"] / 1e6, "leaving_mb": kinds["leaving"] / 1e6,
                                   "bucket_mb": kinds["remote"] / 1e6, "warm_start_s": result.timings_s["warm_start_s"],
                                   "checkpoint_s": result.timings_s["checkpoint_s"],
-                                  "fetch_s": result.timings_s["fetch_s"]}
+                                  "fetch_s": result.timings_s.get("fetch_s", 0.0),  # live: in the load
+                                  "live_mb": result.live.get("bytes", 0) / 1e6}
                     else:
                         # today's notice: checkpoint, stop; the restart follows once the node is gone
                         (run_dir / "checkpoint.request").write_text('{"stop": true}\n')
@@ -300,12 +346,14 @@ def notice_main(args) -> None:
                                   "bucket_mb": kinds["remote"] / 1e6, "checkpoint_s": None,
                                   "fetch_s": result.timings_s["fetch_s"], "warm_start_s": None,
                                   "start_s": result.timings_s.get("startup_s"),
-                                  "recover_call_s": time.perf_counter() - started}
+                                  "recover_call_s": time.perf_counter() - started, "live_mb": 0.0}
                     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
                     by_step = {r["step"]: r for r in map(json.loads, lines)}
                     sample["emergency_checkpoint_s"] = by_step[sample["step"]].get("checkpoint_s", 0.0)
                     sample["load_s"] = result.records[0].get("resume_load_s", 0.0)
                     sample["start_s"] = sample.get("start_s") or 0.0
+                    sample["other_s"] = sample["downtime_s"] - sum(
+                        sample[k] for k in ("emergency_checkpoint_s", "fetch_s", "start_s", "load_s"))
                     samples[mode].append(sample)
                     for proc in servers.values():
                         proc.kill()
@@ -316,25 +364,11 @@ def notice_main(args) -> None:
         for proc in procs:
             proc.kill()
             proc.wait()
-    rows = []
-    for mode, xs in samples.items():
-        med = {k: statistics.median(x[k] for x in xs) for k in ("downtime_s", "staying_mb", "leaving_mb", "bucket_mb",
-                                                                  "fetch_s", "emergency_checkpoint_s", "load_s",
-                                                                  "start_s")}
-        rows.append({"mode": mode, **med, "runs": xs,
-                     "warm": "-" if xs[0]["warm_start_s"] is None else
-                     f"{statistics.median(x['warm_start_s'] for x in xs):.1f}"})
-    base_row = rows[0]
-    for r in rows:
-        r["ratio"] = base_row["downtime_s"] / r["downtime_s"]
+    rows = notice_rows(samples)
     print_table(
         f"Downtime after a notice for node {LOST} ({args.layers} layers x {args.hidden}, 4 one-device nodes, bucket "
         f"capped at {args.bucket_mb_s:g} MB/s), medians of {args.repeats} alternating runs (seconds)", rows,
-        [("mode", "mode"), ("MB from staying nodes", "{staying_mb:.0f}"), ("MB from leaving node", "{leaving_mb:.0f}"),
-         ("MB from bucket", "{bucket_mb:.0f}"), ("new ranks started ahead s", "warm"),
-         ("emergency checkpoint s", "{emergency_checkpoint_s:.2f}"), ("fetch s", "{fetch_s:.2f}"),
-         ("start processes s", "{start_s:.2f}"), ("load s", "{load_s:.2f}"), ("downtime s", "{downtime_s:.2f}"),
-         ("downtime vs bucket-only", "{ratio:.2f}x shorter")])
+        NOTICE_COLUMNS)
     print(f"\nresults: {write_results('recovery_notice', rows)}")
 
 

@@ -27,6 +27,9 @@ Messages (each a file; a rename is the answer, so a reader never sees half of on
     RUN/checkpoint.request.done-N  the ranks answer: committed at step N
     RUN/standby.json               the switch a warm start waits for ({"resume_from", "start_step"} or cancel)
     RUN/standby.json.ready         the warm start says it is built and waiting
+    RUN/checkpoint.request.live    a live switch's offer: the old ranks serve the step's state (``checkpoint.live``)
+    RUN/checkpoint.request.live.release   the old ranks may stop serving
+    RUN/standby.json.live          the warm start's answer to a live switch: loaded and verified, or why not
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ BACKUP_STATUS = "backup.json"
 CHECKPOINT_REQUEST = "checkpoint.request"
 METRICS = "metrics.jsonl"
 READY_SUFFIX = ".ready"
+LIVE_SUFFIX = ".live"
 DONE_INFIX = ".done-"
 LOCK = ".lock"
 ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
@@ -183,6 +187,21 @@ def done_file(request: str | Path, step: int) -> Path:
     return request.with_name(f"{request.name}{DONE_INFIX}{step}")
 
 
+def answer_request(request: str | Path, step: int, taken: bool = False) -> None:
+    """The ranks answer a checkpoint request: committed at ``step`` (a rename: the request becomes ``.done-<step>``).
+
+    ``taken``: a live switch took the request back when the state was offered (the new plan's
+    ranks read the same request file); the answer is then written afresh, by every node's leader.
+    """
+    if taken:
+        from hetrain.files import write_text_atomic
+
+        write_text_atomic(done_file(request, step), "{}\n", "checkpoint answer")
+        return
+    with contextlib.suppress(FileNotFoundError):  # another node's leader answered first
+        os.replace(request, done_file(request, step))
+
+
 def done_files(request: str | Path) -> list[Path]:
     """The answers to ``request`` present now."""
     request = Path(request)
@@ -198,3 +217,21 @@ def ready_file(standby: str | Path) -> Path:
     """Where a warm start says it is built and waiting for the switch."""
     standby = Path(standby)
     return standby.with_name(standby.name + READY_SUFFIX)
+
+
+def live_offer_file(request: str | Path) -> Path:
+    """Where the old plan's rank 0 offers a live switch its emergency state (``hetrain.checkpoint.live``)."""
+    request = Path(request)
+    return request.with_name(request.name + LIVE_SUFFIX)
+
+
+def live_release_file(request: str | Path) -> Path:
+    """Present once the old ranks may stop serving their state."""
+    offer = live_offer_file(request)
+    return offer.with_name(offer.name + ".release")
+
+
+def live_result_file(standby: str | Path) -> Path:
+    """Where a warm start answers a live switch: loaded and verified, or why not."""
+    standby = Path(standby)
+    return standby.with_name(standby.name + LIVE_SUFFIX)

@@ -41,12 +41,12 @@ def planner(cluster, model, settings):
     return make_plan("hetrain", cluster, model, settings).plan
 
 
-def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None,
-                  ) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
+def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None, every_steps: int = 100,
+                  bucket: str = BUCKET) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
     endpoint, _ = s3
     (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
-    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=100, keep=2,
-                           remote_url=f"s3://{BUCKET}/{name}", remote_options={"endpoint_url": endpoint},
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=every_steps, keep=2,
+                           remote_url=f"s3://{bucket}/{name}", remote_options={"endpoint_url": endpoint},
                            peers=peers or {})
     run_dir = tmp_path / "old" / "run"
     out: dict = {}

@@ -64,6 +64,17 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return state
 
 
+def prepare_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors now, as ``get_state_dict`` would at the load.
+
+    DCP loads into the optimizer's state, so a fresh optimizer first takes a step with zero
+    gradients at learning rate 0 (the parameters do not change) to create it: about a second
+    for a 20 M-parameter stage on a loaded CPU. A warm start does it while it waits; the load
+    overwrites every value.
+    """
+    get_state_dict(model, optimizer, options=OPTIONS)
+
+
 def _stored_train_state(keys) -> tuple[str, ...] | None:
     """The train state's names in a checkpoint's metadata keys; None when it has none (an old checkpoint)."""
     prefix = TRAIN_STATE + "."
@@ -74,13 +85,15 @@ def _stored_train_state(keys) -> tuple[str, ...] | None:
 
 
 def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        storage_options: dict | None = None) -> dict[str, float] | None:
+                        storage_options: dict | None = None, reader=None) -> dict[str, float] | None:
     """Load a committed (or reassembled) checkpoint into this rank's part of the model, resharding.
 
     Returns the checkpoint's train state by name (schedule and loss scale; a checkpoint from
     before the names is read by position), or None for a checkpoint written before it was kept.
+    ``reader``: a DCP storage reader to read through instead of ``url``'s files (the live switch's).
     """
-    reader = SafeFsspecReader(url, **(storage_options or {}))
+    if reader is None:
+        reader = SafeFsspecReader(url, **(storage_options or {}))
     keys = reader.read_metadata().state_dict_metadata.keys()
     names = _stored_train_state(keys)
     template = None
@@ -89,7 +102,9 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     elif names:
         template = {name: torch.zeros((), dtype=torch.float64) for name in names}
     state = training_state(model, optimizer, template)
-    dcp.load(state, storage_reader=SafeFsspecReader(url, **(storage_options or {})), planner=SafeLoadPlanner())
+    if isinstance(reader, SafeFsspecReader):  # a fresh one: DCP's load sets the reader up again
+        reader = SafeFsspecReader(url, **(storage_options or {}))
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=OPTIONS)
     torch.set_rng_state(state["rng"])
@@ -181,20 +196,27 @@ class Checkpointer:
         self._error: str | None = None
         self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
         self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
+        self.live = None  # the live switch's server (``save_live``), until ``finish``
+        self.live_step: int | None = None
+        self._live_snapshot: dict | None = None
 
     def due(self, step: int, requested: bool, last_step: int) -> bool:
         """Whether to checkpoint after ``step``: every ``every_steps``, on a request (a preemption notice), at the end."""
         return (requested or (step + 1) % self.config.every_steps == 0
                 or (step == last_step and self.config.save_at_end))
 
-    def save(self, step: int, wait: bool = False) -> None:
+    def save(self, step: int, wait: bool = False, live_offer: str | os.PathLike | None = None) -> None:
         """Collective: checkpoint the state after ``step``; returns once training may change it.
 
         In the background mode that is after the snapshot (and after the previous checkpoint's
         commit, if it is still going: one at a time); ``wait`` also waits for this one's commit
         (an emergency checkpoint: the node may go right after). A background failure raises
         here or at the next ``take_committed``, as the synchronous save raises at once.
+        ``live_offer``: a live switch's emergency checkpoint instead (``save_live``).
         """
+        if live_offer is not None:
+            self.save_live(step, str(live_offer))
+            return
         waiting = time.perf_counter()
         self.wait()
         self.waited_s = time.perf_counter() - waiting
@@ -208,6 +230,51 @@ class Checkpointer:
         self._thread.start()
         if wait:
             self.wait()
+
+    def save_live(self, step: int, offer_file: str) -> None:
+        """Collective: the emergency checkpoint of a live switch; returns once the state is served.
+
+        The state is saved into memory and served to the new plan's ranks (``hetrain.checkpoint.live``,
+        the plan's rank 0 writes the offer to ``offer_file``). The same snapshot is committed to
+        disk and the bucket by ``finish``, once the switch released the state: a commit (disk
+        writes, hashing, the upload) running beside the transfer would compete with it for the
+        node's CPU, disk and network, and the transfer is what training waits for.
+        """
+        from hetrain.checkpoint.live import offer_state, serve_host
+
+        self.wait()
+        state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
+        # the run trains no more: on a CPU the state itself stays as it is; a GPU's is copied to the
+        # host, as the device's memory is given back to the new plan (``Trainer.release_device_memory``)
+        snapshot = self._snapshot.take(state) if any(t.is_cuda for t in _tensors(state)) else state
+        group = self.group if self.group is not None else dist.group.WORLD
+        host = serve_host(self.config.peers.get(self.role.node))
+        self.live_step = step
+        self.live = offer_state(step, snapshot, group, node=self.role.node, host=host,
+                                offer_file=offer_file if self.role.rank == 0 else None)
+        self._live_snapshot = snapshot
+
+    def finish(self, request_file: str | None) -> None:
+        """The run ends: wait for the last checkpoint's commit. After a live save, serve until the
+        switch releases the state (bounded), then commit it and answer the request at its step."""
+        from hetrain.checkpoint.live import SERVE_MAX_S
+        from hetrain.rundir import answer_request, live_release_file
+
+        self.wait()
+        if self.live is None:
+            return
+        try:
+            release = live_release_file(request_file) if request_file else None
+            deadline = time.monotonic() + SERVE_MAX_S
+            while release is not None and not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            self.live.close()
+            self.live = None
+        snapshot, self._live_snapshot = self._live_snapshot, None
+        self._write_and_commit(self.live_step, snapshot)  # collective, on the checkpoint's group
+        if request_file and self.node_leader:
+            answer_request(request_file, self.live_step, taken=True)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is committed; raises what it failed with."""

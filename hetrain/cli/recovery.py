@@ -81,6 +81,10 @@ def switch(
         "fall back to a restart unless the new ranks are ready this long before the deadline"))] = 20.0,
     timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
                                              help="seconds before a silent peer counts as gone")] = 10.0,
+    live: Annotated[bool, typer.Option(help=(
+        "move the state from the old ranks' memory to the new ranks' (disk only as the fallback)"))] = False,
+    live_timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S, help=(
+        "--live: seconds the new ranks get to fetch, verify and load before the disk path"))] = 30.0,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ):
     """Inside a notice window: start the new plan beside the running one, checkpoint, switch (training pauses for seconds)."""
@@ -106,12 +110,13 @@ def switch(
 
     result = recover_in_notice_window(run, leaving, plan_for, when, cluster_file=cluster, steps=steps,
                                       timeout_s=timeout_s, switch_reserve_s=switch_reserve_s,
-                                      on_progress=lambda line: err.print(line, highlight=False))
+                                      on_progress=lambda line: err.print(line, highlight=False),
+                                      live=live, live_timeout_s=live_timeout_s)
     summary = {"run": str(result.run_dir), "leaving_nodes": leaving, "switched": result.switched,
                "why_not": result.why_not, "checkpoint_step": result.step, "resumed_at": result.step + 1,
                "plan": str(result.plan_path), "timings_s": result.timings_s,
                "bytes_from": result.bytes_from(), "steps_trained": len(result.records),
-               "warnings": result.fetch.warnings()}
+               "warnings": result.fetch.warnings(), "live": result.live}
     for warning in result.fetch.warnings():
         say_note(warning)
     if json_out:

@@ -17,6 +17,17 @@ plan still trains. ``recover_in_notice_window``:
    last, everything verified against the manifest;
 5. writes the switch: the warm ranks load (DCP reshards) and train from the step after it.
 
+Live (``live=True``, ``hetrain.checkpoint.live``): at step 3 the old ranks save the state
+into their memory and serve it instead of waiting for the disk commit; steps 4 and 5 become one:
+the warm ranks fetch exactly the slices their new stages need from the old ranks, verify them
+against the offer and load them (DCP reshards), within ``live_timeout_s``. The emergency
+checkpoint is committed to disk and the bucket once the new ranks have answered (a commit
+beside the transfer would compete with it). A live transfer that fails on any rank (a slice
+that differs from its digest, the deadline, an old rank gone) is answered as failed; the old
+ranks' commit is then waited for and the switch takes the disk path (steps 4 and 5) with the
+same warm ranks. An old rank that died took the emergency step with it (it was only in its
+memory): the fetch finds the step incomplete and the run restarts from the newest committed one.
+
 Deadline guard: if the warm start is not ready with ``switch_reserve_s`` left before the
 deadline, or dies, or the emergency step cannot be fetched whole (a leaving node gone before
 the bucket had its shards), the checkpoint is still asked for, the warm start is cancelled and
@@ -38,14 +49,15 @@ from pathlib import Path
 # Imported now, not on the switch's critical path: verifying the fetched .metadata needs DCP's
 # metadata classes, a first import of several seconds on a loaded machine.
 import hetrain.checkpoint.safe_metadata  # noqa: F401
-from hetrain.checkpoint.reassemble import Source, reassemble_newest
+from hetrain.checkpoint.reassemble import FetchReport, FileFetch, Source, reassemble_newest
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.recovery.preemption import wait_for_checkpoint
 from hetrain.recovery.recover import Planner, RecoveryResult, recover, surviving_cluster, write_report
 from hetrain.recovery.runs import load_run, sources_for
-from hetrain.rundir import RunDir, done_files, ready_file
+from hetrain.rundir import (RunDir, done_files, done_step, live_offer_file, live_release_file, live_result_file,
+                            ready_file)
 from hetrain.spec.specs import load_cluster
 
 # Kept free before the deadline for what follows the warm start's readiness: the emergency
@@ -54,6 +66,13 @@ DEFAULT_SWITCH_RESERVE_S = 20.0
 # At least this long for the old plan's ranks to finish the last checkpoint's bucket upload
 # after the switch (else until the deadline) before they are stopped.
 OLD_EXIT_S = 5.0
+# How long the warm ranks get to fetch, verify and load the offered state before the switch takes
+# the disk path: a small model loads in well under a second on loopback, a multi-GB stage over a
+# 10 Gb/s link in a few seconds; past this the disk path (about 10 s on CPU) is no slower.
+DEFAULT_LIVE_TIMEOUT_S = 30.0
+# Past the live deadline, how long the warm ranks get to agree on their answer and write it.
+LIVE_ANSWER_GRACE_S = 10.0
+POLL_S = 0.02  # the switch's polls of its message files: a fraction of a step
 
 
 @dataclass
@@ -61,6 +80,7 @@ class NoticeRecovery(RecoveryResult):
     switched: bool = False  # False: the deadline guard fell back to a restart
     why_not: str | None = None  # why it fell back
     leaving_nodes: list[str] = field(default_factory=list)
+    live: dict = field(default_factory=dict)  # a live attempt's answer: ok, why, load_s, bytes (empty: none tried)
 
     def bytes_from(self) -> dict[str, int]:
         """Bytes fetched from the nodes that stay, from the leaving nodes and from the bucket."""
@@ -100,7 +120,8 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
                              cluster_file: Path | None = None, steps: int | None = None, timeout_s: float = 10.0,
                              switch_reserve_s: float = DEFAULT_SWITCH_RESERVE_S, steps_after: int | None = None,
                              on_progress: Callable[[str], None] | None = None,
-                             on_record: Callable[[dict], None] | None = None) -> NoticeRecovery:
+                             on_record: Callable[[dict], None] | None = None, live: bool = False,
+                             live_timeout_s: float = DEFAULT_LIVE_TIMEOUT_S) -> NoticeRecovery:
     """Switch the running run in ``run_dir`` to a plan without ``leaving_nodes`` before ``deadline`` (epoch s).
 
     The running plan (the run's, or an earlier switch's) ends at the emergency checkpoint; a
@@ -109,13 +130,23 @@ def recover_in_notice_window(run_dir: Path, leaving_nodes: list[str], planner: P
     ranks were ready), ``checkpoint_s`` (request to commit), ``fetch_s``, ``downtime_s``.
     ``steps``: where the new plan ends (default the run's); ``steps_after``: instead, this many
     steps after the switch (benchmarks and tests, which cannot know the switch step ahead).
+    ``live``: move the state from the old ranks' memory to the new ranks' (see the module's note);
+    the result's ``live`` says how that went, ``switched`` with an empty ``why_not`` and
+    ``fetch.dest`` the offer's index URL when it did.
     """
     switch = _NoticeSwitch(run_dir.resolve(), leaving_nodes, deadline, cluster_file, timeout_s, switch_reserve_s,
                            on_progress or (lambda _: None), on_record)
     switch.replan(planner, steps)
     why_not = switch.warm_start()
     # The emergency checkpoint, whether or not the switch goes ahead: never lose the last step.
-    step = switch.emergency_checkpoint()
+    step, offer = switch.emergency_checkpoint(live=live and why_not is None)
+    if offer is not None:
+        result = switch.switch_live(offer, steps_after, live_timeout_s)
+        if result is not None:
+            return result
+        step = switch.committed_after_live(offer["step"])
+        if not switch.thread.is_alive():  # nothing waits for the disk path's switch: restart
+            why_not = f"the warm start failed: {switch.outcome.get('error')}"
     if step is None and why_not is None:
         why_not = "the old plan committed no checkpoint before the deadline"
     report = None
@@ -155,6 +186,7 @@ class _NoticeSwitch:
         self.timings: dict[str, float] = {}
         self.outcome: dict = {}
         self.thread: threading.Thread | None = None
+        self.live: dict = {}  # a live attempt's answer (``switch_live``)
 
     def replan(self, planner: Planner, steps: int | None) -> None:
         """The new plan without the leaving nodes, and the warm start's config (its standby file cleared)."""
@@ -212,16 +244,84 @@ class _NoticeSwitch:
             self.say(f"new plan's ranks ready in {self.timings['warm_start_s']:.1f} s")
         return why_not
 
-    def emergency_checkpoint(self) -> int | None:
-        """Ask the old plan's ranks to checkpoint and stop; the committed step (None: none before the deadline)."""
+    def emergency_checkpoint(self, live: bool = False) -> tuple[int | None, dict | None]:
+        """Ask the old plan's ranks to checkpoint and stop: (committed step, None), or with ``live``
+        (offered step, offer) once they serve it; (None, None): nothing before the deadline."""
         if not self.old_pids:
-            return None
+            return None, None
         started = time.perf_counter()
-        write_text_atomic(self.request, json.dumps({"stop": True, "reason": "notice-window switch"}) + "\n",
-                          "checkpoint request")
-        step = wait_for_checkpoint(self.request, max(0.0, self.deadline - time.time()), poll_s=0.02)
+        for stale in (live_offer_file(self.request), live_release_file(self.request),
+                      live_result_file(self.run.standby)):
+            stale.unlink(missing_ok=True)
+        request = {"stop": True, "reason": "notice-window switch", **({"live": True} if live else {})}
+        write_text_atomic(self.request, json.dumps(request) + "\n", "checkpoint request")
+        offer = self._wait_for_offer() if live else None
+        if offer is not None:  # answered by the offer: taken back, else the new plan's ranks would read it
+            self.request.unlink(missing_ok=True)
+        step = offer["step"] if offer else wait_for_checkpoint(self.request, max(0.0, self.deadline - time.time()),
+                                                                poll_s=POLL_S)
         self.timings["checkpoint_s"] = time.perf_counter() - started
-        return step
+        return step, offer
+
+    def _wait_for_offer(self) -> dict | None:
+        """The old plan's live offer; None when it answered without one, ended, or the deadline came."""
+        from hetrain.runtime.launch import worker_pids
+
+        path = live_offer_file(self.request)
+        while time.time() < self.deadline and not done_files(self.request):
+            try:
+                return json.loads(path.read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+            if not set(self.old_pids) & set(worker_pids(self.run.path, None)):
+                return None
+            time.sleep(POLL_S)
+        return None
+
+    def switch_live(self, offer: dict, steps_after: int | None, live_timeout_s: float) -> NoticeRecovery | None:
+        """The warm ranks load the offered state; the switch's result, or None (``self.live`` says why)."""
+        step = offer["step"]
+        self.say(f"old plan offers step {step} live")
+        end = step + 1 + steps_after if steps_after else self.standby_config.steps
+        live_deadline = min(self.deadline, time.time() + live_timeout_s)
+        started = time.perf_counter()
+        write_text_atomic(self.run.standby, json.dumps({"live": offer, "live_deadline": live_deadline,
+                                                        "start_step": step + 1, "steps": end}) + "\n",
+                          "standby switch")
+        answer = live_result_file(self.run.standby)
+        self.live = {"ok": False, "why": "the new ranks did not answer"}
+        while self.thread.is_alive() and time.time() < live_deadline + LIVE_ANSWER_GRACE_S:
+            try:
+                self.live = json.loads(answer.read_text())
+                break
+            except (FileNotFoundError, ValueError):
+                time.sleep(POLL_S)
+        self.timings["live_s"] = time.perf_counter() - started
+        write_text_atomic(live_release_file(self.request), "{}\n", "live release")  # the old ranks may go
+        if not self.live.get("ok"):
+            self.say(f"live switch failed, taking the disk path: {self.live.get('why')}")
+            return None
+        files = [FileFetch(name, entry["size"], entry["node"], self.timings["live_s"], [])
+                 for name, entry in offer["files"].items()]
+        report = FetchReport(step, offer["metadata"]["url"], files, self.timings["live_s"])
+        return self.hand_over(report, step, steps_after, live=True)
+
+    def committed_after_live(self, step: int) -> int | None:
+        """After a failed live switch: ``step`` once the old ranks committed it; None if they ended first."""
+        from hetrain.runtime.launch import worker_pids
+
+        started = time.perf_counter()
+        committed = None
+        while time.time() < self.deadline:
+            if done := done_files(self.request):
+                committed = max(map(done_step, done))
+                break
+            if not set(self.old_pids) & set(worker_pids(self.run.path, None)):
+                break
+            time.sleep(POLL_S)
+        self.timings["commit_wait_s"] = time.perf_counter() - started
+        # ended without answering (one died after the commit): the fetch finds whether the step is whole
+        return committed if committed is not None else step
 
     def fetch(self, step: int):
         """The checkpoint of ``step`` into the run's restore slot, leaving nodes included; (report, why not)."""
@@ -251,13 +351,18 @@ class _NoticeSwitch:
         self.say(f"falling back to a restart: {why_not}")
         result = recover(self.run.path, self.leaving_nodes, planner, cluster_file=self.cluster_file, steps=steps,
                          timeout_s=self.timeout_s, on_record=self.on_record)
-        out = NoticeRecovery(**vars(result), switched=False, why_not=why_not, leaving_nodes=list(self.leaving_nodes))
+        out = NoticeRecovery(**vars(result), switched=False, why_not=why_not, leaving_nodes=list(self.leaving_nodes),
+                             live=self.live)
         out.timings_s.update(self.timings)
         out.timings_s["downtime_s"] = downtime(old_records, result.records)
         return out
 
-    def hand_over(self, report, step: int, steps_after: int | None) -> NoticeRecovery:
-        """The switch: the warm start loads the fetched checkpoint and trains on; the run is the new plan's."""
+    def hand_over(self, report, step: int, steps_after: int | None, live: bool = False) -> NoticeRecovery:
+        """The switch: the warm start loads the fetched checkpoint and trains on; the run is the new plan's.
+
+        ``live``: the warm start already loaded the state from the old ranks; the run's config then
+        names no checkpoint (the emergency step reaches the node roots and the bucket behind it).
+        """
         from hetrain.runtime.launch import wait_for_workers_to_exit, write_config
 
         # The old ranks freed their GPU memory before answering (Trainer.release_device_memory) and
@@ -265,12 +370,15 @@ class _NoticeSwitch:
         final_plan = self.run.plan_from_step(report.step)
         self.plan.write(final_plan)
         end = report.step + 1 + steps_after if steps_after else self.standby_config.steps
-        write_text_atomic(self.run.standby, json.dumps({"resume_from": report.dest, "start_step": report.step + 1,
-                                                        "steps": end}) + "\n", "standby switch")
+        if not live:
+            write_text_atomic(self.run.standby, json.dumps({"resume_from": report.dest,
+                                                            "start_step": report.step + 1, "steps": end}) + "\n",
+                              "standby switch")
         # From now on the run is the new plan's: later recoveries and resumes (another notice while it
         # trains) read the run's config, and find its ranks under the warm start's config name.
         write_config(self.standby_config.model_copy(update={
-            "plan": str(final_plan), "start_step": report.step + 1, "steps": end, "resume_from": report.dest,
+            "plan": str(final_plan), "start_step": report.step + 1, "steps": end,
+            "resume_from": None if live else report.dest,
             "standby_file": None}), self.run.path)
         self.say(f"switched: the new plan trains from step {report.step + 1}")
         wait_for_workers_to_exit(self.run.path, timeout_s=max(OLD_EXIT_S, self.deadline - time.time()),
@@ -282,7 +390,8 @@ class _NoticeSwitch:
         old_records = [r for r in _records(self.metrics) if r["step"] <= step]
         self.timings["downtime_s"] = downtime(old_records, records)
         result = NoticeRecovery(self.run.path, list(self.leaving_nodes), report.step, self.plan, final_plan, report,
-                                self.timings, records, switched=True, leaving_nodes=list(self.leaving_nodes))
+                                self.timings, records, switched=True, leaving_nodes=list(self.leaving_nodes),
+                                live=self.live)
         write_report(result, self.old_plan)
         return result
 

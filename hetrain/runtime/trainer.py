@@ -27,7 +27,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, build_layout
 from hetrain.plan.schema import Plan, load_plan
-from hetrain.rundir import done_file, ready_file
+from hetrain.rundir import answer_request, live_offer_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
 from hetrain.runtime.instrument import AllocationTracker, StageMeter
@@ -48,35 +48,36 @@ from hetrain.spec.specs import EmulateSpec, load_cluster
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
-def _asks_to_stop(request_file: str) -> bool:
+def _asks_to_stop(request_file: str, key: str = "stop") -> bool:
     """Whether a checkpoint request (a notice's, from the node's watcher) ends the run after the checkpoint.
 
     A node's watcher asks so (``hetrain watch --stop-after-checkpoint``): the node goes at the
     deadline and the recovery resumes from this checkpoint, so steps after it would be thrown
-    away. A request being written or unreadable counts as no.
+    away. A request being written or unreadable counts as no. ``key="live"``: whether a
+    notice-window switch asks for the state to be served to its new ranks (``save_live``).
     """
     try:
         with open(request_file) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("stop") is True
+    return isinstance(data, dict) and data.get(key) is True
 
 
 class StepTotals:
     """The one float64 vector every rank all-reduces per step (SUM): what the step's record needs from all.
 
     ``[grad norm squared (pipeline 0's ranks), loss (last stages), per rank: schedule s, sync s,
-    compute s, peak GB, ..., stop after the checkpoint, checkpoint requested]``.
+    compute s, peak GB, ..., serve it live, stop after the checkpoint, checkpoint requested]``.
     """
 
     GRAD_NORM_SQ, LOSS = 0, 1
     PER_RANK = 4  # schedule_s, sync_s, compute_s, peak_gb
-    REQUEST, STOP = -1, -2
+    REQUEST, STOP, LIVE = -1, -2, -3
 
     @classmethod
     def size(cls, world: int) -> int:
-        return 2 + cls.PER_RANK * world + 2
+        return 2 + cls.PER_RANK * world + 3
 
     @classmethod
     def rank_slice(cls, rank: int) -> slice:
@@ -177,12 +178,15 @@ class Trainer:
         # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
 
-    def load(self, url: str, start_step: int, steps: int | None = None) -> None:
-        """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``)."""
+    def load(self, url: str, start_step: int, steps: int | None = None, reader=None) -> None:
+        """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``).
+
+        ``reader``: a DCP storage reader instead of ``url``'s files (a live switch's ``LiveReader``).
+        """
         self.config = self.config.model_copy(update={"resume_from": url, "start_step": start_step,
                                                      "steps": steps or self.config.steps})
         loading = time.perf_counter()
-        train_state = load_training_state(url, self.model, self.optimizer, self.config.resume_options)
+        train_state = load_training_state(url, self.model, self.optimizer, self.config.resume_options, reader)
         self.load_s = time.perf_counter() - loading
         if train_state is not None:
             self._restore_train_state(train_state)
@@ -249,6 +253,7 @@ class Trainer:
         if self.config.request_file and os.path.exists(self.config.request_file):
             totals[StepTotals.REQUEST] = 1.0
             totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
+            totals[StepTotals.LIVE] = float(_asks_to_stop(self.config.request_file, "live"))
         if role.pipeline == 0:
             grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
@@ -288,7 +293,8 @@ class Trainer:
         record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
                   "step_time_s": time.perf_counter() - started, "ranks": ranks,
                   "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
-                  "stop_requested": bool(totals[StepTotals.STOP] > 0)}
+                  "stop_requested": bool(totals[StepTotals.STOP] > 0),
+                  "live_requested": bool(totals[StepTotals.LIVE] > 0)}
         if self.scaler.enabled:
             record["loss_scale"] = scale
             if not applied:
@@ -309,6 +315,7 @@ class Trainer:
                 record = self.train_step(step)
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
+                live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
                 ckpt = self.checkpointer
                 if ckpt is not None:
                     committed = ckpt.take_committed()  # raises a background commit's failure
@@ -316,17 +323,16 @@ class Trainer:
                         record["checkpoints_committed"] = committed
                 if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
                     saved = time.perf_counter()
-                    # a notice's checkpoint is committed before the watcher hears of it (and the
-                    # node may go); the others only stall training for the snapshot
-                    ckpt.save(step, wait=requested)
+                    # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
+                    # live switch's served from memory (committed behind); the others stall for the snapshot
+                    ckpt.save(step, wait=requested, live_offer=live)
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                         record["checkpoint_waited_s"] = ckpt.waited_s
                     if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
                         self.release_device_memory()
-                    if config.request_file and ckpt.node_leader:
-                        with contextlib.suppress(FileNotFoundError):  # answered: the watcher sees .done-<step>
-                            os.replace(config.request_file, done_file(config.request_file, step))
+                    if config.request_file and ckpt.node_leader and live is None:  # live: once committed
+                        answer_request(config.request_file, step)
                 if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
                     failures = ckpt.uploader.new_failures()
                     if failures:
@@ -345,8 +351,8 @@ class Trainer:
                     metrics.write(record)
                 if "stopped" in record:
                     break
-            if self.checkpointer is not None:
-                self.checkpointer.wait()  # the last checkpoint is committed before the run counts as done
+            if self.checkpointer is not None:  # the last checkpoint committed (a live one's answered): done
+                self.checkpointer.finish(config.request_file)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -398,25 +404,28 @@ class Trainer:
 STANDBY_POLL_S = 0.02  # how often waiting ranks look for the switch: a fraction of a step, and idle otherwise
 
 
-def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device) -> tuple[str, int, int | None] | None:
-    """A warm start's wait: communicators up, ready said, then the switch's checkpoint, step and end (None: cancelled).
+def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device,
+             after: dict | None = None) -> dict | None:
+    """A warm start's wait: communicators up, ready said, then the switch (None: cancelled).
 
     Every group this rank uses runs one collective first, so NCCL builds its communicators
     (lazily made, seconds on a large job) now rather than in the first step after the switch;
     the world's barrier then means every rank is built, and plan rank 0 says so. The wait
     polls a file and sleeps: on CPU the old plan's ranks still train on the same cores.
+    The switch names a checkpoint (``resume_from``) or a live offer (``live``), the step to
+    train from and optionally the end. ``after``: a live switch that failed; wait for the next.
     """
     from hetrain.files import write_text_atomic
 
-    probe = torch.zeros(1, device=device)
-    for group in [groups.tp, groups.pp, *groups.sync.values()]:
-        if group is not None:
-            dist.all_reduce(probe, group=group)
-    dist.barrier()
     standby = Path(config.standby_file)
-    if dist.get_rank() == 0:
-        write_text_atomic(ready_file(standby), json.dumps({"time": time.time()}) + "\n",
-                          "standby ready")
+    if after is None:
+        probe = torch.zeros(1, device=device)
+        for group in [groups.tp, groups.pp, *groups.sync.values()]:
+            if group is not None:
+                dist.all_reduce(probe, group=group)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            write_text_atomic(ready_file(standby), json.dumps({"time": time.time()}) + "\n", "standby ready")
     deadline = time.monotonic() + config.standby_timeout_s
     while True:
         try:
@@ -425,7 +434,7 @@ def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device) -> 
             switch = None
         except ValueError as e:
             raise HetrainError(f"{standby}: not a switch ({e})") from None
-        if switch is not None:
+        if switch is not None and switch != after:
             break
         if time.monotonic() > deadline:
             raise HetrainError(f"{standby}: no switch within {config.standby_timeout_s:g} s of standing by")
@@ -435,11 +444,34 @@ def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device) -> 
     if switch.get("cancel") is True:
         return None
     url, step, steps = switch.get("resume_from"), switch.get("start_step"), switch.get("steps")
-    if (not isinstance(url, str) or not isinstance(step, int) or isinstance(step, bool) or step < 0
+    live = switch.get("live")
+    if (not (isinstance(url, str) or (isinstance(live, dict) and after is None))
+            or not isinstance(step, int) or isinstance(step, bool) or step < 0
             or not (steps is None or (isinstance(steps, int) and steps > step))):
-        raise HetrainError(f"{standby}: expected resume_from (a checkpoint URL), start_step (a step) and "
-                           f"optionally steps (the end, after start_step), got {switch}")
-    return url, step, steps
+        raise HetrainError(f"{standby}: expected resume_from (a checkpoint URL) or live (an offer), start_step "
+                           f"(a step) and optionally steps (the end, after start_step), got {switch}")
+    return switch
+
+
+def load_switch(trainer: Trainer, config: RunConfig, groups: ProcessGroups, device: torch.device) -> bool:
+    """A warm start: wait for the switch and load what it names; False when cancelled.
+
+    A live switch that fails on any rank (a peer gone, bytes that differ from the offer, the
+    deadline) is answered as failed by every rank, which then waits for the switch's disk path.
+    """
+    from hetrain.checkpoint.live import load_live
+    from hetrain.checkpoint.save import prepare_optimizer_state
+
+    # what a load does first, done while the old plan still trains rather than after the switch
+    prepare_optimizer_state(trainer.model, trainer.optimizer)
+    switch = stand_by(config, groups, device)
+    if switch is not None and "live" in switch and not load_live(trainer, switch, config.standby_file, device):
+        switch = stand_by(config, groups, device, after=switch)
+    if switch is None:
+        return False
+    if "live" not in switch:
+        trainer.load(switch["resume_from"], switch["start_step"], switch.get("steps"))
+    return True
 
 
 def run(config: RunConfig) -> None:
@@ -483,12 +515,9 @@ def run(config: RunConfig) -> None:
             torch.set_num_threads(config.threads_per_rank)
         groups = make_groups(layout, to_dist, my_layout_rank)
         trainer = Trainer(config, plan, layout, role, groups, emulate, device)
-        if config.standby_file:
-            switch = stand_by(config, groups, device)
-            if switch is None:  # cancelled: the recovery took another path
-                dist.barrier()
-                return
-            trainer.load(*switch)
+        if config.standby_file and not load_switch(trainer, config, groups, device):
+            dist.barrier()  # cancelled: the recovery took another path
+            return
         trainer.train()
         trainer.dump_params()
         dist.barrier()
