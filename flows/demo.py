@@ -71,6 +71,21 @@ class Services:
             raise SystemExit(f"demo: {' '.join(argv[2:5])} failed:\n{r.stdout}{r.stderr}")
         return r.stdout
 
+    def start_prefect_server(self, port: int) -> str:
+        """``prefect server start`` on loopback at ``port``; its API URL once it answers."""
+        api = f"http://127.0.0.1:{port}/api"
+        self.start("prefect-server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                      "--port", str(port)])
+        wait_http(f"{api}/health", 120, "the Prefect server")
+        return api
+
+    def deploy_with_worker(self) -> None:
+        """The ``hetrain`` work pool, every deployment of deployments/prefect.yaml, and a worker on the pool."""
+        py = sys.executable
+        self.run([py, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
+        self.run([py, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"])
+        self.start("worker", [py, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
+
     def stop(self) -> None:
         for _, proc, log in reversed(self.procs):
             if proc.poll() is None:
@@ -331,19 +346,14 @@ def main() -> None:
     py = sys.executable
     try:
         console.print(f"[bold]1/5[/] starting Prefect server (SQLite in {home / 'prefect'}), S3 endpoint, work pool")
-        services.start("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                          "--port", str(api_port)])
         services.start("s3", [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
-        wait_http(f"{api}/health", 120, "the Prefect server")
+        services.start_prefect_server(api_port)
         wait_http(f"http://127.0.0.1:{s3_port}/moto-api/", 60, "the S3 endpoint")
         import s3fs
 
         s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}").mkdir("hetrain-demo")
         console.print(f"    Prefect UI: [link]http://127.0.0.1:{api_port}[/] (open it to watch the flows)")
-        services.run([py, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
-        services.run([py, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                      "deployments/prefect.yaml"])
-        services.start("worker", [py, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
+        services.deploy_with_worker()
         console.print("    deployed hetrain-train/train (nightly cron) and hetrain-recover/recover "
                       "(trigger: hetrain.node.preempted); worker started")
 

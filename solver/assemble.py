@@ -254,13 +254,19 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
             stages = [st.model_copy(update={"in_flight": n, "recompute": mode or st.recompute})
                       for st, (n, mode) in zip(pipe.stages, seen[key])]
             pipes[p] = pipe.model_copy(update={"stages": stages})
+    return _if_faster(plan, est, pipes, cost)
+
+
+def _if_faster(plan: Plan, est: Estimate, pipes: list[PipelinePlan], cost: CostModel) -> tuple[Plan, Estimate]:
+    """The plan with ``pipes`` and its estimate if some pipeline changed and the cost model predicts it faster
+    and within memory; else the plan as it was."""
     if all(a is b for a, b in zip(pipes, plan.pipelines)):
         return plan, est
-    eager = plan.model_copy(update={"pipelines": pipes})
-    eager_est = cost.estimate(eager)
-    if eager_est.over_capacity() or eager_est.iteration_time_s >= est.iteration_time_s:
+    changed = plan.model_copy(update={"pipelines": pipes})
+    changed_est = cost.estimate(changed)
+    if changed_est.over_capacity() or changed_est.iteration_time_s >= est.iteration_time_s:
         return plan, est
-    return eager, eager_est
+    return changed, changed_est
 
 
 def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
@@ -307,13 +313,7 @@ def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = No
             stages = [st.model_copy(update={"recompute": mode or st.recompute, "in_flight": None})
                       for st, mode in zip(pipe.stages, seen[key])]
             pipes[p] = pipe.model_copy(update={"stages": stages, "schedule": "zb-h1"})
-    if all(a is b for a, b in zip(pipes, plan.pipelines)):
-        return plan, est
-    zb = plan.model_copy(update={"pipelines": pipes})
-    zb_est = cost.estimate(zb)
-    if zb_est.over_capacity() or zb_est.iteration_time_s >= est.iteration_time_s:
-        return plan, est
-    return zb, zb_est
+    return _if_faster(plan, est, pipes, cost)
 
 
 def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,

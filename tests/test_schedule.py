@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from flows.demo import Services, wait_http
+from flows.demo import Services
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.runtime.launch import free_port
 
@@ -41,13 +40,8 @@ def server():
            "PREFECT_WORKER_QUERY_SECONDS": "2", "COLUMNS": "200"}
     services = Services(home, env)  # the demo's owner of child processes: logs in home, all stopped at the end
     try:
-        services.start("server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                  "--port", str(port)])
-        wait_http(f"{api}/health", 120, "the Prefect server")
-        services.run([sys.executable, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
-        services.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                      "deployments/prefect.yaml"])
-        services.start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
+        services.start_prefect_server(port)
+        services.deploy_with_worker()
         yield api, home
     finally:
         services.stop()

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from flows.demo import Services, wait_http  # noqa: E402
+from flows.demo import Services  # noqa: E402
 from hetrain.runtime.launch import free_port  # noqa: E402
 
 IMAGES = ROOT / "docs" / "images"
@@ -66,13 +66,8 @@ def main() -> None:
     os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=str(home))
     services = Services(home, env)
     try:
-        services.start("server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                  "--port", str(port)])
-        wait_http(f"{api}/health", 120, "the Prefect server")
-        services.run([sys.executable, "-m", "prefect", "work-pool", "create", "hetrain", "--type", "process"])
-        services.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                      "deployments/prefect.yaml"])
-        services.start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", "hetrain"])
+        services.start_prefect_server(port)
+        services.deploy_with_worker()
 
         from prefect.client.orchestration import get_client
         from prefect.deployments import run_deployment
