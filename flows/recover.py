@@ -191,8 +191,9 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
     old_plan = model_from_markdown(found[holders[0]].get("markdown"), source, Plan, "plan")
     new_cluster = surviving_cluster(cl, [n.name for n in cl.nodes if n.name not in holders], str(cluster_file))
     new_plan = make_plan("hetrain", new_cluster, old_plan.model, old_plan.settings()).plan
-    est = CostModel(new_cluster, new_plan.model, new_plan.settings()).estimate(new_plan)
-    publish_plan(new_plan, est, run_id, f"recovered-from-step-{step}")
+    cost = CostModel(new_cluster, new_plan.model, new_plan.settings())
+    est = cost.estimate(new_plan)
+    publish_plan(new_plan, est, run_id, f"recovered-from-step-{step}", cost=cost)
     total = steps or int(rows[holders[0]]["run_steps"])
     params, first = node_run_parameters(run_id, new_plan, new_cluster, str(cluster_file), total, runs_root,
                                         rendezvous_port, lost=[n.name for n in cl.nodes if n.name not in holders],
@@ -305,8 +306,9 @@ def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path |
     for warning in result.fetch.warnings():
         logger.warning("fetch: %s", warning)
     new_cluster = load_cluster(cluster_file or config.cluster)
-    est = CostModel(new_cluster, result.plan.model, result.plan.settings()).estimate(result.plan)
-    publish_plan(result.plan, est, run_id, f"recovered-from-step-{result.step}")
+    cost = CostModel(new_cluster, result.plan.model, result.plan.settings())
+    est = cost.estimate(result.plan)
+    publish_plan(result.plan, est, run_id, f"recovered-from-step-{result.step}", cost=cost)
     kinds = result.bytes_by_kind()
     rows = [{"phase": k.removesuffix("_s"), "seconds": round(v, 3)} for k, v in result.timings_s.items()
             if v is not None]

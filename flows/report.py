@@ -1,18 +1,33 @@
-"""Prefect artifacts for plans and runs: a table, a picture of the pipelines, progress, timings."""
+"""Prefect artifacts for plans and runs: a table, a picture of the pipelines, progress, timings, pictures.
+
+Pictures (``hetrain.pictures`` draws them) are image artifacts whose URL is the PNG itself as a
+``data:image/png;base64,...`` URL: Prefect's image artifact holds only a URL, and a run's files are
+on the training machine, which the browser showing the UI cannot be assumed to reach. Both of
+Prefect 3.8's UIs put the URL in an ``<img src>`` (and print it below, as the URL of the image),
+so the picture travels in the Prefect database with the run's other artifacts.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import statistics
+import tempfile
+from pathlib import Path
 
 from pydantic import ValidationError
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (create_image_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
 
-from hetrain.cost.costmodel import Estimate
+from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.cost.report import plan_rows
+from hetrain.pictures import LOSS_PNG, RANKS_PNG, TIMELINE_PNG, write_run_pictures, write_timeline_png
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, Profile
+
+# What each picture of a run shows, as its artifact's description
+RUN_PICTURES = {LOSS_PNG: "loss and learning rate by step",
+                RANKS_PNG: "where each rank's step time goes: compute, idle in the pipeline schedule, gradient sync"}
 
 
 def artifact_key(*parts: str) -> str:
@@ -37,14 +52,64 @@ def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
     return "\n".join(lines)
 
 
-def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str, measured: bool = True) -> None:
-    """The plan as a table and its pipelines; a plan of analytic costs says its times are not measured."""
+def publish_plan(plan: Plan, est: Estimate, run_id: str, what: str, measured: bool = True,
+                 cost: CostModel | None = None) -> str | None:
+    """The plan as a table and its pipelines; a plan of analytic costs says its times are not measured.
+
+    With the ``cost`` model that made ``est``, also the picture of its pipelines' timeline as the cost
+    model plays them (``publish_timeline``). Returns why there is no picture, if there is none.
+    """
     rows = [{**{k: v for k, v in r.items() if k not in ("num_blocks", "capacity GB")},
              "devices": ", ".join(r["devices"])} for r in plan_rows(plan, est)]
     create_table_artifact(rows, key=artifact_key(run_id, what, "plan"),
                           description=f"{what} plan of run {run_id}" + ("" if measured else f"; {ANALYTIC_NOTE}"))
     create_markdown_artifact(pipelines_markdown(plan, est, f"{what} plan of run {run_id}"),
                              key=artifact_key(run_id, what, "pipelines"), description="pipelines of the plan")
+    return publish_timeline(plan, est, cost, run_id, what) if cost is not None else None
+
+
+def png_data_url(path: Path) -> str:
+    """The PNG file as a ``data:`` URL: the picture itself, for an image artifact (see the module's docstring)."""
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def publish_picture(path: Path, key: str, description: str) -> None:
+    """A PNG file as an image artifact (a new version of ``key`` each time)."""
+    create_image_artifact(image_url=png_data_url(path), key=key, description=description)
+
+
+def publish_timeline(plan: Plan, est: Estimate, cost: CostModel, run_id: str, what: str) -> str | None:
+    """The plan's pipelines as the cost model plays them, one row a stage (slowest pipeline on top); why not, if not.
+
+    Predicted only: the runtime records each rank's per-step totals, not when each micro-batch ran.
+    """
+    order = sorted(range(len(plan.pipelines)), key=lambda p: -est.pipelines[p].time_s)
+    rows = []
+    for p in order:
+        ops = cost.timeline(plan, est, p)
+        for k, stage in enumerate(plan.pipelines[p].stages):
+            rows.append((f"p{p} s{k} {'+'.join(stage.devices)}", [op for op in ops if op.stage == k]))
+    title = (f"{what} plan of run {run_id}, predicted: {plan.pipelines[order[0]].schedule_name}, "
+             f"{est.pipeline_s:.3f} s of pipelines per step")
+    with tempfile.TemporaryDirectory(prefix="hetrain-timeline-") as tmp:
+        png, why_not = write_timeline_png(rows, Path(tmp) / TIMELINE_PNG, title)
+        if png is not None:
+            publish_picture(png, artifact_key(run_id, what, "timeline"),
+                            f"{what} plan: each stage's forwards and backwards per micro-batch as the cost model "
+                            f"plays them (predicted; the run records per-step totals, not micro-batches)")
+    return why_not
+
+
+def publish_run_pictures(run_id: str, metrics: Path, run_dir: Path) -> str | None:
+    """Draw the run's pictures into its directory from its ``metrics`` (``hetrain.pictures``) and publish them.
+
+    Keys ``<run>-loss`` and ``<run>-ranks``: each call adds a version, so the UI shows the newest
+    and keeps the earlier ones. Returns why there are none, if there are none.
+    """
+    written, why_not = write_run_pictures(metrics, run_dir)
+    for png in written:
+        publish_picture(png, artifact_key(run_id, png.stem), f"run {run_id}: {RUN_PICTURES[png.name]}")
+    return why_not
 
 
 def publish_timing(run_id: str, predicted_s: float, records: list[dict], warmup: int = 3) -> dict:

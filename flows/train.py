@@ -20,7 +20,8 @@ from pydantic import Field
 
 from flows.events import emit_preempted
 from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes, run_tag
-from flows.report import Progress, artifact_key, profile_from_markdown, publish_plan, publish_timing
+from flows.report import (Progress, artifact_key, profile_from_markdown, publish_plan, publish_run_pictures,
+                          publish_timing)
 from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, TransientError
@@ -80,7 +81,10 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
     get_run_logger().info("%s plan: %d pipelines, tp %d, predicted %.3f s/iteration (%s)", planner,
                           len(result.plan.pipelines), result.plan.tp, result.estimate.iteration_time_s,
                           result.plan.solver.status if result.plan.solver else "")
-    publish_plan(result.plan, result.estimate, run_id, "training", measured=prof is not None)
+    why_no_timeline = publish_plan(result.plan, result.estimate, run_id, "training", measured=prof is not None,
+                                   cost=CostModel(cl, spec, TrainingSettings.model_validate(settings), prof))
+    if why_no_timeline:
+        get_run_logger().warning("plan of run %s: %s", run_id, why_no_timeline)
     if prof is None:
         get_run_logger().warning("plan of run %s: %s", run_id, ANALYTIC_NOTE)
     return json.loads(result.plan.to_json())
@@ -111,6 +115,7 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
     if resumed is not None:
         logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id, resumed, config.steps)
     progress = Progress(run_id, config.start_step, config.steps)
+    metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
     every = max(1, (config.steps - config.start_step) // 10)
 
     def on_record(r: dict) -> None:
@@ -122,6 +127,8 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
         if r["step"] % every == 0 or r["step"] == config.steps - 1:
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
+            if config.start_step < r["step"] < config.steps - 1:  # the curve so far (the last step's: below)
+                publish_run_pictures(run_id, metrics, run_dir)
 
     cl = load_cluster(_path(cluster))
     plan_nodes = {d.split("/")[0] for d in the_plan.devices()}
@@ -161,6 +168,9 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
     if problem:
         logger.error("backup: %s", problem)
     timing = publish_timing(run_id, predicted_s, records)
+    why_no_pictures = publish_run_pictures(run_id, metrics, run_dir)
+    if why_no_pictures:
+        logger.warning("run %s: %s", run_id, why_no_pictures)
     logger.info("run %s: steps %d-%d, loss %.4f -> %.4f; iteration %.3f s measured vs %.3f s predicted", run_id,
                 config.start_step, config.steps - 1, records[0]["loss"], records[-1]["loss"],
                 timing["measured s"], predicted_s)

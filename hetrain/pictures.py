@@ -3,7 +3,11 @@
 * ``loss.png``: the loss (and the learning rate, on its own axis) by step;
 * ``ranks.png``: where each rank's step time goes, averaged over the steps: computing (forward
   and backward), idle in the pipeline schedule (sending, receiving, waiting for other stages)
-  and the gradient sync between pipelines; the ranks of a slow stage stand out at a glance.
+  and the gradient sync between pipelines; the ranks of a slow stage stand out at a glance;
+* ``timeline-predicted.png`` (``write_timeline_png``): a plan's pipelines as the cost model plays
+  them, op by op: each stage's forward and backward of each micro-batch, and the gaps between
+  them (waiting for an activation or a gradient). Only predicted: the runtime records per-step
+  totals per rank (what ``ranks.png`` shows), not when each micro-batch ran.
 
 matplotlib is optional (``pip install 'hetrain[plots]'``): without it no picture is drawn and
 the run is none the worse (``write_run_pictures`` says why in what it returns). Torch-free.
@@ -20,6 +24,11 @@ from hetrain.files import read_text
 LOSS_PNG = "loss.png"
 RANKS_PNG = "ranks.png"
 PNG_DPI = 110  # about 700 x 400 pixels at the sizes below: sharp in a browser, a few tens of kB
+TIMELINE_PNG = "timeline-predicted.png"
+# (label, colour) of each kind of op in a played pipeline (``hetrain.cost.pipeline.Op``)
+OP_KINDS = {"F": ("forward", "tab:blue"), "B": ("backward", "tab:orange"), "W": ("weight gradient", "tab:green")}
+MAX_TIMELINE_ROWS = 24  # stages drawn at most: beyond that the rows are too thin to read
+LABEL_MIN_SHARE = 0.02  # an op wider than this share of the time axis gets its micro-batch written on it
 RANK_PARTS = (("compute_s", "compute", "tab:blue"), ("idle_s", "idle (send, receive, wait)", "tab:orange"),
               ("sync_s", "gradient sync", "tab:green"))
 
@@ -37,19 +46,31 @@ def read_records(metrics: str | Path) -> list[dict]:
     return records
 
 
+NO_MATPLOTLIB = "no pictures: matplotlib is not installed (pip install 'hetrain[plots]')"
+
+
+def _pyplot():
+    """matplotlib's pyplot drawing to files only (never a window, whatever the environment says); None without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_run_pictures(metrics: str | Path, out_dir: str | Path) -> tuple[list[Path], str | None]:
     """Draw ``loss.png`` and ``ranks.png`` of the records in ``metrics`` into ``out_dir``.
 
     Returns the files written and, when none could be, why (no matplotlib, no records).
     """
-    try:
-        import matplotlib
+    plt = _pyplot()
+    if plt is None:
+        return [], NO_MATPLOTLIB
+    from matplotlib.ticker import MaxNLocator
 
-        matplotlib.use("Agg")  # files only: never a window, whatever the environment says
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        return [], "no pictures: matplotlib is not installed (pip install 'hetrain[plots]')"
     try:
         records = read_records(metrics)
     except HetrainError as e:
@@ -104,3 +125,41 @@ def _ranks_png(plt, records: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=PNG_DPI, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def write_timeline_png(rows: list[tuple[str, list]], path: str | Path, title: str) -> tuple[Path | None, str | None]:
+    """A Gantt chart of played pipelines: one row a stage, ``rows`` as (label, its ops), top to bottom.
+
+    Each op (``hetrain.cost.pipeline.Op``: kind, micro-batch, start and end seconds) is a bar in its
+    kind's colour with its micro-batch written on it where it is wide enough; white space is time
+    the stage waits. Returns the file, or None and why (no matplotlib, nothing to draw).
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
+    rows = rows[:MAX_TIMELINE_ROWS]
+    end = max((op.end_s for _, ops in rows for op in ops), default=0.0)
+    if end <= 0:
+        return None, "no timeline: the pipelines have no ops"
+    fig, ax = plt.subplots(figsize=(9.6, 1.6 + 0.4 * len(rows)), layout="constrained")
+    for y, (_, ops) in enumerate(rows):
+        for op in ops:
+            width = op.end_s - op.start_s
+            ax.barh(y, width, left=op.start_s, height=0.7, color=OP_KINDS[op.kind][1], edgecolor="white", linewidth=0.5)
+            if width >= LABEL_MIN_SHARE * end:
+                ax.text(op.start_s + width / 2, y, str(op.microbatch), ha="center", va="center", fontsize=7,
+                        color="white")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("seconds into the step (micro-batch numbers on the bars; white: waiting)")
+    kinds = {op.kind for _, ops in rows for op in ops}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for kind, (_, color) in OP_KINDS.items() if kind in kinds]
+    # below the whole figure (constrained layout makes room): clear of the bars and the title at any size
+    fig.legend(handles, [label for kind, (label, _) in OP_KINDS.items() if kind in kinds], fontsize=8,
+               loc="outside lower center", ncol=3, frameon=False)
+    ax.set_title(title, fontsize=10)
+    out = Path(path)
+    fig.savefig(out, dpi=PNG_DPI)
+    plt.close(fig)
+    return out, None

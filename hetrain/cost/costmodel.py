@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetrain.cost.collectives import collective_steps, ring_allreduce_s, send_s
-from hetrain.cost.pipeline import drain_ahead_s, eager_pipeline_s, pipeline_terms
+from hetrain.cost.pipeline import Op, drain_ahead_s, eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
 from hetrain.cost.stage import UnitCosts
 from hetrain.cost.stage import unit_costs as stage_unit_costs
 from hetrain.errors import HetrainError
@@ -70,6 +70,7 @@ class PipelineEstimate:
     bottleneck_s: float  # tau
     time_s: float  # T_pipe
     backward_s: list[float] = field(default_factory=list)  # per stage: the backward part of c_k (``drain_ahead_s``)
+    weight_s: list[float] = field(default_factory=list)  # per stage: the weight-gradient part of the backward (ZB-H1)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class CostModel:
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
             tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
-            pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s))
+            pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))
 
@@ -245,9 +246,23 @@ class CostModel:
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
 
+    def timeline(self, plan: Plan, est: Estimate, pipeline: int) -> list[Op]:
+        """The ops of one pipeline of ``plan`` as ``estimate`` (``est``) plays them: each stage's forwards and backwards.
+
+        Eager 1F1B and ZB-H1 as priced; torch's 1F1B, priced in closed form, played out op by op
+        (``one_f_one_b_play_s``: the same times, less the closed form's one simplification of the fill).
+        """
+        pipe, pe = plan.pipelines[pipeline], est.pipelines[pipeline]
+        ops: list[Op] = []
+        if pipe.schedule_name == "1f1b":
+            one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, pipe.num_microbatches, trace=ops)
+        else:
+            self._schedule_s(pipe, pe.stage_s, pe.backward_s, pe.weight_s, pe.p2p_s, trace=ops)
+        return ops
+
     def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
-                    p2p: list[float]) -> tuple[float, float, list[float]]:
-        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule."""
+                    p2p: list[float], trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
+        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule (``trace``: its ops, played)."""
         schedule = pipe.schedule_name
         if schedule == "1f1b":  # torch's 1F1B, closed form
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
@@ -255,7 +270,7 @@ class CostModel:
         # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
         counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
         return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
-                                weight_s=weight_s if schedule == "zb-h1" else None)
+                                weight_s=weight_s if schedule == "zb-h1" else None, trace=trace)
 
     def _sync_ends(self, plan: Plan, node_of: dict[str, str],
                    finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:

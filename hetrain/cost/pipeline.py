@@ -21,12 +21,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from hetrain.errors import HetrainError
 from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split, zero_bubble_order
 
 
 Seconds = Sequence[float]  # one value per stage (or boundary)
+
+
+class Op(NamedTuple):
+    """One compute op of a played pipeline: stage, kind (F forward, B backward or its input-gradient
+    part, W the weight-gradient part under ZB-H1), micro-batch, and when it starts and ends (s)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
 
 def pipeline_terms(stage_s: list[float] | tuple[float, ...], p2p_s: list[float] | tuple[float, ...]) -> tuple[float, float]:
     """(tau, fill) of one 1F1B pipeline, ``T_pipe(m) = m * tau + fill``: sends block (module docstring).
@@ -88,7 +100,7 @@ def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int 
 
 def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_flight: list[int] | tuple[int, ...],
                      num_microbatches: int, duplex: bool = False,
-                     weight_s: Seconds | None = None) -> tuple[float, float, list[float]]:
+                     weight_s: Seconds | None = None, trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
     ``weight_s``: ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``), per stage the weight-gradient
     part of ``backward_s``, run k backwards late on stage k (``hetrain.plan.eager.zero_bubble_order``).
@@ -103,6 +115,7 @@ def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_f
     Why not a closed form: a pair of stages whose counts differ by d has d - 1 forward + backward of
     slack for its sends, but how much of the fill the extra micro-batches save depends on the stages'
     speeds; playing it is exact for this model at O(stages x micro-batches). tau: the steady state.
+    ``trace``: a list that gets each op as it is played (``Op``), for a picture of the timeline.
     """
     S, M = len(stage_s), num_microbatches
     n = [min(c, M) for c in in_flight]
@@ -121,17 +134,22 @@ def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_f
             return False
         kind, i = orders[k][pos[k]]
         if kind == "W":  # the weight gradient waits for nothing but its own B, earlier on this stage
+            start = clock[k]
             clock[k] += wgt[k]
         elif kind == "F":
             ready = done[k - 1].get(("act", i)) if k else 0.0
             if ready is None:
                 return False
-            clock[k] = f_end[k][i] = max(clock[k], ready) + fwd[k]
+            start = max(clock[k], ready)
+            clock[k] = f_end[k][i] = start + fwd[k]
         else:
             ready = done[k].get(("grad", i)) if k < S - 1 else 0.0
             if ready is None:
                 return False
-            clock[k] = b_end[k][i] = max(clock[k], ready) + bwd[k]
+            start = max(clock[k], ready)
+            clock[k] = b_end[k][i] = start + bwd[k]
+        if trace is not None:
+            trace.append(Op(k, kind, i, start, clock[k]))
         pos[k] += 1
         for b in (k - 1, k):
             if 0 <= b < S - 1:
@@ -191,7 +209,8 @@ class _EagerBoundaries:
 
 
 def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
-                       p2p_s: list[float] | tuple[float, ...], num_microbatches: int) -> float:
+                       p2p_s: list[float] | tuple[float, ...], num_microbatches: int,
+                       trace: list[Op] | None = None) -> float:
     """T_pipe of torch's ``Schedule1F1B`` played out op by op, as ``eager_pipeline_s`` plays eager 1F1B.
 
     What ``pipeline_terms`` prices in closed form, without its one simplification: the fill is
@@ -200,7 +219,7 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
     Stage k runs S - k forwards, then a backward and a forward in turn; each send waits with the
     receive it is fused with (``Schedule1F1B``: the last warm-up activation with the first gradient,
     then each gradient with the next activation and each activation with the next gradient); a
-    message takes e_k once both ends have posted it.
+    message takes e_k once both ends have posted it. ``trace``: as in ``eager_pipeline_s``.
     """
     S, M = len(stage_s), num_microbatches
     fwd = [c - b for c, b in zip(stage_s, backward_s)]
@@ -227,7 +246,10 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
                 return False
             clock[k] = max([clock[k], *ends])
         else:
+            start = clock[k]
             clock[k] += fwd[k] if what == "F" else backward_s[k]
+            if trace is not None:
+                trace.append(Op(k, what, arg, start, clock[k]))
         pos[k] += 1
         return True
 
