@@ -119,6 +119,37 @@ def wait_for_runs(deployment_id, count: int, timeout_s: float = 240) -> list:
     raise AssertionError(f"{count} flow runs of deployment {deployment_id} did not finish in {timeout_s} s")
 
 
+def check_pictures(run_dir: Path) -> None:
+    """The run's pictures are image artifacts, read back through Prefect's client: the PNG files that
+    ``hetrain.pictures`` drew into the run directory, byte for byte, as ``data:`` URLs (loss and ranks, the
+    loss also part way: more than one version), and the plan's predicted timeline as a PNG."""
+    import base64
+
+    import anyio
+    from prefect.client.schemas.filters import (ArtifactCollectionFilter, ArtifactCollectionFilterKey, ArtifactFilter,
+                                                ArtifactFilterKey)
+
+    keys = ["e2e-loss", "e2e-ranks", "e2e-training-timeline"]
+
+    async def read():
+        async with get_client() as client:
+            latest = await client.read_latest_artifacts(
+                artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=keys)))
+            versions = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+            return {a.key: a for a in latest}, [a.key for a in versions]
+
+    latest, versions = anyio.run(read)
+    assert set(latest) == set(keys)
+    png = {}
+    for key, artifact in latest.items():
+        assert artifact.type == "image" and artifact.data.startswith("data:image/png;base64,"), key
+        png[key] = base64.b64decode(artifact.data.split(",", 1)[1])
+        assert png[key].startswith(b"\x89PNG\r\n\x1a\n") and len(png[key]) > 5_000, key  # a drawing, not a dot
+    assert png["e2e-loss"] == (run_dir / "loss.png").read_bytes()
+    assert png["e2e-ranks"] == (run_dir / "ranks.png").read_bytes()
+    assert versions.count("e2e-loss") > 1  # published as the run went, not only at its end
+
+
 def test_train_flow_end_to_end(server, tmp_path: Path):
     result = train(run_id="e2e", runs_root=str(tmp_path), options=TrainOptions(steps=8, checkpoint_every=4))
     assert result["status"] == "completed" and result["first_step"] == 0 and result["last_step"] == 7
@@ -132,6 +163,7 @@ def test_train_flow_end_to_end(server, tmp_path: Path):
     arts = anyio.run(artifacts)
     assert {"e2e-training-plan", "e2e-training-pipelines", "e2e-progress", "e2e-iteration-time"} <= set(arts)
     assert "pipeline 0:" in arts["e2e-training-pipelines"].data
+    check_pictures(tmp_path / "e2e")
     # run again, as the schedule does, on fresh data: the run resumes after its newest checkpoint, 4 more steps
     again = train(run_id="e2e", runs_root=str(tmp_path),
                   options=TrainOptions(more_steps=4, checkpoint_every=4, data="examples/data/tiny.txt"))

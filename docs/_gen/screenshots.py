@@ -3,8 +3,9 @@
 Starts what a user starts on one machine (docs/how-to/prefect-one-machine.md): ``prefect server start`` with
 SQLite in a temp PREFECT_HOME, the ``hetrain`` process pool, the deployments of ``deployments/prefect.yaml``
 and a worker; runs the train deployment once on the emulated CPU cluster (gpt-tiny, a few steps); then
-photographs the flow run, its plan artifacts (the plan's table and its picture of the pipelines) and the train
-deployment with its nightly schedule into ``docs/images/``. Everything it started is stopped at the end
+photographs the flow run, its plan artifacts (the plan's table, its picture of the pipelines and its predicted
+timeline), the run's pictures (the loss curve, each rank's time) and the train deployment with its nightly
+schedule into ``docs/images/``. Everything it started is stopped at the end
 (``flows.demo.Services``). Needs a Chromium: ``chromium-headless-shell`` or ``chromium`` on PATH (Debian's
 ``apt-get install chromium-headless-shell``), or ``--chromium PATH``. Not part of the build: the images are
 committed, and this script is how to take them again.
@@ -34,6 +35,13 @@ RENDER_BUDGET_MS = 60_000
 RUN_TIMEOUT_S = 900  # the train flow profiles, plans and trains; a shared 2-core machine is slow
 STEPS = 12  # enough steps for a loss curve in the logs, few enough to finish in a couple of minutes
 GLOBAL_BATCH = 24  # sequences per step: enough that the plan uses the slow (spot) devices too, not only the fast ones
+ARTIFACT_SHOTS = {  # artifact key of the "docs" run -> its page's screenshot
+    "docs-training-plan": "prefect-plan-table.png",
+    "docs-training-pipelines": "prefect-plan-pipelines.png",
+    "docs-training-timeline": "prefect-plan-timeline.png",
+    "docs-loss": "prefect-loss.png",
+    "docs-ranks": "prefect-ranks.png",
+}
 
 
 def chromium(explicit: str | None) -> str:
@@ -84,17 +92,16 @@ def main() -> None:
             if not state.is_completed():
                 raise SystemExit(f"screenshots: the train flow run ended {state.name}; see {home}/worker.log")
             deployment = client.read_deployment_by_name("hetrain-train/train")
-            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+            from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 
-            artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=["docs-training-plan", "docs-training-pipelines"])))}
+            artifacts = {a.key: a for a in client.read_latest_artifacts(artifact_filter=ArtifactCollectionFilter(
+                key=ArtifactCollectionFilterKey(any_=list(ARTIFACT_SHOTS))))}
         IMAGES.mkdir(exist_ok=True)
         shoot(browser, f"{ui}/runs/flow-run/{run.id}", IMAGES / "prefect-train-run.png")
-        for key, name in (("docs-training-plan", "prefect-plan-table.png"),
-                          ("docs-training-pipelines", "prefect-plan-pipelines.png")):
+        for key, name in ARTIFACT_SHOTS.items():
             if key not in artifacts:
                 raise SystemExit(f"screenshots: the flow run published no artifact {key}")
-            shoot(browser, f"{ui}/artifacts/artifact/{artifacts[key].id}", IMAGES / name)
+            shoot(browser, f"{ui}/artifacts/artifact/{artifacts[key].latest_id}", IMAGES / name)
         shoot(browser, f"{ui}/deployments/deployment/{deployment.id}", IMAGES / "prefect-schedule.png")
     finally:
         services.stop()
