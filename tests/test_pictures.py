@@ -65,7 +65,8 @@ def test_a_plans_timeline_is_its_estimate_played_and_drawn(tmp_path: Path):
     from hetrain.pictures import write_timeline_png
     from solver.planner import make_plan
 
-    cl, spec = load_cluster(ROOT / "examples/clusters/paper-3types.yaml"), load_model(ROOT / "examples/models/gpt-6.7b.yaml")
+    cl = load_cluster(ROOT / "examples/clusters/paper-3types.yaml")
+    spec = load_model(ROOT / "examples/models/gpt-6.7b.yaml")
     settings = TrainingSettings(global_batch_size=64)
     result = make_plan("hetrain", cl, spec, settings, None)
     plan, est, cost = result.plan, result.estimate, CostModel(cl, spec, settings, None)

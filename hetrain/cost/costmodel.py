@@ -247,7 +247,7 @@ class CostModel:
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
 
     def timeline(self, plan: Plan, est: Estimate, pipeline: int) -> list[Op]:
-        """The ops of one pipeline of ``plan`` as ``estimate`` (``est``) plays them: each stage's forwards and backwards.
+        """The ops of one pipeline of ``plan`` as ``estimate`` played it (``est``): each stage's forwards, backwards.
 
         Eager 1F1B and ZB-H1 as priced; torch's 1F1B, priced in closed form, played out op by op
         (``one_f_one_b_play_s``: the same times, less the closed form's one simplification of the fill).
@@ -262,7 +262,7 @@ class CostModel:
 
     def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
                     p2p: list[float], trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
-        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule (``trace``: its ops, played)."""
+        """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule; ``trace``: its ops."""
         schedule = pipe.schedule_name
         if schedule == "1f1b":  # torch's 1F1B, closed form
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)

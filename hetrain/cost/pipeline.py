@@ -100,7 +100,8 @@ def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int 
 
 def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_flight: list[int] | tuple[int, ...],
                      num_microbatches: int, duplex: bool = False,
-                     weight_s: Seconds | None = None, trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
+                     weight_s: Seconds | None = None,
+                     trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each stage ends its part) of one eager-1F1B pipeline (``hetrain.runtime.pipeline``): sends do not block.
     ``weight_s``: ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``), per stage the weight-gradient
     part of ``backward_s``, run k backwards late on stage k (``hetrain.plan.eager.zero_bubble_order``).
