@@ -37,6 +37,10 @@ from hetrain.spec.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
+# The run's pictures are redrawn and published at each quarter of the run, not at each logged step: each is a
+# matplotlib draw (about half a second of a CPU core) and a new version of two artifacts, which the flow run's
+# graph shows one by one.
+PICTURE_UPDATES = 4
 
 
 def _path(p: str) -> Path:
@@ -117,6 +121,7 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
     progress = Progress(run_id, config.start_step, config.steps)
     metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
     every = max(1, (config.steps - config.start_step) // 10)
+    redraw = max(1, (config.steps - config.start_step) // PICTURE_UPDATES)
 
     def on_record(r: dict) -> None:
         progress.update(r["step"])
@@ -124,11 +129,11 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
             logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
         for failure in r.get("backup_failed", []):
             logger.error("backup of %s to %s failed: %s", run_id, options.remote, failure)
+        if r["step"] % redraw == 0 and config.start_step < r["step"] < config.steps - 1:
+            publish_run_pictures(run_id, metrics, run_dir)  # the curve so far (the end's is drawn below)
         if r["step"] % every == 0 or r["step"] == config.steps - 1:
             logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
                         f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
-            if config.start_step < r["step"] < config.steps - 1:  # the curve so far (the last step's: below)
-                publish_run_pictures(run_id, metrics, run_dir)
 
     cl = load_cluster(_path(cluster))
     plan_nodes = {d.split("/")[0] for d in the_plan.devices()}
