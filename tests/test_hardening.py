@@ -191,7 +191,7 @@ CASES = [
     ("plan --out the model", ["plan", "--cluster", CLUSTER, "--model", "{model}", "--global-batch-size", "16",
                               "--out", "{model}"], "--out {model}: is the --model this command reads"),
     ("data --out the text", ["data", "prepare", "--text", "{corpus}", "--out", "{corpus}"],
-     "--out {corpus}: is the --text this command reads"),
+     "--out {corpus}: is the --input {corpus} this command reads"),
     ("train --peer without =", ["train", "--plan", "{plan}", "--run-dir", "{root}/r3", "--peer", "nodeurl"],
      "--peer: expected NODE=URL, got 'nodeurl'"),
 ]

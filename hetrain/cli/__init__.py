@@ -57,8 +57,8 @@ def main() -> int:
     try:
         return app(standalone_mode=False) or 0
     except _cli_exceptions() as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # `hetrain` or `hetrain data` alone: the help
-            e.show()
+        if type(e).__name__ == "NoArgsIsHelpError":  # `hetrain` or `hetrain data` alone: the help, on stdout
+            print(e.ctx.get_help() if e.ctx is not None else e.format_message())
             return 0
         say_error(e.format_message())
         return e.exit_code
