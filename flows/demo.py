@@ -72,7 +72,7 @@ class Services:
         return r.stdout
 
     def start_prefect_server(self, port: int) -> str:
-        """``prefect server start`` on loopback at ``port``; its API URL once it answers."""
+        """``prefect server start`` on loopback at ``port`` (its log: ``prefect-server.log``); its API URL once it answers."""
         api = f"http://127.0.0.1:{port}/api"
         self.start("prefect-server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                       "--port", str(port)])

@@ -81,7 +81,7 @@ def test_the_server_schedules_the_nightly_runs_and_a_scheduled_run_finishes(serv
         if nightly or time.monotonic() > deadline:
             break
         time.sleep(1)
-    server_log = (home / "server.log").read_text()
+    server_log = (home / "prefect-server.log").read_text()
     assert "bulk DML" not in server_log, server_log[-3000:]
     assert dep.schedules[0].schedule.cron == NIGHTLY_CRON
     assert nightly, f"no scheduled run of hetrain-train/train after 60 s; server log:\n{server_log[-3000:]}"

@@ -105,7 +105,7 @@ def main() -> None:
         shoot(browser, f"{ui}/deployments/deployment/{deployment.id}", IMAGES / "prefect-schedule.png")
     finally:
         services.stop()
-    shutil.rmtree(home, ignore_errors=True)  # kept when something failed: its server.log and worker.log say why
+    shutil.rmtree(home, ignore_errors=True)  # kept when something failed: its prefect-server.log and worker.log say why
 
 
 if __name__ == "__main__":
