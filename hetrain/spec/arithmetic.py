@@ -67,7 +67,7 @@ def block_weight_grad_fraction(model: ModelSpec) -> float:
     Backward is two forwards of FLOPs: each weight matrix's product gives one for the input
     gradient and one for the weight gradient; attention's core (no weights) is all input gradient.
     """
-    h, f, s = model.hidden_size, model.ffn_size, model.seq_length
+    h, s = model.hidden_size, model.seq_length
     matmuls = block_forward_flops(model, 1) - 4 * s * s * h
     return matmuls / (2 * block_forward_flops(model, 1))
 
