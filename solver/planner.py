@@ -21,7 +21,7 @@ from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_s
 from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import plan_milp
-from solver.space import MANY_CLASSES
+from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE
 from solver.symmetry import Slice, replicate, slice_of
 
 
@@ -35,7 +35,8 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
     """
     t0 = time.perf_counter()
     best, space, why = _search(cluster, cost, time_limit_s, progress)
-    info = best.plan.solver.model_dump() if best else {"planner": "hetrain", "status": why and str(why), "wall_s": 0}
+    info = best.plan.solver.model_dump() if best else {"planner": "hetrain", "status": "the MILP found no plan",
+                                                       "gap": None, "wall_s": 0}
     for name, search in (("megatron", megatron_search), ("whale", whale_search)):
         if progress:
             progress(f"checking {name}'s layouts")
@@ -48,7 +49,9 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
         raise why
     bound_s = info.get("lower_bound_s")
     above = best.estimate.iteration_time_s / bound_s - 1 if bound_s else None
-    claim = (f"best of {space}, and megatron's and whale's layouts"
+    if why is not None:
+        space = f"megatron's and whale's layouts (the MILP over its space found none: {why})"
+    claim = (f"best of {space}" + (", and megatron's and whale's layouts" if why is None else "")
              + (f"; {above:.1%} above the bound no plan beats (every GPU computing nonstop)" if above is not None else ""))
     info = best.plan.solver.model_dump() | {"planner": "hetrain", "claim": claim,
                                             "wall_s": round(time.perf_counter() - t0, 4)}
@@ -67,8 +70,8 @@ def _search(cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
                     f"repeated {part.copies} times", None)
         except NoPlanError:
             pass  # the slice cannot hold the model: the whole cluster may
-    space = ("the MILP over its space (pipeline templates of up to 3 GPU classes per pipeline, 2 past "
-             f"{MANY_CLASSES} classes; each TP degree x micro-batch size)")
+    space = (f"the MILP over its space (pipeline templates of up to {MAX_CLASSES_PER_PIPELINE} GPU classes per "
+             f"pipeline, 2 past {MANY_CLASSES} classes; each TP degree x micro-batch size)")
     try:
         return plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress), space, None
     except NoPlanError as e:
@@ -81,7 +84,7 @@ def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: 
     small = plan_milp(part.cluster, CostModel(part.cluster, cost.model, part.settings, cost.profile),
                       time_limit_s=time_limit_s, progress=progress)
     plan, est = choose_schedules(replicate(small.plan, part, cluster, cost.settings), cost)
-    info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope')}, "
+    info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope', 'milp')}, "
                                                       f"1/{part.copies} slice x {part.copies}"}
     return PlanResult(*finish(plan, cost, info, est))
 

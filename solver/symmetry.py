@@ -52,10 +52,11 @@ def slice_of(cluster: ClusterSpec, settings: TrainingSettings) -> Slice | None:
         key = node.model_dump_json(exclude={"name", "address"})
         kinds.setdefault(key, []).append(node.name)
     common = math.gcd(*(len(names) for names in kinds.values()))
-    copies = max((g for g in range(2, common + 1) if common % g == 0
-                  and settings.global_batch_size % g == 0
-                  and cluster.num_devices // g >= SLICE_MIN_GPUS
-                  and any((settings.global_batch_size // g) % b == 0 for b in settings.micro_batch_sizes)),
+    G = settings.global_batch_size
+    sizes = [b for b in settings.micro_batch_sizes if G % b == 0]
+    # every micro-batch size the whole cluster may use must stay open to the slice (its batch G / g)
+    copies = max((g for g in range(2, common + 1) if common % g == 0 and G % g == 0
+                  and cluster.num_devices // g >= SLICE_MIN_GPUS and all((G // g) % b == 0 for b in sizes)),
                  default=None)
     if copies is None:
         return None
@@ -66,9 +67,11 @@ def slice_of(cluster: ClusterSpec, settings: TrainingSettings) -> Slice | None:
             keep.add(names[j])
             for r in range(copies):
                 maps[r][names[j]] = names[r * per_copy + j]
-    part = cluster.model_copy(update={"name": f"{cluster.name} (1/{copies})",
-                                      "nodes": [n for n in cluster.nodes if n.name in keep]})
-    small = settings.model_copy(update={"global_batch_size": settings.global_batch_size // copies})
+    # validated anew, not model_copy: a copy would keep the whole cluster's cached devices and nodes
+    part = ClusterSpec.model_validate(cluster.model_dump(exclude_unset=True) | {
+        "name": f"{cluster.name}-slice-1-of-{copies}", "nodes": [n.model_dump(exclude_unset=True)
+                                                                 for n in cluster.nodes if n.name in keep]})
+    small = TrainingSettings.model_validate(settings.model_dump() | {"global_batch_size": G // copies})
     return Slice(part, small, copies, tuple(maps))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from bench._common import MIX
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 
 SMALL_MODEL = ModelSpec(name="gpt-test", num_layers=12, hidden_size=2048, num_heads=16, seq_length=1024,
@@ -42,9 +43,8 @@ def small_settings(seed: int) -> TrainingSettings:
                             tp_degrees=[1, 2])
 
 
-# catalog types and their intra-node GB/s (NVLink for SXM parts, PCIe for the others)
-LARGE_TYPES = {"A100-80G": 300, "H100-SXM": 450, "V100-32G": 150, "RTX3090": 16, "A10G": 16, "L40S": 32,
-               "A6000": 56, "A100-40G": 300}
+# catalog types and their intra-node GB/s: the benchmarks' generated clusters' (bench/_common.MIX)
+LARGE_TYPES = {gpu: bw for _, gpu, bw in MIX}
 
 
 def random_large_cluster(seed: int) -> tuple[ClusterSpec, TrainingSettings]:

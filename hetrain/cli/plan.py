@@ -109,7 +109,8 @@ def claim_line(plan) -> str:
 
 def summary_line(plan, est) -> str:
     s = plan.solver
-    solver = f"; {s.planner} planner {s.status}, gap {s.gap:.2g}, {s.wall_s:.2f} s" if s else ""
+    gap = f", gap {s.gap:.2g}" if s and s.gap is not None else ""
+    solver = f"; {s.planner} planner {s.status}{gap}, {s.wall_s:.2f} s" if s else ""
     return (
         f"tp={plan.tp} micro-batch={plan.micro_batch_size} pipelines={len(plan.pipelines)}: "
         f"iteration {est.iteration_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
@@ -176,14 +177,16 @@ def plan(
             out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
             out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
             out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
-            out.print(claim_line(main.plan), highlight=False)
+            if claim_line(main.plan):
+                out.print(claim_line(main.plan), highlight=False)
     elif as_json:
         print(main.plan.to_json())
     else:
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
         out.print(summary_line(main.plan, main.estimate), highlight=False)
         out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
-        out.print(claim_line(main.plan), highlight=False)
+        if claim_line(main.plan):
+            out.print(claim_line(main.plan), highlight=False)
     if prof is None:
         from hetrain.profiling.profile import ANALYTIC_NOTE
 
