@@ -169,24 +169,20 @@ def plan(
     cost = CostModel(cl, md, settings, prof)  # for where the plan spends the capacity
     if out_file:
         main.plan.write(out_file)
-    if compare:
-        rows = comparison_rows(results)
-        if as_json:
-            print(json.dumps({"plan": json.loads(main.plan.to_json()), "comparison": rows}, indent=2))
-        else:
-            out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
-            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
-            out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
-            if claim_line(main.plan):
-                out.print(claim_line(main.plan), highlight=False)
-    elif as_json:
-        print(main.plan.to_json())
+    rows = comparison_rows(results) if compare else None
+    if as_json:
+        print(main.plan.to_json() if rows is None else
+              json.dumps({"plan": json.loads(main.plan.to_json()), "comparison": rows}, indent=2))
     else:
         out.print(plan_table(main.plan, main.estimate, f"{planner} plan for {md.name} on {cl.name}"))
-        out.print(summary_line(main.plan, main.estimate), highlight=False)
+        if rows is None:
+            out.print(summary_line(main.plan, main.estimate), highlight=False)
+        else:
+            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
         out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
-        if claim_line(main.plan):
-            out.print(claim_line(main.plan), highlight=False)
+        claim = claim_line(main.plan)
+        if claim:
+            out.print(claim, highlight=False)
     if prof is None:
         from hetrain.profiling.profile import ANALYTIC_NOTE
 
