@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
 from hetrain.plan.eager import Schedule
-from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings,
-                                 describe_validation_error)
+from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec,
+                                 OptimizerStateMode, RecomputeMode, TrainingSettings, describe_validation_error)
 
 PLAN_SCHEMA = "hetrain.plan/v1"
 
@@ -30,6 +30,10 @@ class StagePlan(BaseModel):
     layers: tuple[int, int] = Field(description="half-open range of transformer blocks [start, end)")
     recompute: RecomputeMode | None = Field(
         default=None, description="activation recompute of this stage's blocks; absent: the training settings' mode")
+    optimizer_state: OptimizerStateMode | None = Field(
+        default=None, description="where the stage keeps its layers' AdamW state: replicated (whole, on every "
+        "replica), sharded (1/D across the D replicas of each layer, ZeRO-1), offloaded (its share in host memory, "
+        "the step on the CPU); absent: replicated")
     in_flight: PositiveInt | None = Field(
         default=None, description="micro-batches the stage keeps in flight (forwards before its first backward) under "
         "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage give the "

@@ -53,6 +53,8 @@ MAX_LINK_GBPS = 1e6  # GB/s of one link: NVLink 5 is 1.8 TB/s per GPU; a million
 MAX_LATENCY_US = 1e7  # ten seconds for one message: a link that slow is down
 MAX_SLOWDOWN = 1e4  # an emulated device ten thousand times slower than the CPU would never finish a step
 MAX_PRICE_PER_GPU_HOUR = 1e4  # dollars; the dearest cloud GPUs rent for about 10
+MAX_PREEMPTIONS_PER_HOUR = 3600.0  # one a second: a spot GPU gone faster than that never trains a step
+MAX_NOTICE_S = 86400.0  # clouds warn 30 s (GCP) to 2 min (AWS); a day ahead is a maintenance window
 MAX_BYTES_PER_PARAM = 64.0  # fp32 weights, gradients and three fp32 optimizer moments are 20
 MAX_ROPE_THETA = 1e12  # Llama 3 uses 5e5; long-context models a few million
 
@@ -111,6 +113,11 @@ class NodeSpec(_Spec):
     intra_node_bandwidth_gbps: PositiveFloat = Field(le=MAX_LINK_GBPS, description="GB/s between two GPUs of this node")
     spot: bool = False
     price_per_gpu_hour: NonNegativeFloat | None = Field(default=None, le=MAX_PRICE_PER_GPU_HOUR)
+    preemptions_per_hour: NonNegativeFloat | None = Field(
+        default=None, le=MAX_PREEMPTIONS_PER_HOUR,
+        description="a spot node's expected preemptions per hour (its offer's rate); absent: unknown, taken as 0")
+    notice_s: NonNegativeFloat | None = Field(
+        default=None, le=MAX_NOTICE_S, description="how long before a preemption the cloud warns (seconds)")
     emulate: EmulateSpec | None = None
     nics: Literal["one", "per_gpu"] = Field(
         default="one",
@@ -343,6 +350,11 @@ RecomputeMode = Literal["none", "selective", "full"]
 RecomputeSetting = Literal["auto", "none", "selective", "full"]
 # Least recompute (fastest, most memory) first: the order in which the planner tries them.
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+# Where a stage keeps its layers' AdamW state: every replica the whole of it (replicated), 1/D of it
+# across the D replicas of each layer (sharded: ZeRO-1, the gradient all-reduce becomes a
+# reduce-scatter and a parameter all-gather), or its share in host memory, the step on the CPU (offloaded).
+OptimizerStateMode = Literal["replicated", "sharded", "offloaded"]
+OPTIMIZER_STATE_MODES: tuple[OptimizerStateMode, ...] = ("replicated", "sharded", "offloaded")
 
 
 class TrainingSettings(_Spec):
