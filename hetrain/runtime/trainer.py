@@ -331,7 +331,9 @@ class Trainer:
                         record["checkpoint_waited_s"] = ckpt.waited_s
                     if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
                         self.release_device_memory()
-                    if config.request_file and ckpt.node_leader and live is None:  # live: once committed
+                    # only a requested checkpoint answers: a periodic one saved while a request waits unread
+                    # would take it (the controller then sees a commit the ranks never stopped at); live: once committed
+                    if requested and config.request_file and ckpt.node_leader and live is None:
                         answer_request(config.request_file, step)
                 if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
                     failures = ckpt.uploader.new_failures()
