@@ -1,9 +1,9 @@
 """The live notice-window switch: the state goes from the old ranks' memory to the new ranks', verified.
 
 Real gloo processes on both sides. A run switched live continues with the same losses as the same
-new plan resumed from the emergency checkpoint on disk; an old rank that dies mid-transfer, a
-corrupted slice each end in the disk path with nothing lost (the transfer's own refusals, a stall's included, are
-in test_live_transfer.py).
+new plan resumed from the emergency checkpoint on disk; an old rank that dies mid-transfer and a
+corrupted slice each end in the disk path with nothing lost (the transfer's own refusals, a
+stall's included, are in test_live_transfer.py).
 """
 
 from __future__ import annotations
