@@ -153,3 +153,54 @@ def test_export_then_init_from_under_another_plan_gives_the_same_loss_and_gradie
             assert (grad - want).norm() <= 1e-5 * want.norm(), name
             seen.add(name)
     assert seen == set(weights)
+
+
+def transformers_llama(directory: Path, rope_theta: float = 500000.0):
+    """A Llama that transformers made and saved (its own init, its own config.json: transformers 5
+    writes the rotary base inside ``rope_parameters``), at llama-tiny's size."""
+    transformers = pytest.importorskip("transformers")
+    config = hf_config(load_model(LLAMA), "fp32") | {"rope_theta": rope_theta}  # Llama 3's base, not the default
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    model.save_pretrained(str(directory))
+    return model
+
+
+def test_a_llama_transformers_made_gives_its_logits_in_hetrain(tmp_path: Path):
+    theirs = transformers_llama(tmp_path / "hf")
+    spec = pretrained_spec(tmp_path / "hf", 32)
+    assert spec.rope_base == 500000.0  # read from rope_parameters
+    ours = GPT(spec)
+    load_pretrained(ours, spec, tmp_path / "hf")
+    tokens = TokenSource(spec.seq_length, spec.vocab_size, seed=0).sequences(0, 4)
+    with torch.no_grad():
+        want = theirs(input_ids=tokens).logits
+        got = ours(tokens)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_rope_hetrain_does_not_have_is_one_line(tmp_path: Path):
+    transformers_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HetrainError, match="rope_parameters.rope_type: hetrain's Llama block has 'default'"):
+        pretrained_spec(tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_a_llama_transformers_made_trains_from_its_loss_at_tp2_in_two_stages(tmp_path: Path):
+    """The first loss of a TP 2 x two-stage run started from transformers' own save is transformers'
+    loss on the same batch (the vocabulary-sharded logits of two ranks make it)."""
+    theirs = transformers_llama(tmp_path / "hf")
+    spec = pretrained_spec(tmp_path / "hf", 32)
+    plan = two_stage_tp2_plan(spec)
+    plan.write(tmp_path / "b.json")
+    r = run_cli("train", "--plan", str(tmp_path / "b.json"), "--steps", "1", "--init-from", str(tmp_path / "hf"),
+                "--run-dir", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    seq = TokenSource(spec.seq_length, spec.vocab_size, seed=0).sequences(0, plan.global_batch_size)
+    with torch.no_grad():
+        want = lm_loss(theirs(input_ids=seq[:, :-1]).logits, seq[:, 1:]).item()
+    record = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(record["loss"] - want) <= 1e-5 * want

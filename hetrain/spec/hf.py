@@ -86,13 +86,30 @@ def spec_from_hf_config(config: Any, source: str, name: str, seq_length: int | N
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * config.get("num_attention_heads", 0) != config.get("hidden_size"):
         raise HetrainError(f"{source}: head_dim: expected hidden_size / num_attention_heads, got {head_dim}")
+    rope_theta = _rope_theta(config, source)
     fields = {"name": name, "arch": "llama", "num_layers": config.get("num_hidden_layers"),
               "hidden_size": config.get("hidden_size"), "num_heads": config.get("num_attention_heads"),
               "num_kv_heads": config.get("num_key_value_heads"), "ffn_hidden_size": config.get("intermediate_size"),
-              "vocab_size": config.get("vocab_size"), "rope_theta": config.get("rope_theta"),
+              "vocab_size": config.get("vocab_size"), "rope_theta": rope_theta,
               "norm_eps": config.get("rms_norm_eps"), "tie_embeddings": config.get("tie_word_embeddings"),
               "seq_length": seq_length or config.get("max_position_embeddings")}
     return parse_spec(ModelSpec, {k: v for k, v in fields.items() if v is not None}, source)
+
+
+def _rope_theta(config: dict, source: str) -> Any:
+    """The rotary base: transformers 5 writes it in ``rope_parameters`` (with the rope's type), 4 at the top.
+
+    Missed, a Llama 3 (base 500000) would silently train with the default 10000 and be another model.
+    """
+    rope = config.get("rope_parameters")
+    if rope is None:
+        return config.get("rope_theta")
+    if not isinstance(rope, dict):
+        raise HetrainError(f"{source}: rope_parameters: expected an object, got {rope!r}")
+    if rope.get("rope_type", "default") != "default":
+        raise HetrainError(f"{source}: rope_parameters.rope_type: hetrain's Llama block has 'default' rotary "
+                           f"positions, the model {rope['rope_type']!r}")
+    return rope.get("rope_theta", config.get("rope_theta"))
 
 
 def pretrained_spec(directory: str | Path, seq_length: int | None = None) -> ModelSpec:
