@@ -21,13 +21,16 @@ from prefect.artifacts import (create_image_artifact, create_markdown_artifact, 
 
 from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.cost.report import plan_rows
-from hetrain.pictures import LOSS_PNG, RANKS_PNG, TIMELINE_PNG, write_run_pictures, write_timeline_png
+from hetrain.pictures import (LOSS_PNG, MEASURED_TIMELINE_PNG, RANKS_PNG, TIMELINE_PNG, write_run_pictures,
+                              write_timeline_png)
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, Profile
 
 # What each picture of a run shows, as its artifact's description
 RUN_PICTURES = {LOSS_PNG: "loss and learning rate by step",
-                RANKS_PNG: "where each rank's step time goes: compute, idle in the pipeline schedule, gradient sync"}
+                RANKS_PNG: "where each rank's step time goes: compute, idle in the pipeline schedule, gradient sync",
+                MEASURED_TIMELINE_PNG: "each stage's forwards and backwards of one step as they ran (measured; "
+                "beside the predicted timeline)"}
 
 
 def artifact_key(*parts: str) -> str:
@@ -96,7 +99,7 @@ def publish_timeline(plan: Plan, est: Estimate, cost: CostModel, run_id: str, wh
         if png is not None:
             publish_picture(png, artifact_key(run_id, what, "timeline"),
                             f"{what} plan: each stage's forwards and backwards per micro-batch as the cost model "
-                            f"plays them (predicted; the run records per-step totals, not micro-batches)")
+                            f"plays them (predicted; the run's measured step is its timeline-measured picture)")
     return why_not
 
 

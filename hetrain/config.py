@@ -145,6 +145,7 @@ class RunConfig(BaseModel):
     metrics: str | None = None
     init_from: str | None = None  # a model directory (hetrain.spec.hf) to start from; a resume's checkpoint wins
     tensorboard_dir: str | None = None  # rank 0 writes TensorBoard event files here (RunDir.tensorboard)
+    timeline_dir: str | None = None  # each stage's first rank writes one step's measured ops here (RunDir.timeline)
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
     threads_per_rank: PositiveInt = 1
     run_id: str = "run"
@@ -211,7 +212,7 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
-                         tensorboard_dir=str(run.tensorboard),
+                         tensorboard_dir=str(run.tensorboard), timeline_dir=str(run.timeline),
                          init_from=str(Path(o.init_from).resolve()) if o.init_from else None,
                          checkpoint=ckpt, request_file=str(run.checkpoint_request),
                          backup_status_file=str(run.backup_status) if o.remote else None,

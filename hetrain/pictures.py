@@ -6,8 +6,10 @@
   and the gradient sync between pipelines; the ranks of a slow stage stand out at a glance;
 * ``timeline-predicted.png`` (``write_timeline_png``): a plan's pipelines as the cost model plays
   them, op by op: each stage's forward and backward of each micro-batch, and the gaps between
-  them (waiting for an activation or a gradient). Only predicted: the runtime records per-step
-  totals per rank (what ``ranks.png`` shows), not when each micro-batch ran.
+  them (waiting for an activation or a gradient);
+* ``timeline-measured.png`` (``measured_timeline``): the same chart of one step as the run
+  measured it (``RUN/timeline/``, written by each stage's first rank at the launch's third step),
+  to set beside the predicted one: where the plan's idle time really goes.
 
 matplotlib is optional (``pip install 'hetrain[plots]'``): without it no picture is drawn and
 the run is none the worse (``write_run_pictures`` says why in what it returns). Torch-free.
@@ -25,6 +27,7 @@ LOSS_PNG = "loss.png"
 RANKS_PNG = "ranks.png"
 PNG_DPI = 110  # about 700 x 400 pixels at the sizes below: sharp in a browser, a few tens of kB
 TIMELINE_PNG = "timeline-predicted.png"
+MEASURED_TIMELINE_PNG = "timeline-measured.png"
 # (label, colour) of each kind of op in a played pipeline (``hetrain.cost.pipeline.Op``)
 OP_KINDS = {"F": ("forward", "tab:blue"), "B": ("backward", "tab:orange"), "W": ("weight gradient", "tab:green")}
 MAX_TIMELINE_ROWS = 24  # stages drawn at most: beyond that the rows are too thin to read
@@ -81,7 +84,37 @@ def write_run_pictures(metrics: str | Path, out_dir: str | Path) -> tuple[list[P
     written = [_loss_png(plt, MaxNLocator, records, out / LOSS_PNG)]
     if records[-1].get("ranks"):
         written.append(_ranks_png(plt, records, out / RANKS_PNG))
+    step, rows = measured_timeline(out / "timeline")
+    if rows:
+        png, _ = write_timeline_png(rows, out / MEASURED_TIMELINE_PNG, f"measured: step {step} of the run")
+        written += [png] if png is not None else []
     return written, None
+
+
+def measured_timeline(directory: str | Path) -> tuple[int | None, list[tuple[str, list]]]:
+    """(step, rows) of the measured step in ``directory`` (``RunDir.timeline``), as ``write_timeline_png`` draws them.
+
+    Rows in pipeline and stage order, times from the earliest stage's start of the step. Only the
+    newest launch's files count: a resumed run under another plan may have left other stages' files.
+    """
+    from hetrain.cost.pipeline import Op
+
+    found = []
+    for path in sorted(Path(directory).glob("p*-s*.json")):
+        try:
+            found.append(json.loads(read_text(path)))
+        except (HetrainError, ValueError):
+            continue  # a file being replaced, or not ours: the picture is drawn from the others
+    found = [f for f in found if isinstance(f, dict) and isinstance(f.get("ops"), list)]
+    if not found:
+        return None, []
+    step = max(f["step"] for f in found)
+    found = sorted((f for f in found if f["step"] == step), key=lambda f: (f["pipeline"], f["stage"]))
+    t0 = min(f["start"] for f in found)
+    rows = [(f"p{f['pipeline']} s{f['stage']} {f['device']}",
+             [Op(f["stage"], kind, mb, start - t0, end - t0) for kind, mb, start, end in f["ops"] if kind in OP_KINDS])
+            for f in found]
+    return step, rows
 
 
 def _loss_png(plt, MaxNLocator, records: list[dict], path: Path) -> Path:  # noqa: N803 (matplotlib's class)

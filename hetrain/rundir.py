@@ -11,7 +11,9 @@ message helpers below. Torch-free, so the control plane and the ranks share it.
     RUN/cluster.json               a node run's cluster; cluster-from-step-N.json after a recovery
     RUN/metrics.jsonl              rank 0's per-step records (a path of the user's choice instead)
     RUN/tensorboard/               rank 0's TensorBoard event files of the same records (`tensorboard --logdir RUN`)
-    RUN/loss.png, RUN/ranks.png    the records drawn when the run ends (hetrain.pictures; with matplotlib)
+    RUN/timeline/p{P}-s{K}.json    when each op of one step ran on stage K of pipeline P (the launch's third step)
+    RUN/loss.png, RUN/ranks.png    the records drawn when the run ends (hetrain.pictures; with matplotlib),
+    RUN/timeline-measured.png      and the measured step's ops, stage by stage
     RUN/backup.json                rank 0's account of what reached the remote store, when the run ends
     RUN/launch[-NODE].log          the launcher's output
     RUN/node-run.json              present while a node's ranks of the run run (its watcher finds them)
@@ -107,6 +109,11 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def timeline(self) -> Path:
+        """One step's measured ops, a file per stage (``hetrain.pictures.measured_timeline``)."""
+        return self.path / "timeline"
 
     @property
     def backup_status(self) -> Path:

@@ -22,6 +22,7 @@ from hetrain.errors import HetrainError
 from hetrain.runtime.data import TokenSource, open_tokens, prepare_tokens
 from hetrain.runtime.model import GPT, lm_loss
 from test_metrics_out import assert_board_matches_metrics
+from test_pictures import assert_measured_timeline
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -175,7 +176,8 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
     """`hetrain data prepare` of both into one file, then `hetrain train --data` on two pipeline
     stages: the run's first loss is the loss of the same initial model on the file's first
     global batch, computed here in one process (one run, to spend the wall time once). The
-    run's TensorBoard files hold its records (read by TensorBoard's reader), and its export
+    run's TensorBoard files hold its records (read by TensorBoard's reader), its measured
+    timeline is causal, and its export
     carries the tokenizer."""
     docs = documents(150, 6)
     r = run_cli("data", "prepare", "--input", str(write_jsonl(tmp_path / "c.jsonl", docs[:90])),
@@ -197,6 +199,7 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
     assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
     assert_board_matches_metrics(tmp_path / "run")
     assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
+    assert_measured_timeline(tmp_path / "run", stages=2, microbatches=8)
     r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model

@@ -122,14 +122,14 @@ def wait_for_runs(deployment_id, count: int, timeout_s: float = 240) -> list:
 def check_pictures(run_dir: Path) -> None:
     """The run's pictures are image artifacts, read back through Prefect's client: the PNG files that
     ``hetrain.pictures`` drew into the run directory, byte for byte, as ``data:`` URLs (loss and ranks, the
-    loss also part way: more than one version), and the plan's predicted timeline as a PNG."""
+    loss also part way: more than one version), and the plan's predicted and measured timelines as PNGs."""
     import base64
 
     import anyio
     from prefect.client.schemas.filters import (ArtifactCollectionFilter, ArtifactCollectionFilterKey, ArtifactFilter,
                                                 ArtifactFilterKey)
 
-    keys = ["e2e-loss", "e2e-ranks", "e2e-training-timeline"]
+    keys = ["e2e-loss", "e2e-ranks", "e2e-training-timeline", "e2e-timeline-measured"]
 
     async def read():
         async with get_client() as client:

@@ -33,6 +33,9 @@ from hetrain.errors import HetrainError
 from hetrain.spec.specs import GB
 
 
+OP_KINDS = ("F", "B", "W")  # forward, backward (its input-gradient part under ZB-H1), weight gradient
+
+
 class DeviceOutOfMemory(HetrainError):
     pass
 
@@ -93,6 +96,9 @@ class StageMeter:
         self._forward_started = (0.0, 0.0)  # (wall, thread CPU) seconds
         self._backward_started: tuple[float, float] | None = None
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        # while a step is recorded (``record_timeline``): [kind, micro-batch, start, end] per op, wall-clock s
+        self._events: list[list] | None = None
+        self._ops_seen = dict.fromkeys(OP_KINDS, 0)
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
         embedding = getattr(module, "tok_embedding", None)
@@ -168,7 +174,9 @@ class StageMeter:
         if self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
-        self.forward_s += self._stretch(self._forward_started)
+        took_s = self._stretch(self._forward_started)
+        self.forward_s += took_s
+        self._event("F", took_s)
         self._check("for activations in flight")
         if torch.is_grad_enabled() and out.requires_grad:
             out = _OnBackward.apply(out, self._backward_begin)
@@ -180,7 +188,9 @@ class StageMeter:
     def _backward_done(self) -> None:
         if self._backward_started is None:
             return
-        self.backward_s += self._stretch(self._backward_started)
+        took_s = self._stretch(self._backward_started)
+        self.backward_s += took_s
+        self._event("B", took_s)
         self._backward_started = None
 
     @contextlib.contextmanager
@@ -201,7 +211,33 @@ class StageMeter:
         backward time, stretched like the rest (the hooks see only a backward that crosses the stage's input)."""
         started = _now()
         yield
-        self.backward_s += self._stretch(started)
+        took_s = self._stretch(started)
+        self.backward_s += took_s
+        self._event("W", took_s)
+
+    # -- the measured timeline of one step
+    def record_timeline(self) -> None:
+        """Record when each forward and backward of the next step runs (``take_timeline``)."""
+        self._events = []
+        self._ops_seen = dict.fromkeys(OP_KINDS, 0)
+
+    def take_timeline(self) -> list[list]:
+        """The recorded step's ops, [kind, micro-batch, start, end] in wall-clock (epoch) seconds; stops recording.
+
+        Epoch seconds, not this process's monotonic clock: the ranks of other nodes write theirs
+        too, and the picture lines them up (to NTP's precision across machines).
+        """
+        events, self._events = self._events or [], None
+        return events
+
+    def _event(self, kind: str, took_s: float) -> None:
+        """An op that just ended, numbered in its kind's order: every schedule here runs the forwards,
+        the backwards and the weight gradients of a stage each in micro-batch order."""
+        if self._events is None:
+            return
+        end = time.time()
+        self._events.append([kind, self._ops_seen[kind], end - took_s, end])
+        self._ops_seen[kind] += 1
 
     def _stretch(self, started: tuple[float, float]) -> float:
         """Wall seconds since ``started``, after sleeping up to ``slowdown`` x the CPU seconds used."""

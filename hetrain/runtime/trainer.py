@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from hetrain.checkpoint.save import Checkpointer, load_training_state
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
+from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout, Role, build_layout
 from hetrain.plan.schema import Plan, load_plan
 from hetrain.rundir import answer_request, live_offer_file, ready_file
@@ -45,6 +47,9 @@ from hetrain.spec.specs import EmulateSpec, load_cluster
 
 # The last stage would otherwise keep every micro-batch's logits until the step ends, to return
 # them: m x (micro-batch x sequence x vocabulary) of memory nobody reads (torch >= 2.6 has the flag).
+# The launch's step whose ops are recorded (RunDir.timeline): the first two pay for warm-up (first
+# allocations, gloo's connections, the data's first reads) that the steady state does not.
+TIMELINE_WARMUP_STEPS = 2
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
@@ -310,9 +315,11 @@ class Trainer:
         # the plan's rank 0 (its first node) writes them: torchrun's own rank 0 may sit on any node
         metrics = (MetricsWriter(config.metrics, config.tensorboard_dir, config.start_step)
                    if self.role.rank == 0 and (config.metrics or config.tensorboard_dir) else None)
+        timeline_step = min(config.start_step + TIMELINE_WARMUP_STEPS, config.steps - 1) if config.timeline_dir else -1
         try:
             for step in range(config.start_step, config.steps):
-                record = self.train_step(step)
+                with self._timeline(step if step == timeline_step else None):
+                    record = self.train_step(step)
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
                 live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
@@ -361,9 +368,26 @@ class Trainer:
             if self.checkpointer is not None:
                 status = self.checkpointer.close()
                 if status is not None and config.backup_status_file:
-                    from hetrain.files import write_text_atomic
-
                     write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")
+
+    @contextlib.contextmanager
+    def _timeline(self, step: int | None) -> Iterator[None]:
+        """Around the step that is measured (``step``; None: not this one): write this stage's ops when it ends."""
+        if step is None:
+            yield
+            return
+        self.meter.record_timeline()
+        started = time.time()
+        yield
+        ops = self.meter.take_timeline()
+        role = self.role
+        if role.tp_rank != 0:
+            return
+        path = Path(self.config.timeline_dir) / f"p{role.pipeline}-s{role.stage}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"step": step, "pipeline": role.pipeline, "stage": role.stage,
+                                            "device": role.device, "start": started, "end": time.time(),
+                                            "ops": ops}) + "\n", "measured timeline")
 
     def release_device_memory(self) -> None:
         """Free this rank's GPU memory (weights, gradients, optimizer state) once it trains no more.
