@@ -27,7 +27,7 @@ from prefect.artifacts import Artifact, create_table_artifact
 from pydantic import Field
 
 from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes, run_tag, stop_run
-from flows.report import Progress, artifact_key, model_from_markdown, publish_plan
+from flows.report import Progress, artifact_key, model_from_markdown, publish_picture, publish_plan
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
@@ -316,6 +316,10 @@ def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path |
                           description=f"recovery of {run_id} from step {result.step}: "
                                       f"{kinds['peers'] / 1e6:.1f} MB from peers, {kinds['remote'] / 1e6:.1f} MB "
                                       f"from the remote store")
+    picture = run_dir / f"recovery-from-step-{result.step}.png"  # hetrain.recovery's report, drawn
+    if picture.is_file():
+        publish_picture(picture, artifact_key(run_id, "recovery-timeline"),
+                        f"recovery of {run_id} from step {result.step}: each phase in order, the fetch by source")
     logger.info("recovered from step %d: %s; %.1f MB from peers, %.1f MB from the remote store; trained to step %s",
                 result.step, ", ".join(f"{k} {v:.2f} s" for k, v in result.timings_s.items() if v is not None),
                 kinds["peers"] / 1e6,

@@ -196,3 +196,68 @@ def write_timeline_png(rows: list[tuple[str, list]], path: str | Path, title: st
     fig.savefig(out, dpi=PNG_DPI)
     plt.close(fig)
     return out, None
+
+
+RECOVERY_PNG_SUFFIX = ".png"  # beside RUN/recovery-from-step-N.json, the same name
+# The phases a recovery report may time (``hetrain.recovery``), in the order they happen, and their colour:
+# a notice-window switch re-plans, warms the new ranks up beside the old ones, takes the emergency
+# checkpoint and moves it (live or fetched); a restart re-plans, fetches, starts the ranks and loads.
+RECOVERY_PHASES = (("replan_s", "re-plan for the survivors", "tab:purple"),
+                   ("warm_start_s", "start the new ranks (old ones train on)", "tab:gray"),
+                   ("checkpoint_s", "emergency checkpoint", "tab:red"),
+                   ("live_s", "live transfer, memory to memory", "tab:cyan"),
+                   ("fetch_s", "fetch the checkpoint", "tab:olive"),
+                   ("commit_wait_s", "wait for the old ranks' commit", "tab:red"),
+                   ("startup_s", "old ranks exit, new ones start", "tab:gray"),
+                   ("load_s", "load the checkpoint", "tab:brown"),
+                   ("first_step_s", "first step", "tab:blue"))
+
+
+def recovery_rows(report: dict) -> list[tuple[str, float, float, str]]:
+    """(label, start, end, colour) of each timed phase of a recovery report, one after the other from 0,
+    and under the fetch one row per source (its files' bytes; the bar as long as its slowest file)."""
+    timings = report.get("timings_s") or {}
+    rows, t = [], 0.0
+    for key, label, colour in RECOVERY_PHASES:
+        took = timings.get(key)
+        if not isinstance(took, (int, float)) or took <= 0:
+            continue
+        rows.append((label, t, t + took, colour))
+        if key == "fetch_s":
+            by_source: dict[str, list[dict]] = {}
+            for f in report.get("files") or []:
+                by_source.setdefault(str(f.get("source")), []).append(f)
+            for source, files in sorted(by_source.items()):
+                size_mb = sum(f.get("bytes", 0) for f in files) / 1e6
+                slowest = max(f.get("seconds", 0.0) for f in files)
+                rows.append((f"  from {source}: {len(files)} files, {size_mb:.1f} MB", t, t + slowest, "tab:green"))
+        t += took
+    return rows
+
+
+def write_recovery_png(report: dict, path: str | Path) -> tuple[Path | None, str | None]:
+    """A recovery's phases as a Gantt chart (``recovery_rows``); the file, or None and why not."""
+    plt = _pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
+    rows = recovery_rows(report)
+    if not rows:
+        return None, "no recovery timeline: the report times no phase"
+    fig, ax = plt.subplots(figsize=(9.6, 1.4 + 0.35 * len(rows)), layout="constrained")
+    for y, (_, start, end, colour) in enumerate(rows):
+        ax.barh(y, end - start, left=start, height=0.7, color=colour)
+        ax.text(end, y, f" {end - start:.2f} s", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [label for label, *_ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(end for _, _, end, _ in rows) * 1.12)
+    ax.set_xlabel("seconds from the start of the recovery")
+    lost = ", ".join(report.get("lost_nodes") or []) or "none"
+    down = (report.get("timings_s") or {}).get("downtime_s")
+    ax.set_title(f"recovery from step {report.get('checkpoint_step')}: lost {lost}; "
+                 f"{report.get('bytes_from_peers', 0) / 1e6:.1f} MB from peers, "
+                 f"{report.get('bytes_from_remote', 0) / 1e6:.1f} MB from the bucket"
+                 + (f"; training stopped {down:.1f} s" if isinstance(down, (int, float)) else ""), fontsize=10)
+    out = Path(path)
+    fig.savefig(out, dpi=PNG_DPI)
+    plt.close(fig)
+    return out, None

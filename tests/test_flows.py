@@ -235,6 +235,14 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert [m["step"] for m in metrics][-4:] == [6, 7, 8, 9]  # resumed right after the last commit
     report = json.loads((runs_root / "spot" / "recovery-from-step-5.json").read_text())
     assert report["bytes_from_peers"] > 0 and report["bytes_from_remote"] > 0
+    # the report drawn (each phase, the fetch by source) and shown in the UI
+    from prefect.artifacts import Artifact
+
+    from flows.report import artifact_key
+
+    assert (runs_root / "spot" / "recovery-from-step-5.png").stat().st_size > 5_000
+    picture = Artifact.get(artifact_key("spot", "recovery-timeline"))
+    assert picture is not None and picture.type == "image" and picture.data.startswith("data:image/png;base64,")
     assert committed_steps(str(nodes / "fast"))[-1] == 9
     plan = json.loads((runs_root / "spot" / "plan-from-step-5.json").read_text())
     assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])

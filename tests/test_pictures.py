@@ -112,3 +112,25 @@ def assert_measured_timeline(run_dir: Path, stages: int, microbatches: int) -> N
             assert ends[(k, "B", m)][0] >= ends[(k + 1, "B", m)][1]  # the gradient came from stage k + 1
     if importlib.util.find_spec("matplotlib"):
         assert (run_dir / MEASURED_TIMELINE_PNG).stat().st_size > 5_000
+
+
+def test_a_recovery_report_is_drawn_phase_by_phase_with_the_fetch_by_source(tmp_path: Path):
+    from hetrain.pictures import recovery_rows, write_recovery_png
+
+    report = {"lost_nodes": ["c"], "checkpoint_step": 9, "bytes_from_peers": 3_000_000, "bytes_from_remote": 1_000_000,
+              "timings_s": {"replan_s": 0.5, "fetch_s": 2.0, "startup_s": 4.0, "load_s": 1.0, "first_step_s": 0.5,
+                            "train_s": 30.0},  # train_s is the whole resumed run, not a phase
+              "files": [{"source": "b", "bytes": 2_000_000, "seconds": 0.4},
+                        {"source": "b", "bytes": 1_000_000, "seconds": 0.7},
+                        {"source": "s3", "bytes": 1_000_000, "seconds": 1.9}]}
+    rows = recovery_rows(report)
+    assert [(label.split(":")[0].strip(), start, end) for label, start, end, _ in rows] == [
+        ("re-plan for the survivors", 0.0, 0.5), ("fetch the checkpoint", 0.5, 2.5), ("from b", 0.5, 1.2),
+        ("from s3", 0.5, 2.4), ("old ranks exit, new ones start", 2.5, 6.5), ("load the checkpoint", 6.5, 7.5),
+        ("first step", 7.5, 8.0)]
+    assert rows[2][0] == "  from b: 2 files, 3.0 MB"
+    pytest.importorskip("matplotlib")
+    png, why_not = write_recovery_png(report, tmp_path / "r.png")
+    assert why_not is None and png.stat().st_size > 5_000
+    assert write_recovery_png({"timings_s": {}}, tmp_path / "none.png") == (
+        None, "no recovery timeline: the report times no phase")

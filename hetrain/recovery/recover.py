@@ -23,6 +23,7 @@ from hetrain.rundir import RunDir
 from hetrain.checkpoint.reassemble import FetchReport, Source, reassemble_newest
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
+from hetrain.pictures import RECOVERY_PNG_SUFFIX, write_recovery_png
 from hetrain.plan.schema import Plan, load_plan, validate_plan
 from hetrain.recovery.runs import load_run, sources_for
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
@@ -186,4 +187,5 @@ def write_report(result: RecoveryResult, old_plan: Plan) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
+    write_recovery_png(data, path.with_suffix(RECOVERY_PNG_SUFFIX))  # with matplotlib; the JSON is the record
     return path
