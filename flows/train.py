@@ -118,27 +118,9 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
     the_plan.write(plan_path)
     if resumed is not None:
         logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id, resumed, config.steps)
-    progress = Progress(run_id, config.start_step, config.steps)
     metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
-    every = max(1, (config.steps - config.start_step) // 10)
-    redraw = max(1, (config.steps - config.start_step) // PICTURE_UPDATES)
-
-    def on_record(r: dict) -> None:
-        progress.update(r["step"])
-        if "lr_schedule_extended" in r:
-            logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
-        for failure in r.get("backup_failed", []):
-            logger.error("backup of %s to %s failed: %s", run_id, options.remote, failure)
-        if r["step"] % redraw == 0 and config.start_step < r["step"] < config.steps - 1:
-            publish_run_pictures(run_id, metrics, run_dir)  # the curve so far (the end's is drawn below)
-        if r["step"] % every == 0 or r["step"] == config.steps - 1:
-            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
-                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
-
-    cl = load_cluster(_path(cluster))
-    plan_nodes = {d.split("/")[0] for d in the_plan.devices()}
-    spot = {n.name: SOURCES[cloud](f"{spot_metadata_url.rstrip('/')}/{n.name}")
-            for n in cl.nodes if n.spot and n.name in plan_nodes} if spot_metadata_url else {}
+    on_record = _on_record(run_id, config, options, metrics, run_dir, logger)
+    spot = _spot_sources(load_cluster(_path(cluster)), the_plan, spot_metadata_url, cloud)
 
     def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
         emit_preempted(run_id, node, notice.to_dict(), checkpoint_step, str(run_dir.parent))
@@ -169,6 +151,43 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
                     "; a recovery switched it to a new plan and follows it from there" if switched else "")
         return {"status": "switched" if switched else "stopped", "run_id": run_id, "first_step": config.start_step,
                 "last_step": last, "checkpoint_step": last}
+    return _completed(run_id, config, records, metrics, run_dir, predicted_s, resumed, logger)
+
+
+def _on_record(run_id: str, config, options: TrainOptions, metrics: Path, run_dir: Path, logger):
+    """What the flow does with each step's record: the progress artifact, a log line every tenth of the run,
+    the pictures redrawn PICTURE_UPDATES times, backup failures and schedule extensions said."""
+    progress = Progress(run_id, config.start_step, config.steps)
+    every = max(1, (config.steps - config.start_step) // 10)
+    redraw = max(1, (config.steps - config.start_step) // PICTURE_UPDATES)
+
+    def on_record(r: dict) -> None:
+        progress.update(r["step"])
+        if "lr_schedule_extended" in r:
+            logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
+        for failure in r.get("backup_failed", []):
+            logger.error("backup of %s to %s failed: %s", run_id, options.remote, failure)
+        if r["step"] % redraw == 0 and config.start_step < r["step"] < config.steps - 1:
+            publish_run_pictures(run_id, metrics, run_dir)  # the curve so far (the end's is drawn below)
+        if r["step"] % every == 0 or r["step"] == config.steps - 1:
+            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
+                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
+
+    return on_record
+
+
+def _spot_sources(cl: ClusterSpec, plan: Plan, spot_metadata_url: str | None, cloud: str) -> dict:
+    """The metadata source of each spot node the plan uses (none without a metadata URL)."""
+    if not spot_metadata_url:
+        return {}
+    plan_nodes = {d.split("/")[0] for d in plan.devices()}
+    return {n.name: SOURCES[cloud](f"{spot_metadata_url.rstrip('/')}/{n.name}")
+            for n in cl.nodes if n.spot and n.name in plan_nodes}
+
+
+def _completed(run_id: str, config, records: list[dict], metrics: Path, run_dir: Path, predicted_s: float,
+               resumed: int | None, logger) -> dict:
+    """A run that trained to its end: backup problems, measured vs predicted timing, the pictures; the flow's result."""
     problem = backup_problem(config)
     if problem:
         logger.error("backup: %s", problem)
