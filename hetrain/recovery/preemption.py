@@ -64,6 +64,9 @@ SWITCH_NOTICE_S = 60.0
 # A notice at least this long leaves time for an emergency checkpoint (a step, a snapshot, a
 # commit: a few seconds) before the node goes; a shorter one loses the work since the last one.
 MIN_CHECKPOINT_S = 10.0
+# Kept free before the deadline for what follows a switch's warm start (``hetrain.recovery.proactive``):
+# the emergency checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
+DEFAULT_SWITCH_RESERVE_S = 20.0
 STOP_CHECK_S = 0.1  # how often a watcher waiting for a poll looks whether it was stopped (a SIGTERM's notice)
 
 

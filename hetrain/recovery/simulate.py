@@ -35,9 +35,10 @@ Torch-free and Prefect-free; the planner is passed in (``solver`` depends on ``h
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
@@ -47,8 +48,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.recovery.costs import RecoveryCosts
 from hetrain.recovery.market import SECONDS_PER_HOUR, MarketEvent
-from hetrain.recovery.preemption import MIN_CHECKPOINT_S, SWITCH_NOTICE_S
-from hetrain.recovery.proactive import DEFAULT_SWITCH_RESERVE_S
+from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, MIN_CHECKPOINT_S, SWITCH_NOTICE_S
 from hetrain.recovery.recover import Planner, surviving_cluster
 from hetrain.spec.specs import ClusterSpec
 
@@ -103,7 +103,7 @@ class Strategy:
 
 
 HETRAIN = Strategy("hetrain", switch=True, peers=True)
-BUCKET_RESTART = Strategy("spot, restarts from the bucket", switch=False, peers=False)
+BUCKET_RESTART = Strategy("bucket restarts", switch=False, peers=False)
 ON_DEMAND = Strategy("on-demand", switch=False, peers=True, spot=False)
 STRATEGIES = (HETRAIN, BUCKET_RESTART, ON_DEMAND)
 
@@ -477,3 +477,38 @@ def simulate(candidates: list[Candidate], options: SimulateOptions, planner: Pla
             row["plans_made"] = cache.planned  # the planner's runs for this candidate (cached by node set)
     return {"schema": "hetrain.simulation/v1", "options": options.model_dump(),
             "recovery_costs": costs.as_dict(), "results": results}
+
+
+SIMULATION_JSON = "simulation.json"
+
+
+def load_candidates(clusters: list[str | Path], plans: list[str | Path]) -> list[Candidate]:
+    """The --cluster/--plan pairs, in order, each plan checked against its cluster."""
+    from hetrain.plan.schema import load_plan, validate_plan
+    from hetrain.spec.specs import load_cluster
+
+    if not clusters or len(clusters) != len(plans):
+        raise HetrainError(f"--cluster/--plan: expected them in pairs (one plan per cluster, in order), got "
+                           f"{len(clusters)} cluster(s) and {len(plans)} plan(s)")
+    out = []
+    for cluster_path, plan_path in zip(clusters, plans):
+        cluster, plan = load_cluster(cluster_path), load_plan(plan_path)
+        validate_plan(plan, cluster)
+        label = f"{Path(cluster_path).stem}/{Path(plan_path).stem}"
+        out.append(Candidate(label, cluster, plan, str(cluster_path), str(plan_path)))
+    return out
+
+
+def write_outputs(report: dict, out_dir: str | Path) -> tuple[Path, Path | None, str | None]:
+    """``simulation.json`` and the picture of the replays (``replay.png``) in ``out_dir``; why no picture, if none."""
+    from hetrain.files import write_text_atomic
+    from hetrain.pictures import REPLAY_PNG, write_replay_png
+
+    out = Path(out_dir)
+    json_path = out / SIMULATION_JSON
+    write_text_atomic(json_path, json.dumps(report, indent=1), "--out")
+    o = report["options"]
+    market = f"market {o['market']}" if o["market"] else f"drawn market, seed {o['seed']}"
+    png, why_not = write_replay_png(report["results"], out / REPLAY_PNG,
+                                    f"{market}, {o['hours']:g} h; recovery costs from {report['recovery_costs']['source']}")
+    return json_path, png, why_not
