@@ -512,3 +512,26 @@ def write_outputs(report: dict, out_dir: str | Path) -> tuple[Path, Path | None,
     png, why_not = write_replay_png(report["results"], out / REPLAY_PNG,
                                     f"{market}, {o['hours']:g} h; recovery costs from {report['recovery_costs']['source']}")
     return json_path, png, why_not
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One flat row per candidate and strategy (means over the replays; hours to the tokens at p50 and p95)."""
+
+    def hours(s: float | None) -> float | None:
+        return None if s is None else round(s / SECONDS_PER_HOUR, 3)
+
+    rows = []
+    for r in report["results"]:
+        s = r["summary"]
+        mean = {k: s[k]["mean"] for k in SUMMARY_METRICS}
+        rows.append({"plan": r["candidate"], "strategy": r["strategy"],
+                     "goodput tok/s": round(mean["goodput_tokens_per_s"] or 0.0),
+                     "$ per M tok": None if mean["usd_per_million_tokens"] is None
+                     else round(mean["usd_per_million_tokens"], 4),
+                     "hours to tokens p50": hours(s["time_to_tokens_s"]["p50"]),
+                     "hours to tokens p95": hours(s["time_to_tokens_s"]["p95"]),
+                     "share by deadline": s.get("share_by_deadline"),
+                     "preemptions": round(mean["preemptions"], 2), "switches": round(mean["switches"], 2),
+                     "restarts": round(mean["restarts_with_checkpoint"] + mean["restarts"], 2),
+                     "lost M tok": round(mean["lost_tokens"] / 1e6, 3), "recovering s": round(mean["recovery_s"], 1)})
+    return rows
