@@ -25,7 +25,6 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import hetrain
 from hetrain.errors import HetrainError
 from hetrain.files import parse_json, read_text
 
@@ -33,7 +32,7 @@ NOTICE_FILE = "recovery_notice.json"
 RESTART_FILE = "recovery.json"
 CHECKPOINT_FILE = "checkpoint_cost.json"
 # The measured set committed with the repository (a checkout or an editable install has it)
-COMMITTED_DIR = Path(hetrain.__file__).resolve().parent.parent / "bench" / "measured"
+COMMITTED_DIR = Path(__file__).resolve().parents[2] / "bench" / "measured"
 
 
 @dataclass(frozen=True)
