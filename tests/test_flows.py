@@ -212,6 +212,8 @@ def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
     assert dep_train.schedules and dep_train.schedules[0].schedule.cron == "0 3 * * *"
     dep_recover = anyio.run(_deployment, "hetrain-recover/recover")
     assert dep_recover.work_pool_name == "hetrain"
+    dep_simulate = anyio.run(_deployment, "hetrain-simulate/simulate")  # its options a form: SimulateOptions' schema
+    assert "SimulateOptions" in json.dumps(dep_simulate.parameter_openapi_schema)
     r = prefect_cli(api, "automation", "ls")
     assert "recover" in r.stdout
 
