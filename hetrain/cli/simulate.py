@@ -11,7 +11,7 @@ from rich.table import Table
 
 from hetrain.cli.common import MAX_TIME_LIMIT_S, out, say_note, user_errors
 from hetrain.cli.options import model_options
-from hetrain.recovery.simulate import SimulateOptions
+from hetrain.recovery.simulate import STRATEGIES, SimulateOptions
 
 
 def _hours(x: float | None) -> str:
@@ -118,6 +118,9 @@ def simulate(
         out.print(spread_table(report))
     out.print(costs_line(report), soft_wrap=True)
     json_path, png, why_not = write_outputs(report, out_dir)
-    out.print(f"written: {json_path}" + (f", {png}" if png else ""))
+    w = report["wall_s"]
+    out.print(f"{w['replays']:.1f} s replaying, {w['planning']:.1f} s re-planning "
+              f"({sum(r['plans_made'] for r in report['results'][::len(STRATEGIES)])} sets of nodes); written: {json_path}"
+              + (f", {png}" if png else ""))
     if why_not:
         say_note(why_not)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,6 +160,7 @@ class PlanCache:
         everything = frozenset(n.name for n in candidate.cluster.nodes)
         self._rates: dict[frozenset[str], float | None] = {everything: self._rate(candidate.plan, "the plan")}
         self.planned = 0  # how many times the planner ran
+        self.planning_s = 0.0  # and how long it took, all together
 
     def _rate(self, plan: Plan, what: str) -> float:
         if plan.predicted is None or plan.predicted.iteration_time_s <= 0:
@@ -174,12 +176,14 @@ class PlanCache:
             cluster = self.candidate.cluster
             lost = [n.name for n in cluster.nodes if n.name not in nodes]
             plan = self.candidate.plan
+            started = time.perf_counter()
             try:
                 survivors = surviving_cluster(cluster, lost, self.candidate.cluster_source)
                 self._rates[nodes] = self._rate(self.planner(survivors, plan.model, plan.settings()), "re-plan")
             except HetrainError:  # the model does not fit the nodes left: the run waits for more
                 self._rates[nodes] = None
             self.planned += 1
+            self.planning_s += time.perf_counter() - started
         return self._rates[nodes]
 
 
@@ -449,6 +453,7 @@ def simulate(candidates: list[Candidate], options: SimulateOptions, planner: Pla
     from hetrain.recovery.market import generate_market, read_market_csv
 
     _check(options)
+    started = time.perf_counter()
     horizon_s = options.hours * SECONDS_PER_HOUR
     deadline_s = options.deadline_hours * SECONDS_PER_HOUR if options.deadline_hours is not None else None
     csv_events = read_market_csv(options.market, [c.cluster for c in candidates]) if options.market else None
@@ -475,8 +480,12 @@ def simulate(candidates: list[Candidate], options: SimulateOptions, planner: Pla
                             "timeline_first_replay": [list(p) for p in timeline]})
         for row in results[-len(STRATEGIES):]:
             row["plans_made"] = cache.planned  # the planner's runs for this candidate (cached by node set)
+            row["planning_s"] = cache.planning_s
+    wall_s = time.perf_counter() - started
+    planning_s = sum(r["planning_s"] for r in results[::len(STRATEGIES)])
     return {"schema": "hetrain.simulation/v1", "options": options.model_dump(),
-            "recovery_costs": costs.as_dict(), "results": results}
+            "recovery_costs": costs.as_dict(), "results": results,
+            "wall_s": {"total": wall_s, "planning": planning_s, "replays": wall_s - planning_s}}
 
 
 SIMULATION_JSON = "simulation.json"
