@@ -1,4 +1,4 @@
-"""A replayed spot market as a Prefect flow: plan each cluster (unless given plans), simulate, publish a table and a picture.
+"""A replayed spot market as a Prefect flow: plan each cluster (unless given plans), simulate, publish a table, a picture.
 
     prefect deployment run 'hetrain-simulate/simulate' --param name=spot-mixed
 

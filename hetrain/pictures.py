@@ -8,6 +8,8 @@
   them, op by op: each stage's forward and backward of each micro-batch, and the gaps between
   them (waiting for an activation or a gradient). Only predicted: the runtime records per-step
   totals per rank (what ``ranks.png`` shows), not when each micro-batch ran.
+* ``replay.png`` (``write_replay_png``): a replayed spot market (``hetrain simulate``): GPUs training
+  and tokens trained over time, one line per strategy.
 
 matplotlib is optional (``pip install 'hetrain[plots]'``): without it no picture is drawn and
 the run is none the worse (``write_run_pictures`` says why in what it returns). Torch-free.
@@ -175,7 +177,8 @@ def write_replay_png(results: list[dict], path: str | Path, title: str) -> tuple
 
     ``results`` are ``hetrain.recovery.simulate.simulate``'s rows, each with its
     ``timeline_first_replay`` of (seconds, GPUs training, GPUs rented, tokens) points. One line
-    style a strategy; one colour a candidate (a strategy, when there is one candidate). Returns the file, or None and why (no matplotlib).
+    style a strategy; one colour a candidate (a strategy, when there is one candidate). Returns the file,
+    or None and why (no matplotlib).
     """
     plt = _pyplot()
     if plt is None:

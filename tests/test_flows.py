@@ -201,7 +201,8 @@ def test_simulate_flow_plans_replays_and_publishes_a_table_and_a_picture(server,
     assert arts["sim-simulation"].type == "table" and "bucket restarts" in arts["sim-simulation"].data
     picture = arts["sim-replay"]
     assert picture.type == "image" and picture.data.startswith("data:image/png;base64,")
-    assert base64.b64decode(picture.data.split(",", 1)[1]) == (tmp_path / "simulations" / "sim" / "replay.png").read_bytes()
+    png = (tmp_path / "simulations" / "sim" / "replay.png").read_bytes()
+    assert base64.b64decode(picture.data.split(",", 1)[1]) == png
 
 
 def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,30 @@ def test_replays_plan_each_set_of_nodes_once_and_report_the_share_by_the_deadlin
         assert s["replays"] == 100 and 0.0 <= s["share_by_deadline"] <= s["share_reaching_tokens"] <= 1.0
     on_demand = report["results"][2]["summary"]
     assert on_demand["share_by_deadline"] == 1.0  # 20 h of training on both nodes, never preempted
+
+
+def test_plans_compare_side_by_side_through_repeated_cluster_plan_pairs(two, tmp_path):
+    """The seam for comparing plans (e.g. the throughput objective's): --cluster/--plan pairs, in order."""
+    d = two["dir"]
+    megatron = make_plan("megatron", two["cluster"], MODEL, SETTINGS).plan
+    megatron.write(tmp_path / "megatron.json")
+    args = ["simulate", "--cluster", str(d / "cluster.yaml"), "--plan", str(d / "plan.json"),
+            "--cluster", str(d / "cluster.yaml"), "--plan", str(tmp_path / "megatron.json"),
+            "--replays", "3", "--hours", "2", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "simulation.json").read_text())
+    assert [(r["candidate"], r["strategy"]) for r in report["results"]] == [
+        (f"cluster/{plan}", s) for plan in ("plan", "megatron") for s in ("hetrain", "bucket restarts", "on-demand")]
+    result = CliRunner().invoke(app, args[:5] + ["--cluster", str(d / "cluster.yaml"), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "expected them in pairs" in result.output
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"deadline_hours": 1.0}, "--deadline-hours: expected --tokens too"),
+    ({"deadline_hours": 30.0, "tokens": 1e6}, "--deadline-hours: expected at most --hours (24"),
+    ({"market": "m.csv", "replays": 2}, "--replays: a market CSV is one market"),
+])
+def test_options_that_contradict_each_other_are_refused(two, options, expected):
+    with pytest.raises(HetrainError, match=re.escape(expected)):
+        simulate([Candidate("two", two["cluster"], two["plan"])], SimulateOptions(**options), planner, COSTS)

@@ -119,8 +119,8 @@ def simulate(
     out.print(costs_line(report), soft_wrap=True)
     json_path, png, why_not = write_outputs(report, out_dir)
     w = report["wall_s"]
-    out.print(f"{w['replays']:.1f} s replaying, {w['planning']:.1f} s re-planning "
-              f"({sum(r['plans_made'] for r in report['results'][::len(STRATEGIES)])} sets of nodes); written: {json_path}"
-              + (f", {png}" if png else ""))
+    sets = sum(r["plans_made"] for r in report["results"][::len(STRATEGIES)])
+    out.print(f"{w['replays']:.1f} s replaying, {w['planning']:.1f} s re-planning ({sets} sets of nodes); "
+              f"written: {json_path}" + (f", {png}" if png else ""))
     if why_not:
         say_note(why_not)

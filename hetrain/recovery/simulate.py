@@ -518,8 +518,8 @@ def write_outputs(report: dict, out_dir: str | Path) -> tuple[Path, Path | None,
     write_text_atomic(json_path, json.dumps(report, indent=1), "--out")
     o = report["options"]
     market = f"market {o['market']}" if o["market"] else f"drawn market, seed {o['seed']}"
-    png, why_not = write_replay_png(report["results"], out / REPLAY_PNG,
-                                    f"{market}, {o['hours']:g} h; recovery costs from {report['recovery_costs']['source']}")
+    title = f"{market}, {o['hours']:g} h; recovery costs from {report['recovery_costs']['source']}"
+    png, why_not = write_replay_png(report["results"], out / REPLAY_PNG, title)
     return json_path, png, why_not
 
 
