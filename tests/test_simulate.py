@@ -270,3 +270,17 @@ def test_plans_compare_side_by_side_through_repeated_cluster_plan_pairs(two, tmp
 def test_options_that_contradict_each_other_are_refused(two, options, expected):
     with pytest.raises(HetrainError, match=re.escape(expected)):
         simulate([Candidate("two", two["cluster"], two["plan"])], SimulateOptions(**options), planner, COSTS)
+
+
+def test_the_command_and_the_flow_take_the_same_options():
+    """One declaration: every field of SimulateOptions is an option of the command, and the flow's parameter."""
+    import inspect
+
+    import typer.main
+
+    from flows.simulate import simulate as flow
+
+    command = typer.main.get_command(app).commands["simulate"]
+    flags = {o for p in command.params for o in p.opts}
+    assert {"--" + f.replace("_", "-") for f in SimulateOptions.model_fields} <= flags
+    assert inspect.signature(flow.fn).parameters["options"].annotation in (SimulateOptions, "SimulateOptions")
