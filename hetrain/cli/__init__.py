@@ -4,8 +4,8 @@ The application layer: thin commands that validate their options, call the libra
 One module per concern: ``plan`` (plan, estimate, profile), ``train``, ``checkpoints`` (serve,
 export), ``recovery`` (recover, switch, restore, watch), ``simulate`` (a replayed spot market),
 ``node`` (node start), ``data`` (data prepare); ``common`` holds the consoles, ``user_errors`` and
-the option bounds, ``options`` makes options from a pydantic model. The commands are registered here, in the order the help lists
-them. Importing this package stays fast: torch and the planners load inside the commands.
+the option bounds, ``options`` makes options from a pydantic model. The commands are registered
+here, in the order the help lists them. Importing this package stays fast: torch and the planners load inside the commands.
 """
 
 from __future__ import annotations
