@@ -5,7 +5,8 @@ One module per concern: ``plan`` (plan, estimate, profile), ``train``, ``checkpo
 export), ``recovery`` (recover, switch, restore, watch), ``simulate`` (a replayed spot market),
 ``node`` (node start), ``data`` (data prepare); ``common`` holds the consoles, ``user_errors`` and
 the option bounds, ``options`` makes options from a pydantic model. The commands are registered
-here, in the order the help lists them. Importing this package stays fast: torch and the planners load inside the commands.
+here, in the order the help lists them. Importing this package stays fast: torch and the planners
+load inside the commands.
 """
 
 from __future__ import annotations
