@@ -20,7 +20,7 @@ from pydantic import Field
 from flows.report import artifact_key, publish_picture
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.errors import HetrainError
-from hetrain.recovery.simulate import SimulateOptions
+from hetrain.recovery.simulate_options import SimulateOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from hetrain.cli.common import MAX_TIME_LIMIT_S, out, say_note, user_errors
 from hetrain.cli.options import model_options
-from hetrain.recovery.simulate import STRATEGIES, SimulateOptions
+from hetrain.recovery.simulate_options import SimulateOptions
 
 
 def _hours(x: float | None) -> str:
@@ -100,7 +100,7 @@ def simulate(
     """Replay a spot market through plans: hetrain's recovery against restarts from the bucket and on demand."""
     from hetrain.files import check_output_dir
     from hetrain.recovery.costs import load_recovery_costs
-    from hetrain.recovery.simulate import load_candidates, write_outputs
+    from hetrain.recovery.simulate import STRATEGIES, load_candidates, write_outputs
     from hetrain.recovery.simulate import simulate as run
     from solver.planner import canonical, make_plan
 

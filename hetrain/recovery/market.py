@@ -30,12 +30,12 @@ from typing import Literal
 import numpy as np
 
 from hetrain.errors import HetrainError
+from hetrain.recovery.simulate_options import SECONDS_PER_HOUR
 from hetrain.files import read_text, write_text_atomic
 from hetrain.spec.specs import ClusterSpec
 
 CSV_COLUMNS = ("time_s", "node", "event", "notice_s")
 EVENTS = ("preempt", "available")
-SECONDS_PER_HOUR = 3600.0
 
 
 @dataclass(frozen=True)

@@ -42,55 +42,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from hetrain.config import CheckpointConfig
+from hetrain.config import DEFAULT_CHECKPOINT_EVERY
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.recovery.costs import RecoveryCosts
-from hetrain.recovery.market import SECONDS_PER_HOUR, MarketEvent
+from hetrain.recovery.market import MarketEvent
 from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, MIN_CHECKPOINT_S, SWITCH_NOTICE_S
 from hetrain.recovery.recover import Planner, surviving_cluster
+from hetrain.recovery.simulate_options import SECONDS_PER_HOUR, SimulateOptions
 from hetrain.spec.specs import ClusterSpec
 
-# Spot capacity that went away comes back after about this long unless --return-after-s says
-# otherwise: an assumption (the clouds publish how often they interrupt, not how soon capacity
-# returns); a market CSV gives the real times.
-DEFAULT_RETURN_AFTER_S = 3600.0
-# On-demand over spot price when the cluster file gives only the spot price: AWS's and GCP's
-# spot discounts on GPU instances were 60-70 % in their 2025 price lists (an H100 8-GPU VM about
-# $98/h on demand against $30-40/h spot), so on demand costs about 3x. --on-demand-price-factor
-# overrides it; an offers file with both prices replaces it.
-DEFAULT_ON_DEMAND_PRICE_FACTOR = 3.0
 PERCENTILES = (5, 50, 95)
-MAX_REPLAYS = 10_000  # each replay is milliseconds; ten thousand is already a tight distribution
-MAX_HOURS = 24 * 365.0  # a year of market
-
-
-class SimulateOptions(BaseModel):
-    """What ``hetrain simulate`` and the simulate flow take besides the clusters and plans."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    market: str | None = Field(default=None, description="market CSV (time_s,node,event,notice_s); default: draw "
-                               "one from each spot node's preemptions_per_hour")
-    seed: int = Field(default=0, ge=0, description="seed of the drawn markets (replay i uses seed and i)")
-    hours: PositiveFloat = Field(default=24.0, le=MAX_HOURS, description="length of the replayed market, hours")
-    replays: PositiveInt = Field(default=1, le=MAX_REPLAYS, description="seeded markets to replay (drawn only)")
-    tokens: PositiveFloat | None = Field(default=None, description="stop a run once it has trained this many tokens")
-    deadline_hours: PositiveFloat | None = Field(
-        default=None, le=MAX_HOURS, description="report the share of replays that train --tokens by then")
-    checkpoint_every_s: PositiveFloat | None = Field(
-        default=None, description="seconds between checkpoints (default: Young's interval from the measured "
-        "stall and the preemption rates)")
-    return_after_s: float = Field(default=DEFAULT_RETURN_AFTER_S, ge=0.0, le=MAX_HOURS * SECONDS_PER_HOUR,
-                                  description="drawn markets: seconds until a preempted node can be rented again")
-    on_demand_price_factor: float = Field(
-        default=DEFAULT_ON_DEMAND_PRICE_FACTOR, ge=1.0, le=100.0,
-        description="the on-demand baseline pays a spot node's price times this")
-    live_switch: bool = Field(default=False, description="hetrain switches live (hetrain switch --live)")
-    bench_results: str | None = Field(
-        default=None, description="directory of the recovery benches' JSON results (default: bench/measured)")
 
 
 @dataclass(frozen=True)
@@ -202,7 +165,7 @@ def checkpoint_interval_s(candidate: Candidate, costs: RecoveryCosts, every_s: f
         rate = sum(n.preemptions_per_hour or 0.0 for n in candidate.cluster.nodes if n.spot)
         every_s = young_interval_s(costs.checkpoint_stall_s, rate)
     if every_s is None:
-        every_s = CheckpointConfig.model_fields["every_steps"].default * iteration_s
+        every_s = DEFAULT_CHECKPOINT_EVERY * iteration_s
     return max(every_s, iteration_s)
 
 
