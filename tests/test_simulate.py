@@ -284,3 +284,13 @@ def test_the_command_and_the_flow_take_the_same_options():
     flags = {o for p in command.params for o in p.opts}
     assert {"--" + f.replace("_", "-") for f in SimulateOptions.model_fields} <= flags
     assert inspect.signature(flow.fn).parameters["options"].annotation in (SimulateOptions, "SimulateOptions")
+
+
+def test_a_preemption_right_after_the_start_has_only_the_notice_left(two):
+    """Preempted at 5 s with a 60 s notice: only 5 s of it are in the replay, too few for a checkpoint."""
+    from hetrain.recovery.simulate import Downtimes, actions_for
+
+    d = Downtimes.of(HETRAIN, COSTS, live=False)
+    actions = actions_for([MarketEvent(5.0, "sp", "preempt", 60.0)], d, HETRAIN)
+    assert [(a.time_s, a.kind, a.recovery) for a in actions] == [(0.0, "notice", ""), (5.0, "recover", "restart"),
+                                                                (5.0, "gone", "")]

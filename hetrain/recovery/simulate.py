@@ -199,10 +199,11 @@ def actions_for(events: list[MarketEvent], d: Downtimes, strategy: Strategy) -> 
             out.append(_Action(e.time_s, 3, "available", e.node))
             continue
         out.append(_Action(e.notice_at_s, 0, "notice", e.node))
-        if strategy.switch and e.notice_s >= d.switch_notice_s:
+        notice_s = e.time_s - e.notice_at_s  # shorter than the cloud's for a preemption right after the start
+        if strategy.switch and notice_s >= d.switch_notice_s:
             out.append(_Action(e.notice_at_s + d.warm_start_s, 1, "recover", e.node, "switch"))
-        elif e.notice_s >= MIN_CHECKPOINT_S:
-            deferred = strategy.switch and e.notice_s >= SWITCH_NOTICE_S  # a switch tried: its guard checkpoints
+        elif notice_s >= MIN_CHECKPOINT_S:
+            deferred = strategy.switch and notice_s >= SWITCH_NOTICE_S  # a switch tried: its guard checkpoints
             at = e.time_s - DEFAULT_SWITCH_RESERVE_S if deferred else e.notice_at_s
             out.append(_Action(at, 1, "recover", e.node, "restart-notice"))
         else:
