@@ -89,8 +89,8 @@ def costs_line(report: dict) -> str:
 @user_errors
 @model_options(SimulateOptions, into="options")
 def simulate(
-    cluster: Annotated[list[Path], typer.Option(help="cluster file (repeat, each with its --plan, to compare)")],
-    plan: Annotated[list[Path], typer.Option(help="plan for the --cluster in the same position (hetrain plan --out)")],
+    cluster: Annotated[list[Path], typer.Option(metavar="PATH", help="cluster file (repeat, each with its --plan, to compare)")],
+    plan: Annotated[list[Path], typer.Option(metavar="PATH", help="plan for the --cluster in the same position (hetrain plan --out)")],
     out_dir: Annotated[Path, typer.Option("--out", help="directory for simulation.json and replay.png")],
     options: SimulateOptions,
     planner: Annotated[str, typer.Option(help="planner for the nodes left after a preemption")] = "hetrain",

@@ -33,11 +33,11 @@ class SimulateOptions(BaseModel):
     seed: int = Field(default=0, ge=0, description="seed of the drawn markets (replay i uses seed and i)")
     hours: PositiveFloat = Field(default=24.0, le=MAX_HOURS, description="length of the replayed market, hours")
     replays: PositiveInt = Field(default=1, le=MAX_REPLAYS, description="seeded markets to replay (drawn only)")
-    tokens: PositiveFloat | None = Field(default=None, description="stop a run once it has trained this many tokens")
-    deadline_hours: PositiveFloat | None = Field(
-        default=None, le=MAX_HOURS, description="report the share of replays that train --tokens by then")
-    checkpoint_every_s: PositiveFloat | None = Field(
-        default=None, description="seconds between checkpoints (default: Young's interval from the measured "
+    tokens: float | None = Field(default=None, gt=0, description="stop a run once it has trained this many tokens")
+    deadline_hours: float | None = Field(
+        default=None, gt=0, le=MAX_HOURS, description="report the share of replays that train --tokens by then")
+    checkpoint_every_s: float | None = Field(
+        default=None, gt=0, description="seconds between checkpoints (default: Young's interval from the measured "
         "stall and the preemption rates)")
     return_after_s: float = Field(default=DEFAULT_RETURN_AFTER_S, ge=0.0, le=MAX_HOURS * SECONDS_PER_HOUR,
                                   description="drawn markets: seconds until a preempted node can be rented again")
