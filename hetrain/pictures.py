@@ -9,7 +9,10 @@
   them (waiting for an activation or a gradient);
 * ``timeline-measured.png`` (``measured_timeline``): the same chart of one step as the run
   measured it (``RUN/timeline/``, written by each stage's first rank at the launch's third step),
-  to set beside the predicted one: where the plan's idle time really goes.
+  to set beside the predicted one: where the plan's idle time really goes;
+* ``recovery-from-step-N.png`` (``write_recovery_png``): a recovery report's phases in order;
+* ``replay.png`` (``write_replay_png``): a replayed spot market (``hetrain simulate``): GPUs training
+  and tokens trained over time, one line per strategy.
 
 matplotlib is optional (``pip install 'hetrain[plots]'``): without it no picture is drawn and
 the run is none the worse (``write_run_pictures`` says why in what it returns). Torch-free.
@@ -257,6 +260,46 @@ def write_recovery_png(report: dict, path: str | Path) -> tuple[Path | None, str
                  f"{report.get('bytes_from_peers', 0) / 1e6:.1f} MB from peers, "
                  f"{report.get('bytes_from_remote', 0) / 1e6:.1f} MB from the bucket"
                  + (f"; training stopped {down:.1f} s" if isinstance(down, (int, float)) else ""), fontsize=10)
+    out = Path(path)
+    fig.savefig(out, dpi=PNG_DPI)
+    plt.close(fig)
+    return out, None
+
+
+REPLAY_PNG = "replay.png"
+# line style of each simulated strategy (``hetrain.recovery.simulate.STRATEGIES``), any other solid
+STRATEGY_STYLES = {"hetrain": "-", "bucket restarts": "--", "on-demand": ":"}
+
+
+def write_replay_png(results: list[dict], path: str | Path, title: str) -> tuple[Path | None, str | None]:
+    """A replayed spot market, first replay of each (candidate, strategy): GPUs training and tokens trained over time.
+
+    ``results`` are ``hetrain.recovery.simulate.simulate``'s rows, each with its
+    ``timeline_first_replay`` of (seconds, GPUs training, GPUs rented, tokens) points. One line
+    style a strategy; one colour a candidate (a strategy, when there is one candidate). Returns the file,
+    or None and why (no matplotlib).
+    """
+    plt = _pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
+    fig, (gpus_ax, tokens_ax) = plt.subplots(2, 1, figsize=(8.0, 6.0), sharex=True, layout="constrained")
+    several = len({r["candidate"] for r in results}) > 1  # then a colour a candidate, else a colour a strategy
+    colour_key = "candidate" if several else "strategy"
+    colours = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(r[colour_key] for r in results))}
+    for r in results:
+        points = r["timeline_first_replay"]
+        hours = [p[0] / 3600 for p in points]
+        label = f"{r['candidate']}: {r['strategy']}" if several else r["strategy"]
+        style = dict(color=colours[r[colour_key]], linestyle=STRATEGY_STYLES.get(r["strategy"], "-"))
+        gpus_ax.step(hours, [p[1] for p in points], where="post", label=label, **style)
+        tokens_ax.plot(hours, [p[3] / 1e9 for p in points], label=label, **style)
+    gpus_ax.set_ylabel("GPUs training")
+    gpus_ax.grid(alpha=0.3)
+    gpus_ax.set_title(title, fontsize=10)
+    tokens_ax.set_ylabel("tokens trained (billions)")
+    tokens_ax.set_xlabel("hours into the replayed market (0 GPUs: recovering, or waiting for nodes)")
+    tokens_ax.grid(alpha=0.3)
+    fig.legend(*gpus_ax.get_legend_handles_labels(), fontsize=8, loc="outside lower center", ncol=3, frameon=False)
     out = Path(path)
     fig.savefig(out, dpi=PNG_DPI)
     plt.close(fig)

@@ -170,6 +170,41 @@ def test_train_flow_end_to_end(server, tmp_path: Path):
     assert again["resumed_from"] == 7 and again["first_step"] == 8 and again["last_step"] == 11
 
 
+def test_simulate_flow_plans_replays_and_publishes_a_table_and_a_picture(server, tmp_path: Path):
+    """The simulate flow plans the cluster itself, replays a drawn market and publishes both artifacts."""
+    import base64
+
+    import anyio
+    import yaml
+
+    from flows.simulate import simulate
+    from hetrain.recovery.simulate import SimulateOptions
+
+    cluster = {"name": "sim", "inter_node_bandwidth_gbps": 1.0,
+               "gpu_types": {"cpu": {"tflops": 0.02, "fp32_tflops": 0.01, "memory_gb": 8,
+                                     "memory_bandwidth_gbps": 10, "efficiency": 1.0}},
+               "nodes": [{"name": "od", "gpu": "cpu", "count": 1, "intra_node_bandwidth_gbps": 2.0,
+                          "price_per_gpu_hour": 2.0},
+                         {"name": "sp", "gpu": "cpu", "count": 1, "intra_node_bandwidth_gbps": 2.0, "spot": True,
+                          "price_per_gpu_hour": 1.0, "preemptions_per_hour": 1.0, "notice_s": 30}]}
+    (tmp_path / "sim.yaml").write_text(yaml.safe_dump(cluster))
+    rows = simulate(name="sim", clusters=[str(tmp_path / "sim.yaml")], model="examples/models/gpt-tiny.yaml",
+                    global_batch_size=8, options=SimulateOptions(replays=5, hours=6), runs_root=str(tmp_path))
+    assert [r["strategy"] for r in rows] == ["hetrain", "bucket restarts", "on-demand"]
+    assert (tmp_path / "simulations" / "sim" / "simulation.json").is_file()
+
+    async def artifacts():
+        async with get_client() as client:
+            return {a.key: a for a in await client.read_artifacts()}
+
+    arts = anyio.run(artifacts)
+    assert arts["sim-simulation"].type == "table" and "bucket restarts" in arts["sim-simulation"].data
+    picture = arts["sim-replay"]
+    assert picture.type == "image" and picture.data.startswith("data:image/png;base64,")
+    png = (tmp_path / "simulations" / "sim" / "replay.png").read_bytes()
+    assert base64.b64decode(picture.data.split(",", 1)[1]) == png
+
+
 def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
     import anyio
 
@@ -178,6 +213,8 @@ def test_prefect_yaml_deploys_a_schedule_and_a_trigger(deployed):
     assert dep_train.schedules and dep_train.schedules[0].schedule.cron == "0 3 * * *"
     dep_recover = anyio.run(_deployment, "hetrain-recover/recover")
     assert dep_recover.work_pool_name == "hetrain"
+    dep_simulate = anyio.run(_deployment, "hetrain-simulate/simulate")  # its options a form: SimulateOptions' schema
+    assert "SimulateOptions" in json.dumps(dep_simulate.parameter_openapi_schema)
     r = prefect_cli(api, "automation", "ls")
     assert "recover" in r.stdout
 

@@ -2,10 +2,11 @@
 
 The application layer: thin commands that validate their options, call the library and print.
 One module per concern: ``plan`` (plan, estimate, profile), ``train``, ``checkpoints`` (serve,
-export), ``recovery`` (recover, switch, restore, watch), ``node`` (node start), ``data`` (data
-prepare); ``common`` holds the consoles, ``user_errors`` and the option bounds, ``options`` makes
-options from a pydantic model. The commands are registered here, in the order the help lists
-them. Importing this package stays fast: torch and the planners load inside the commands.
+export), ``recovery`` (recover, switch, restore, watch), ``simulate`` (a replayed spot market),
+``node`` (node start), ``data`` (data prepare); ``common`` holds the consoles, ``user_errors`` and
+the option bounds, ``options`` makes options from a pydantic model. The commands are registered
+here, in the order the help lists them. Importing this package stays fast: torch and the planners
+load inside the commands.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 
 import typer
 
-from hetrain.cli import checkpoints, data, node, plan, recovery, train
+from hetrain.cli import checkpoints, data, node, plan, recovery, simulate, train
 from hetrain.cli.common import err, say_error
 
 # Help in a terminal narrower than this: click's two columns, which wrap the help text and keep every
@@ -26,7 +27,7 @@ HELP_MARKUP = "rich" if shutil.get_terminal_size().columns >= RICH_HELP_MIN_COLU
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=HELP_MARKUP,
                   help="Train large models on mixed, preemptible GPUs.")
 for command in (plan.plan, plan.estimate, plan.profile, train.train, checkpoints.serve, recovery.recover,
-                recovery.switch, checkpoints.export, recovery.restore, recovery.watch):
+                recovery.switch, checkpoints.export, recovery.restore, recovery.watch, simulate.simulate):
     app.command()(command)
 
 node_app = typer.Typer(no_args_is_help=True, rich_markup_mode=HELP_MARKUP,

@@ -61,6 +61,12 @@ MIN_POLL_S = 0.5  # the metadata endpoint is shared by everything on the VM and 
 # A notice at least this long leaves time for a switch inside it (the recovery flow's start, a
 # warm start of the new plan, the switch's reserve): AWS's two minutes do, GCP's and Azure's 30 s not.
 SWITCH_NOTICE_S = 60.0
+# A notice at least this long leaves time for an emergency checkpoint (a step, a snapshot, a
+# commit: a few seconds) before the node goes; a shorter one loses the work since the last one.
+MIN_CHECKPOINT_S = 10.0
+# Kept free before the deadline for what follows a switch's warm start (``hetrain.recovery.proactive``):
+# the emergency checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
+DEFAULT_SWITCH_RESERVE_S = 20.0
 STOP_CHECK_S = 0.1  # how often a watcher waiting for a poll looks whether it was stopped (a SIGTERM's notice)
 
 
@@ -336,7 +342,7 @@ class PreemptionWatcher:
     """Poll ``source`` every ``poll_s`` (and catch SIGTERM); on the first notice, act once."""
 
     def __init__(self, source, node: str, *, request_file: Path | Callable[[], list[Path]] | None = None,
-                 min_checkpoint_s: float = 10.0, on_notice: Callable[[Notice, bool], None] | None = None,
+                 min_checkpoint_s: float = MIN_CHECKPOINT_S, on_notice: Callable[[Notice, bool], None] | None = None,
                  poll_s: float = 5.0, log: Callable[[str], None] = print, stop_after_checkpoint: bool = False,
                  defer_checkpoint_s: float | None = None) -> None:
         """``request_file``: the run's checkpoint request file, or a function giving those of the runs

@@ -53,16 +53,13 @@ from hetrain.checkpoint.reassemble import FetchReport, FileFetch, Source, reasse
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.schema import load_plan, validate_plan
-from hetrain.recovery.preemption import wait_for_checkpoint
+from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, wait_for_checkpoint
 from hetrain.recovery.recover import Planner, RecoveryResult, recover, surviving_cluster, write_report
 from hetrain.recovery.runs import load_run, sources_for
 from hetrain.rundir import (RunDir, done_files, done_step, live_offer_file, live_release_file, live_result_file,
                             ready_file)
 from hetrain.spec.specs import load_cluster
 
-# Kept free before the deadline for what follows the warm start's readiness: the emergency
-# checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
-DEFAULT_SWITCH_RESERVE_S = 20.0
 # At least this long for the old plan's ranks to finish the last checkpoint's bucket upload
 # after the switch (else until the deadline) before they are stopped.
 OLD_EXIT_S = 5.0

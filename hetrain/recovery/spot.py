@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from hetrain.recovery.preemption import Notice, PreemptionWatcher, wait_for_checkpoint
+from hetrain.recovery.preemption import MIN_CHECKPOINT_S, Notice, PreemptionWatcher, wait_for_checkpoint
 
 
 class LocalSpotRun:
@@ -26,7 +26,7 @@ class LocalSpotRun:
 
     def __init__(self, sources: dict[str, object], request_file: Path,
                  on_preempted: Callable[[str, Notice, int | None], None] | None = None, *, poll_s: float = 1.0,
-                 min_checkpoint_s: float = 10.0, log: Callable[[str], None] = print,
+                 min_checkpoint_s: float = MIN_CHECKPOINT_S, log: Callable[[str], None] = print,
                  defer_checkpoint_s: float | None = None) -> None:
         self.stop_event = threading.Event()
         self.preempted: list[tuple[str, Notice, int | None]] = []
