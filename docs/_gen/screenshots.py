@@ -4,8 +4,8 @@ Starts what a user starts on one machine (docs/how-to/prefect-one-machine.md): `
 SQLite in a temp PREFECT_HOME, the ``hetrain`` process pool, the deployments of ``deployments/prefect.yaml``
 and a worker; runs the train deployment once on the emulated CPU cluster (gpt-tiny, a few steps); then
 photographs the flow run, its plan artifacts (the plan's table, its picture of the pipelines and its predicted
-timeline), the run's pictures (the loss curve, each rank's time) and the train deployment with its nightly
-schedule into ``docs/images/``. Everything it started is stopped at the end
+timeline), the run's pictures (the loss curve, each rank's time, the measured timeline) and the train deployment
+with its nightly schedule into ``docs/images/``. Everything it started is stopped at the end
 (``flows.demo.Services``). Needs a Chromium: ``chromium-headless-shell`` or ``chromium`` on PATH (Debian's
 ``apt-get install chromium-headless-shell``), or ``--chromium PATH``. Not part of the build: the images are
 committed, and this script is how to take them again.
@@ -41,6 +41,7 @@ ARTIFACT_SHOTS = {  # artifact key of the "docs" run -> its page's screenshot
     "docs-training-timeline": "prefect-plan-timeline.png",
     "docs-loss": "prefect-loss.png",
     "docs-ranks": "prefect-ranks.png",
+    "docs-timeline-measured": "prefect-timeline-measured.png",
 }
 
 
