@@ -38,6 +38,7 @@ from hetrain.runtime.parallelize import (bucket_params, local_tensor, paralleliz
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
+from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
 from hetrain.runtime.pretrained import load_pretrained
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
@@ -133,9 +134,20 @@ class Trainer:
         params = list(model.parameters())
         param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
                               [p for p in params if not isinstance(p, DTensor)]) if g]
-        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr, weight_decay=config.weight_decay, **impl)
-        self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+        # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
+        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+        self.optimizer_state = self._optimizer_state_mode(config, plan, role)
+        self.zero: ShardedAdamW | None = None
+        if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
+            self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
+                                      param_group=adamw_defaults(lr, config.weight_decay, impl),
+                                      counted=self.norm_params)
+            self.optimizer = self.zero
+        else:
+            optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+            self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
+                                         weight_decay=config.weight_decay, **impl)
+        self.meter.set_model_states(optimizer_state_factor=self._state_factor())
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
@@ -175,8 +187,25 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
-        # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
-        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+
+    @staticmethod
+    def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
+        """The stage's ``optimizer_state`` (absent: replicated); sharding is for AdamW, the optimizer with state."""
+        mode = plan.pipelines[role.pipeline].stages[role.stage].optimizer_state or "replicated"
+        if mode != "replicated" and config.optimizer != "adamw":
+            raise HetrainError(f"pipelines[{role.pipeline}].stages[{role.stage}]: optimizer_state {mode} is for the "
+                               f"adamw optimizer (the one with state to shard), not {config.optimizer}")
+        return mode
+
+    def _state_factor(self) -> float:
+        """Optimizer state bytes per parameter byte on the device, for the meter: AdamW's two moments, 1/D of
+        them when sharded over D replicas, none when offloaded to the host; SGD keeps none."""
+        if self.config.optimizer != "adamw" or self.optimizer_state == "offloaded":
+            return 0.0
+        if self.zero is None:
+            return 2.0
+        local = [(local_tensor(p).numel(), s.numel()) for b in self.zero.buckets for p, s in zip(b.params, b.state["exp_avg"])]
+        return 2.0 * sum(s for _, s in local) / max(1, sum(n for n, _ in local))
 
     def load(self, url: str, start_step: int, steps: int | None = None, reader=None) -> None:
         """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``).
@@ -241,7 +270,10 @@ class Trainer:
         else:
             self.schedule.step(**kw)
         compute_done = time.perf_counter()
-        sync_gradients(self.buckets, self.reduce_dtype)
+        if self.zero is not None:
+            self.zero.reduce_scatter(self.reduce_dtype)
+        else:
+            sync_gradients(self.buckets, self.reduce_dtype)
         synced = time.perf_counter()
 
         # One world all-reduce per step carries the squared gradient norm (pipeline 0
@@ -254,7 +286,9 @@ class Trainer:
             totals[StepTotals.REQUEST] = 1.0
             totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
             totals[StepTotals.LIVE] = float(_asks_to_stop(self.config.request_file, "live"))
-        if role.pipeline == 0:
+        if self.zero is not None:  # every replica its rows (the shares partition each parameter)
+            totals[StepTotals.GRAD_NORM_SQ] = self.zero.grad_norm_sq()
+        elif role.pipeline == 0:
             grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
                 totals[StepTotals.GRAD_NORM_SQ] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
@@ -273,15 +307,7 @@ class Trainer:
             coef = 1.0 / scale
             if self.config.max_grad_norm is not None:
                 coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
-            if coef != 1.0:
-                grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, coef)
-            if self.config.dump_dir and step == self.config.start_step:
-                self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            with self.meter.device_work():  # at the emulated device's speed on a CPU rank
-                self.optimizer.step()
+            self._apply(step, coef, lr)
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
@@ -300,6 +326,22 @@ class Trainer:
             if not applied:
                 record["skipped"] = True  # fp16 overflow: no update, the scale halves
         return record
+
+    def _apply(self, step: int, coef: float, lr: float) -> None:
+        """The optimizer step on gradients scaled by ``coef`` (unscale and clip), at ``lr``."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.zero is not None:  # scales its gradient rows, steps them, all-gathers the parameters
+            with self.meter.device_work():
+                self.zero.step(coef)
+            return
+        if coef != 1.0:
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        if self.config.dump_dir and step == self.config.start_step:
+            self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
+        with self.meter.device_work():  # at the emulated device's speed on a CPU rank
+            self.optimizer.step()
 
     # -- the loop
     def train(self) -> None:
@@ -372,7 +414,10 @@ class Trainer:
         """
         if self.device.type != "cuda":
             return
-        self.optimizer.state.clear()
+        if self.zero is not None:
+            self.zero.clear()
+        else:
+            self.optimizer.state.clear()
         for p in self.model.parameters():
             p.grad = None
             p.data = torch.empty(0, device=self.device, dtype=p.dtype)
@@ -392,7 +437,9 @@ class Trainer:
         if self.config.dump_dir:
             tensors = dict(self.model.named_parameters())
             names = {p: n for n, p in self.model.named_parameters()}
-            for p, state in self.optimizer.state.items():
+            if self.zero is not None:  # gathered whole from the replicas' shares (collective)
+                tensors.update(self.zero.whole_state())
+            for p, state in self.optimizer.state.items() if self.zero is None else ():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim/{names[p]}/{key}"] = value

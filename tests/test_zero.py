@@ -1,0 +1,161 @@
+"""Optimizer state sharded (ZeRO-1) or offloaded across the replicas of each layer (``hetrain.runtime.zero``).
+
+Real gloo processes on gpt-tiny: the same parameters and losses as one process running
+``torch.optim.AdamW`` on the whole batch, checkpoints that reshard between sharded and
+replicated plans, and the plan rule that the holders of a layer agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import dumped_state, plan, run
+from hetrain.config import CheckpointConfig
+from hetrain.checkpoint.manifest import step_name
+from hetrain.errors import HetrainError
+from hetrain.plan.schema import Plan, validate_plan_structure
+from hetrain.runtime.data import TokenSource
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.zero import row_range
+
+STEPS = 3
+CLIP = 1.0  # RunConfig's max_grad_norm: clipping is on in every run below
+REL_TOL = 1e-5  # as the SGD equivalence tests (tests/test_runtime.py): float32 sums in another order
+
+
+def with_modes(p: Plan, modes: list[list[str | None]]) -> Plan:
+    """``p`` with ``modes[pipeline][stage]`` as each stage's optimizer_state."""
+    pipes = [pipe.model_copy(update={"stages": [st.model_copy(update={"optimizer_state": m})
+                                                for st, m in zip(pipe.stages, ms)]})
+             for pipe, ms in zip(p.pipelines, modes)]
+    return p.model_copy(update={"pipelines": pipes})
+
+
+# TP 2, two pipelines cut differently (blocks 0-2 + 2-6 beside 0-6): three gradient buckets per TP rank
+ASYM_TP2 = plan(2, [(5, [("a/0", [0, 2]), ("a/2", [2, 6])]), (3, [("a/4", [0, 6])])])
+# TP 1, three pipelines of other cuts: buckets of two and three replicas
+ASYM_TP1 = plan(1, [(3, [("a/0", [0, 3]), ("a/1", [3, 6])]), (3, [("a/2", [0, 6])]),
+                    (2, [("a/3", [0, 4]), ("a/4", [4, 6])])])
+
+
+def reference(p: Plan, lrs: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole global batch, ``torch.optim.AdamW`` at the runs' learning rates."""
+    model = GPT(p.model)
+    model.init_weights(0)
+    source = TokenSource(p.model.seq_length, p.model.vocab_size, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lrs[0], weight_decay=0.0, foreach=True)
+    losses = []
+    for step, lr in enumerate(lrs):
+        opt.param_groups[0]["lr"] = lr
+        seq = source.sequences(step * p.global_batch_size, p.global_batch_size)
+        loss = lm_loss(model(seq[:, :-1]), seq[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {n: t.detach().clone() for n, t in model.named_parameters()}, losses
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = REL_TOL) -> None:
+    assert got.keys() >= want.keys()
+    for name, ref in want.items():
+        rel = (got[name] - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert rel < tol, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base,modes", [
+    (ASYM_TP2, [["sharded", "sharded"], ["sharded"]]),
+    # offloaded beside sharded in one bucket: where a share lives is each stage's own choice
+    (ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded", "offloaded"]]),
+], ids=["sharded-tp2", "offloaded-tp1"])
+def test_sharded_and_offloaded_state_match_one_process(tmp_path: Path, base: Plan, modes):
+    p = with_modes(base, modes)
+    records = run(p, tmp_path, steps=STEPS, dump=True)
+    want, losses = reference(p, [r["lr"] for r in records])
+    state = dumped_state(p, tmp_path)  # whole tensors; replicas asserted equal
+    assert_close({n: t for n, t in state.items() if not n.startswith("optim/")}, want)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=REL_TOL)
+    assert any(n.endswith("exp_avg_sq") for n in state)
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_between_sharded_and_replicated_plans(tmp_path: Path):
+    """Sharded plan A trains 5 steps (checkpoints after steps 2 and 4); replicated plan B (other cuts,
+    another TP) resumes from A's step 2 and checkpoints after step 3; sharded plan C resumes from
+    B's step 3. Losses and final weights match the uninterrupted run, and B's load of A's step-4
+    checkpoint gives back A's weights and AdamW state exactly."""
+    a = with_modes(ASYM_TP2, [["sharded", "sharded"], ["sharded"]])
+    b = plan(1, [(4, [("a/0", [0, 4]), ("a/1", [4, 6])]), (4, [("a/2", [0, 6])])])
+    c = with_modes(plan(1, [(6, [("a/0", [0, 3]), ("a/1", [3, 6])]), (2, [("a/2", [0, 6])])]),
+                   [["sharded", "offloaded"], ["sharded"]])
+
+    def ckpt(name: str, every: int) -> CheckpointConfig:
+        return CheckpointConfig(local_dir=str(tmp_path / name), every_steps=every, keep=5, background=False)
+
+    straight = run(a, tmp_path / "a", steps=5, checkpoint=ckpt("ckpt-a", 3), dump=True)
+    saved = dumped_state(a, tmp_path / "a")
+    run(b, tmp_path / "b-load", steps=5, start_step=5, resume_from=str(tmp_path / "ckpt-a" / step_name(4)), dump=True)
+    loaded = dumped_state(b, tmp_path / "b-load")
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+    want = {r["step"]: r["loss"] for r in straight}
+    via_b = run(b, tmp_path / "b", steps=4, start_step=3, resume_from=str(tmp_path / "ckpt-a" / step_name(2)),
+                checkpoint=ckpt("ckpt-b", 1))
+    via_c = run(c, tmp_path / "c", steps=5, start_step=4, resume_from=str(tmp_path / "ckpt-b" / step_name(3)),
+                dump=True)
+    assert [r["step"] for r in via_b + via_c] == [3, 4]
+    assert via_b[0]["loss"] == pytest.approx(want[3], rel=REL_TOL)
+    assert via_c[0]["loss"] == pytest.approx(want[4], rel=REL_TOL)
+    final = dumped_state(c, tmp_path / "c")
+    assert_close({n: t for n, t in final.items() if not n.startswith("optim/")},
+                 {n: t for n, t in saved.items() if not n.startswith("optim/")}, tol=1e-4)
+
+
+def test_holders_of_a_block_must_agree_on_sharding():
+    """Blocks 2-5 are held by pipelines[0].stages[1] (sharded) and pipelines[1].stages[0] (replicated)."""
+    p = with_modes(ASYM_TP2, [["sharded", "sharded"], [None]])
+    with pytest.raises(HetrainError, match=r"^pipelines\[0\]\.stages\[0\] has optimizer_state sharded but "
+                                           r"pipelines\[1\]\.stages\[0\], which also holds block 0, keeps it "
+                                           r"replicated: every stage"):
+        validate_plan_structure(p)
+    validate_plan_structure(with_modes(ASYM_TP2, [["offloaded", "sharded"], ["sharded"]]))
+    validate_plan_structure(with_modes(ASYM_TP2, [["replicated", None], [None]]))
+    # one pipeline: the stage is its layers' only holder, any mode goes
+    validate_plan_structure(with_modes(plan(1, [(8, [("a/0", [0, 3]), ("a/1", [3, 6])])]), [["offloaded", None]]))
+
+
+def test_row_shares_follow_dtensor_shard_split():
+    """Rows per share as DTensor's Shard(0) cuts them (ceil-sized, the last short or empty), which the
+    checkpoint's DTensor view of a share relies on."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Shard
+
+    class Mesh:  # the shape and this rank's coordinate: all compute_local_shape_and_global_offset reads
+        def __init__(self, n: int, at: int):
+            self.shape, self.ndim, self._at = (n,), 1, at
+
+        def get_coordinate(self):
+            return [self._at]
+
+        def size(self, dim=None):
+            return self.shape[0]
+
+    for rows in (1, 5, 7, 64):
+        for shares in (1, 2, 3, 4):
+            covered = []
+            for s in range(shares):
+                lo, hi = row_range(rows, shares, s)
+                covered += range(lo, hi)
+                try:
+                    shape, offset = compute_local_shape_and_global_offset((rows, 3), Mesh(shares, s), [Shard(0)])
+                except Exception:  # a torch whose helper needs a real mesh: the split itself is still checked
+                    continue
+                assert (shape[0], offset[0] if hi > lo else lo) == (hi - lo, lo), (rows, shares, s)
+            assert covered == list(range(rows))
