@@ -23,7 +23,11 @@ from hetrain.runtime.zero import row_range
 
 STEPS = 3
 CLIP = 1.0  # RunConfig's max_grad_norm: clipping is on in every run below
-REL_TOL = 1e-5  # as the SGD equivalence tests (tests/test_runtime.py): float32 sums in another order
+REL_TOL = 1e-5  # losses, as the SGD equivalence tests (tests/test_runtime.py): float32 sums in another order
+# Weights after AdamW steps: Adam divides by the root of the squared-gradient average, which magnifies the
+# last bits of small gradients (the replicated plan below is 3.8e-5 off one process, its worst tensor).
+ONE_PROCESS_TOL = 1e-4
+SAME_PLAN_TOL = 1e-6  # sharded against replicated, one plan: the same sums (equal to the bit on gloo)
 
 
 def with_modes(p: Plan, modes: list[list[str | None]]) -> Plan:
@@ -61,26 +65,37 @@ def reference(p: Plan, lrs: list[float]) -> tuple[dict[str, torch.Tensor], list[
 
 
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = REL_TOL) -> None:
-    assert got.keys() >= want.keys()
     for name, ref in want.items():
         rel = (got[name] - ref).norm() / ref.norm().clamp_min(1e-12)
         assert rel < tol, f"{name}: relative error {rel:.2e}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base,modes", [
-    (ASYM_TP2, [["sharded", "sharded"], ["sharded"]]),
-    # offloaded beside sharded in one bucket: where a share lives is each stage's own choice
-    (ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded", "offloaded"]]),
-], ids=["sharded-tp2", "offloaded-tp1"])
-def test_sharded_and_offloaded_state_match_one_process(tmp_path: Path, base: Plan, modes):
-    p = with_modes(base, modes)
+def test_sharded_tp2_asymmetric_plan_matches_replicated_and_one_process(tmp_path: Path):
+    """TP 2, two pipelines cut differently, every stage sharded: the same weights, AdamW state and
+    losses as the replicated plan (on gloo the same sums: equal to the bit, measured), and as one
+    process within what AdamW makes of float32 sums in another order (the replicated run: 3.8e-5)."""
+    sharded = with_modes(ASYM_TP2, [["sharded", "sharded"], ["sharded"]])
+    records = run(sharded, tmp_path / "sharded", steps=STEPS, dump=True)
+    replicated = run(ASYM_TP2, tmp_path / "replicated", steps=STEPS, dump=True)
+    state = dumped_state(sharded, tmp_path / "sharded")  # whole tensors; replicas asserted equal
+    assert any(n.endswith("exp_avg_sq") for n in state)
+    assert_close(state, dumped_state(ASYM_TP2, tmp_path / "replicated"), tol=SAME_PLAN_TOL)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in replicated], rel=SAME_PLAN_TOL)
+    want, losses = reference(sharded, [r["lr"] for r in records])
+    assert_close(state, want, tol=ONE_PROCESS_TOL)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=REL_TOL)
+
+
+@pytest.mark.slow
+def test_offloaded_beside_sharded_matches_one_process(tmp_path: Path):
+    """Three pipelines, offloaded stages beside sharded ones in the same buckets (where a share lives is
+    each stage's own choice): host state and master, gradient rows copied in, weights copied out."""
+    p = with_modes(ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded", "offloaded"]])
     records = run(p, tmp_path, steps=STEPS, dump=True)
     want, losses = reference(p, [r["lr"] for r in records])
-    state = dumped_state(p, tmp_path)  # whole tensors; replicas asserted equal
-    assert_close({n: t for n, t in state.items() if not n.startswith("optim/")}, want)
+    assert_close(dumped_state(p, tmp_path), want, tol=ONE_PROCESS_TOL)
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=REL_TOL)
-    assert any(n.endswith("exp_avg_sq") for n in state)
 
 
 @pytest.mark.slow

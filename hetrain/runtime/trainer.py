@@ -152,7 +152,9 @@ class Trainer:
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
             local = [local_tensor(p) for p in model.parameters()]
-            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
+            # a sharded stage made its state before tracking starts (a replicated one makes it in the first step)
+            state_bytes = self.zero.device_state_bytes() if self.zero is not None else 0
+            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local) + state_bytes)
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
         self.schedule_extended: dict | None = None  # from_steps, to_steps, lr_before, lr_now (at the first step)

@@ -212,6 +212,11 @@ class ShardedAdamW:
         counted_ids = {id(p) for p in counted}
         self._counted = [[id(p) in counted_ids for p in b.params] for b in buckets]
 
+    def device_state_bytes(self) -> int:
+        """Bytes of AdamW state this rank keeps on its device (none when offloaded; the step counts aside)."""
+        return sum(t.numel() * t.element_size() for b in self.buckets if not b.offload
+                   for key in STATE_KEYS for t in b.state[key])
+
     def reduce_scatter(self, reduce_dtype: torch.dtype) -> None:
         for b in self.buckets:
             b.reduce_scatter(reduce_dtype)
