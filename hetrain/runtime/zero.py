@@ -41,11 +41,10 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments; ``step`` is a scalar 
 
 
 def row_range(rows: int, shares: int, index: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of share ``index`` of ``shares``: DTensor's ``Shard(0)`` split, so the checkpoint's
-    DTensor view of a share names exactly these rows."""
-    size = -(-rows // shares)
-    lo = min(index * size, rows)
-    return lo, min(lo + size, rows)
+    """Rows ``[lo, hi)`` of share ``index`` of ``shares``: DTensor's own ``Shard(0)`` split (ceil-sized, the last
+    short or empty), so the checkpoint's DTensor view of a share names exactly these rows."""
+    size, lo = Shard.local_shard_size_and_offset(rows, shares, index)
+    return lo, lo + size
 
 
 def adamw_defaults(lr: float, weight_decay: float, impl: dict) -> dict:
