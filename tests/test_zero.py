@@ -41,8 +41,7 @@ def with_modes(p: Plan, modes: list[list[str | None]]) -> Plan:
 # TP 2, two pipelines cut differently (blocks 0-2 + 2-6 beside 0-6): three gradient buckets per TP rank
 ASYM_TP2 = plan(2, [(5, [("a/0", [0, 2]), ("a/2", [2, 6])]), (3, [("a/4", [0, 6])])])
 # TP 1, three pipelines of other cuts: buckets of two and three replicas
-ASYM_TP1 = plan(1, [(3, [("a/0", [0, 3]), ("a/1", [3, 6])]), (3, [("a/2", [0, 6])]),
-                    (2, [("a/3", [0, 4]), ("a/4", [4, 6])])])
+ASYM_TP1 = plan(1, [(3, [("a/0", [0, 3]), ("a/1", [3, 6])]), (3, [("a/2", [0, 6])]), (2, [("a/3", [0, 6])])])
 
 
 def reference(p: Plan, lrs: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -91,7 +90,7 @@ def test_sharded_tp2_asymmetric_plan_matches_replicated_and_one_process(tmp_path
 def test_offloaded_beside_sharded_matches_one_process(tmp_path: Path):
     """Three pipelines, offloaded stages beside sharded ones in the same buckets (where a share lives is
     each stage's own choice): host state and master, gradient rows copied in, weights copied out."""
-    p = with_modes(ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded", "offloaded"]])
+    p = with_modes(ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded"]])
     records = run(p, tmp_path, steps=STEPS, dump=True)
     want, losses = reference(p, [r["lr"] for r in records])
     assert_close(dumped_state(p, tmp_path), want, tol=ONE_PROCESS_TOL)

@@ -293,7 +293,7 @@ def _replica_mesh(layout: Layout, bucket: SyncBucket, groups: ProcessGroups, dev
     sync = groups.sync[bucket.ranks]
     if layout.plan.tp == 1:
         return DeviceMesh.from_group([sync], device_type, mesh=torch.tensor(rows[0]), mesh_dim_names=("replicas",))
-    return DeviceMesh.from_group([groups.tp, sync], device_type, mesh=torch.tensor(rows).T.contiguous(),
+    return DeviceMesh.from_group([groups.tp, sync], device_type, mesh=torch.tensor(rows),
                                  mesh_dim_names=("tp", "replicas"))
 
 
