@@ -130,7 +130,7 @@ class ShardBucket:
                 mine = out[:self.counts[self.share]].float()
             del flat
         if self.offload:
-            mine = mine.to("cpu")  # the gradient rows copied in to the host, where the step runs
+            mine = mine.to("cpu", copy=True)  # the gradient rows copied in to the host, where the step runs
         self.grads = self._views(mine)
 
     def grad_norm_sq(self, counted: list[bool]) -> torch.Tensor:
