@@ -40,8 +40,8 @@ def with_modes(p: Plan, modes: list[list[str | None]]) -> Plan:
 
 # TP 2, two pipelines cut differently (blocks 0-2 + 2-6 beside 0-6): three gradient buckets per TP rank
 ASYM_TP2 = plan(2, [(5, [("a/0", [0, 2]), ("a/2", [2, 6])]), (3, [("a/4", [0, 6])])])
-# TP 1, three pipelines of other cuts: buckets of two and three replicas
-ASYM_TP1 = plan(1, [(3, [("a/0", [0, 3]), ("a/1", [3, 6])]), (3, [("a/2", [0, 6])]), (2, [("a/3", [0, 6])])])
+# TP 1, two pipelines, the second on the lower ranks: a bucket's group ranks in the other order than its shares
+ASYM_TP1 = plan(1, [(5, [("a/2", [0, 6])]), (3, [("a/0", [0, 3]), ("a/1", [3, 6])])])
 
 
 def reference(p: Plan, lrs: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -70,14 +70,22 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], to
 
 
 @pytest.mark.slow
-def test_offloaded_beside_sharded_matches_one_process(tmp_path: Path):
-    """Three pipelines, offloaded stages beside sharded ones in the same buckets (where a share lives is
-    each stage's own choice): host state and master, gradient rows copied in, weights copied out."""
-    p = with_modes(ASYM_TP1, [["offloaded", "sharded"], ["offloaded"], ["sharded"]])
-    records = run(p, tmp_path, steps=STEPS, dump=True)
-    want, losses = reference(p, [r["lr"] for r in records])
-    assert_close(dumped_state(p, tmp_path), want, tol=ONE_PROCESS_TOL)
-    assert [r["loss"] for r in records] == pytest.approx(losses, rel=REL_TOL)
+def test_offloaded_beside_sharded_matches_replicated_under_bf16(tmp_path: Path):
+    """Offloaded stages beside a sharded one in the same bucket (where a share lives is each stage's own
+    choice: host state and master, gradient rows copied in, weights copied out), under bf16 autocast
+    with fp32 master weights: the replicated plan's weights, AdamW state and losses (two replicas per
+    bucket: the same sums, to the bit; measured equal). Unclipped: the global norm, summed from row
+    shares here and from whole tensors there, differs in its last float32 bits (1e-7), which bf16's
+    8-bit roundings of the next forward magnify to 1 % in three steps (measured); the clipping itself
+    is checked in fp32 by the test below."""
+    p = with_modes(ASYM_TP1, [["offloaded"], ["sharded", "offloaded"]])
+    options = {"precision": "bf16", "max_grad_norm": None}
+    records = run(p, tmp_path / "offloaded", steps=STEPS, dump=True, **options)
+    replicated = run(ASYM_TP1, tmp_path / "replicated", steps=STEPS, dump=True, **options)
+    state = dumped_state(p, tmp_path / "offloaded")
+    assert any(n.endswith("exp_avg_sq") for n in state) and all(t.dtype == torch.float32 for t in state.values())
+    assert_close(state, dumped_state(ASYM_TP1, tmp_path / "replicated"), tol=SAME_PLAN_TOL)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in replicated], rel=SAME_PLAN_TOL)
 
 
 @pytest.mark.slow
@@ -89,13 +97,13 @@ def test_sharded_tp2_plan_matches_replicated_and_its_checkpoints_reshard(tmp_pat
 
     Then across modes and plans: replicated plan B (TP 1, other cuts) loads A's step-4 checkpoint
     to the bit (weights and AdamW state) and resumes from A's step 2, checkpointing after step 3;
-    plan C (sharded and offloaded stages, other cuts again) resumes from B's step 3. Their losses
+    plan C (three pipelines, sharded and offloaded stages, other cuts again) resumes from B's step 3. Their losses
     and C's final weights are the uninterrupted run's.
     """
     a = with_modes(ASYM_TP2, [["sharded", "sharded"], ["sharded"]])
     b = plan(1, [(4, [("a/0", [0, 4]), ("a/1", [4, 6])]), (4, [("a/2", [0, 6])])])
-    c = with_modes(plan(1, [(6, [("a/0", [0, 3]), ("a/1", [3, 6])]), (2, [("a/2", [0, 6])])]),
-                   [["sharded", "offloaded"], ["sharded"]])
+    c = with_modes(plan(1, [(4, [("a/0", [0, 3]), ("a/1", [3, 6])]), (2, [("a/2", [0, 6])]), (2, [("a/3", [0, 6])])]),
+                   [["sharded", "offloaded"], ["sharded"], ["sharded"]])  # buckets of three replicas
 
     def ckpt(name: str, every: int) -> CheckpointConfig:
         return CheckpointConfig(local_dir=str(tmp_path / name), every_steps=every, keep=5, background=False)
