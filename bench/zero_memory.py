@@ -48,7 +48,8 @@ def traced_peaks(mode: str, steps: int, work: Path) -> list[dict]:
     config = RunConfig(plan=str(work / "plan.json"), steps=steps, trace_memory=True)
     last = launch(config, build_layout(plan), work / "run")[-1]
     return [{"device": r["device"], "pipeline": r["pipeline"], "stage": r["stage"],
-             "layers": plan.pipelines[r["pipeline"]].stages[r["stage"]].layers, "peak_mb": r["peak_memory_gb"] * 1e9 / MB}
+             "layers": plan.pipelines[r["pipeline"]].stages[r["stage"]].layers,
+             "peak_mb": r["peak_memory_gb"] * 1e9 / MB}
             for r in last["ranks"]]
 
 

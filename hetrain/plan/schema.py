@@ -189,7 +189,7 @@ def validate_plan_structure(plan: Plan) -> None:
 
 
 def _shards_state(stage: StagePlan) -> bool:
-    """Whether a stage splits its layers' optimizer state with their other holders (offloaded: its share on the host)."""
+    """Whether a stage splits its layers' optimizer state with their other holders (offloaded: share on the host)."""
     return stage.optimizer_state in ("sharded", "offloaded")
 
 
@@ -210,8 +210,8 @@ def _check_optimizer_state(plan: Plan) -> None:
             (a, b), (c, d) = (next(h for h in holders if modes[h]), next(h for h in holders if not modes[h]))
             first, other = plan.pipelines[a].stages[b], plan.pipelines[c].stages[d]
             raise HetrainError(
-                f"pipelines[{a}].stages[{b}] has optimizer_state {first.optimizer_state} but pipelines[{c}].stages[{d}], "
-                f"which also holds block {lo}, keeps it {other.optimizer_state or 'replicated'}: every stage holding a "
+                f"pipelines[{a}].stages[{b}] has optimizer_state {first.optimizer_state} but "
+                f"pipelines[{c}].stages[{d}], which also holds block {lo}, keeps it {other.optimizer_state or 'replicated'}: every stage holding a "
                 f"block must shard (sharded or offloaded) or none, as they sync its gradients together")
 
 

@@ -206,8 +206,9 @@ class Trainer:
             return 0.0
         if self.zero is None:
             return 2.0
-        local = [(local_tensor(p).numel(), s.numel()) for b in self.zero.buckets for p, s in zip(b.params, b.state["exp_avg"])]
-        return 2.0 * sum(s for _, s in local) / max(1, sum(n for n, _ in local))
+        kept = sum(t.numel() for b in self.zero.buckets for t in b.state["exp_avg"])
+        whole = sum(local_tensor(p).numel() for b in self.zero.buckets for p in b.params)
+        return 2.0 * kept / max(1, whole)
 
     def load(self, url: str, start_step: int, steps: int | None = None, reader=None) -> None:
         """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``).

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw
 
+from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, SyncBucket
 from hetrain.runtime.groups import ProcessGroups
 from hetrain.runtime.parallelize import _all_gather_flat, bucket_params, local_tensor
@@ -59,7 +60,7 @@ class ShardBucket:
     ``group``: the bucket's replicas (None: this stage is the layers' only holder, one share);
     ``share``: this rank's share index (its pipeline's place among the bucket's);
     ``group_shares``: the share index of each group rank (the collectives' chunks go by group rank).
-    ``mesh``/``placements`` describe a share as a DTensor for checkpoints.
+    ``mesh``: the (TP x replicas), TP or replicas mesh on which a share is a DTensor for checkpoints.
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None, share: int,
@@ -70,8 +71,9 @@ class ShardBucket:
         self.shares = len(group_shares)
         self.mesh, self.offload, self.fused = mesh, offload, fused
         local = [local_tensor(p) for p in self.params]
-        if any(t.dim() == 0 for t in local):
-            raise ValueError("ZeRO sharding cuts parameters by rows; a 0-dimensional parameter has none")
+        scalar = next((n for n, t in zip(self.names, local) if t.dim() == 0), None)
+        if scalar is not None:
+            raise HetrainError(f"parameter {scalar} is a scalar: sharded optimizer state cuts parameters by rows")
         self.row_numel = [t[0].numel() if t.shape[0] else 0 for t in local]
         # rows[s][i]: share s's rows of parameter i
         self.rows = [[row_range(t.shape[0], self.shares, s) for t in local] for s in range(self.shares)]
@@ -258,8 +260,8 @@ class ShardedAdamW:
         the checkpoint kept (as ``set_state_dict`` restores them), the host master from the loaded weights."""
         name = self.buckets[0].names[0] if self.buckets and self.buckets[0].names else None
         if name is not None:
-            self.param_groups[0].update({k: loaded[f"param_groups.{name}.{k}"] for k in ("betas", "eps", "weight_decay")
-                                         if f"param_groups.{name}.{k}" in loaded})
+            kept = {k: loaded.get(f"param_groups.{name}.{k}") for k in ("betas", "eps", "weight_decay")}
+            self.param_groups[0].update({k: v for k, v in kept.items() if v is not None})
         for b in self.buckets:
             if b.master is not None:
                 with torch.no_grad():
@@ -268,7 +270,7 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def whole_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter's state gathered whole (``optim/<name>/<key>``, DTensors under TP), for dumps (collective)."""
+        """Every parameter's state gathered whole (``optim/<name>/<key>``, DTensors under TP): dumps (collective)."""
         out: dict[str, torch.Tensor] = {}
         for b in self.buckets:
             for key in STATE_KEYS:
@@ -276,10 +278,10 @@ class ShardedAdamW:
                          for p, t in zip(b.params, b.state[key])]
                 b.gather(whole, b.state[key])
                 for name, p, t in zip(b.names, b.params, whole):
-                    out[f"optim/{name}/{key}"] = (DTensor.from_local(t.to(local_tensor(p).device), p.device_mesh,
-                                                                     p.placements, run_check=False, shape=p.shape,
-                                                                     stride=p.stride())
-                                                  if isinstance(p, DTensor) else t)
+                    if isinstance(p, DTensor):  # whole on this TP rank: the dump gathers the TP shards
+                        t = DTensor.from_local(t.to(local_tensor(p).device), p.device_mesh, p.placements,
+                                               run_check=False, shape=p.shape, stride=p.stride())
+                    out[f"optim/{name}/{key}"] = t
             out.update({f"optim/{name}/step": s for name, s in zip(b.names, b.steps)})
         return out
 
@@ -287,7 +289,8 @@ class ShardedAdamW:
 def _replica_mesh(layout: Layout, bucket: SyncBucket, groups: ProcessGroups, device_type: str) -> DeviceMesh:
     """The (TP x replicas) mesh of a bucket's shares, columns in pipeline order (a share's index), built
     from the groups that exist (no new communicator): row ``j`` holds TP rank ``j`` of each replica."""
-    same = [b for b in layout.buckets if (b.layers, b.embedding, b.head) == (bucket.layers, bucket.embedding, bucket.head)]
+    key = (bucket.layers, bucket.embedding, bucket.head)
+    same = [b for b in layout.buckets if (b.layers, b.embedding, b.head) == key]
     same.sort(key=lambda b: layout.roles[b.ranks[0]].tp_rank)
     rows = [[groups.dist_rank[r] for r in b.ranks] for b in same]
     sync = groups.sync[bucket.ranks]
