@@ -7,12 +7,14 @@ replicated plans, and the plan rule that the holders of a layer agree.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckpt_helpers import dumped_state, plan, run
+from conftest import run_cli
 from hetrain.config import CheckpointConfig
 from hetrain.checkpoint.manifest import step_name
 from hetrain.errors import HetrainError
@@ -148,6 +150,21 @@ def test_holders_of_a_block_must_agree_on_sharding():
     validate_plan_structure(with_modes(ASYM_TP2, [["replicated", None], [None]]))
     # one pipeline: the stage is its layers' only holder, any mode goes
     validate_plan_structure(with_modes(plan(1, [(8, [("a/0", [0, 3]), ("a/1", [3, 6])])]), [["offloaded", None]]))
+
+
+def test_train_refuses_sharded_state_without_adamw_and_a_plan_whose_holders_disagree(tmp_path: Path):
+    """`hetrain train`: one line naming the plan file and the stage, exit code 2, before any process starts."""
+    with_modes(ASYM_TP1, [["sharded"], ["sharded", "sharded"]]).write(tmp_path / "sharded.json")
+    r = run_cli("train", "--plan", str(tmp_path / "sharded.json"), "--optimizer", "sgd", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(r"sharded\.json: pipelines\[0\]\.stages\[0\]: optimizer_state sharded is for the adamw "
+                     r"optimizer .*, not sgd", r.stderr), r.stderr
+    with_modes(ASYM_TP1, [["sharded"], ["sharded", None]]).write(tmp_path / "mixed.json")
+    r = run_cli("train", "--plan", str(tmp_path / "mixed.json"), "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(r"mixed\.json: pipelines\[0\]\.stages\[0\] has optimizer_state sharded but "
+                     r"pipelines\[1\]\.stages\[1\], which also holds block 3", r.stderr), r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_row_shares_partition_each_parameter():

@@ -188,6 +188,15 @@ def validate_plan_structure(plan: Plan) -> None:
     _check_optimizer_state(plan)
 
 
+def check_optimizer_state(plan: Plan, optimizer: str) -> None:
+    """A plan that shards or offloads optimizer state trains with AdamW, the optimizer that has state."""
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            if optimizer != "adamw" and stage.optimizer_state not in (None, "replicated"):
+                raise HetrainError(f"pipelines[{pi}].stages[{si}]: optimizer_state {stage.optimizer_state} is for the "
+                                   f"adamw optimizer (the one with state to shard), not {optimizer}")
+
+
 def _shards_state(stage: StagePlan) -> bool:
     """Whether a stage splits its layers' optimizer state with their other holders (offloaded: share on the host)."""
     return stage.optimizer_state in ("sharded", "offloaded")

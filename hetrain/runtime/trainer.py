@@ -26,7 +26,7 @@ from hetrain.checkpoint.save import Checkpointer, load_training_state
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, build_layout
-from hetrain.plan.schema import Plan, load_plan
+from hetrain.plan.schema import Plan, check_optimizer_state, load_plan
 from hetrain.rundir import answer_request, live_offer_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
@@ -193,11 +193,8 @@ class Trainer:
     @staticmethod
     def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
         """The stage's ``optimizer_state`` (absent: replicated); sharding is for AdamW, the optimizer with state."""
-        mode = plan.pipelines[role.pipeline].stages[role.stage].optimizer_state or "replicated"
-        if mode != "replicated" and config.optimizer != "adamw":
-            raise HetrainError(f"pipelines[{role.pipeline}].stages[{role.stage}]: optimizer_state {mode} is for the "
-                               f"adamw optimizer (the one with state to shard), not {config.optimizer}")
-        return mode
+        check_optimizer_state(plan, config.optimizer)
+        return plan.pipelines[role.pipeline].stages[role.stage].optimizer_state or "replicated"
 
     def _state_factor(self) -> float:
         """Optimizer state bytes per parameter byte on the device, for the meter: AdamW's two moments, 1/D of
