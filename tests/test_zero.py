@@ -41,9 +41,9 @@ def with_modes(p: Plan, modes: list[list[str | None]]) -> Plan:
 
 
 # TP 2, two pipelines cut differently (blocks 0-2 + 2-6 beside 0-6): three gradient buckets per TP rank
-ASYM_TP2 = plan(2, [(5, [("a/0", [0, 2]), ("a/2", [2, 6])]), (3, [("a/4", [0, 6])])])
+ASYM_TP2 = plan(2, [(2, [("a/0", [0, 2]), ("a/2", [2, 6])]), (2, [("a/4", [0, 6])])], micro_batch_size=2)
 # TP 1, two pipelines, the second on the lower ranks: a bucket's group ranks in the other order than its shares
-ASYM_TP1 = plan(1, [(5, [("a/2", [0, 6])]), (3, [("a/0", [0, 3]), ("a/1", [3, 6])])])
+ASYM_TP1 = plan(1, [(2, [("a/2", [0, 6])]), (2, [("a/0", [0, 3]), ("a/1", [3, 6])])], micro_batch_size=2)
 
 
 def reference(p: Plan, lrs: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -103,8 +103,9 @@ def test_sharded_tp2_plan_matches_replicated_and_its_checkpoints_reshard(tmp_pat
     and C's final weights are the uninterrupted run's.
     """
     a = with_modes(ASYM_TP2, [["sharded", "sharded"], ["sharded"]])
-    b = plan(1, [(4, [("a/0", [0, 4]), ("a/1", [4, 6])]), (4, [("a/2", [0, 6])])])
-    c = with_modes(plan(1, [(4, [("a/0", [0, 3]), ("a/1", [3, 6])]), (2, [("a/2", [0, 6])]), (2, [("a/3", [0, 6])])]),
+    b = plan(1, [(2, [("a/0", [0, 4]), ("a/1", [4, 6])]), (2, [("a/2", [0, 6])])], micro_batch_size=2)
+    c = with_modes(plan(1, [(2, [("a/0", [0, 3]), ("a/1", [3, 6])]), (1, [("a/2", [0, 6])]), (1, [("a/3", [0, 6])])],
+                        micro_batch_size=2),
                    [["sharded", "offloaded"], ["sharded"], ["sharded"]])  # buckets of three replicas
 
     def ckpt(name: str, every: int) -> CheckpointConfig:
