@@ -123,30 +123,12 @@ class Trainer:
         )
         if plan.tp > 1 and role.num_stages > 1:  # after the meter: the chunks' all-gathers are not compute
             scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
-        # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
-        # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
-        fused = device.type == "cuda" and config.optimizer == "adamw"
-        impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
         self.lr_schedule = config.lr_schedule()
-        lr = self.lr_schedule.lr_at(config.start_step)
-        # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
-        # sharded block, embedding and head weights and the replicated positions/norms are separate groups.
-        params = list(model.parameters())
-        param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
-                              [p for p in params if not isinstance(p, DTensor)]) if g]
         # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
         self.optimizer_state = self._optimizer_state_mode(config, plan, role)
         self.zero: ShardedAdamW | None = None
-        if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
-            self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
-                                      param_group=adamw_defaults(lr, config.weight_decay, impl),
-                                      counted=self.norm_params)
-            self.optimizer = self.zero
-        else:
-            optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-            self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
-                                         weight_decay=config.weight_decay, **impl)
+        impl = self._make_optimizer(layout, groups, self.lr_schedule.lr_at(config.start_step))
         self.meter.set_model_states(optimizer_state_factor=self._state_factor())
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.tracker = None
@@ -189,6 +171,29 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
+
+    def _make_optimizer(self, layout: Layout, groups: ProcessGroups, lr: float) -> dict:
+        """``self.optimizer`` (and ``self.zero`` for a sharded or offloaded stage); returns the kernel flags."""
+        config, model, role = self.config, self.model, self.role
+        # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
+        # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
+        fused = self.device.type == "cuda" and config.optimizer == "adamw"
+        impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
+        if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
+            self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
+                                      param_group=adamw_defaults(lr, config.weight_decay, impl),
+                                      counted=self.norm_params)
+            self.optimizer = self.zero
+            return impl
+        # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
+        # sharded block, embedding and head weights and the replicated positions/norms are separate groups.
+        params = list(model.parameters())
+        param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                                    [p for p in params if not isinstance(p, DTensor)]) if g]
+        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
+                                     weight_decay=config.weight_decay, **impl)
+        return impl
 
     @staticmethod
     def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
