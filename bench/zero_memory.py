@@ -41,6 +41,13 @@ def the_plan(mode: str) -> Plan:
                       {"num_microbatches": 3, "stages": [stage("a/2", [0, 4])]}]})
 
 
+def param_mb(plan: Plan, layers: tuple[int, int]) -> float:
+    """fp32 parameter MB of a stage (its AdamW state is twice that, replicated)."""
+    from hetrain.runtime.model import GPT
+
+    return sum(p.numel() for p in GPT(plan.model, tuple(layers)).parameters()) * 4 / MB
+
+
 def traced_peaks(mode: str, steps: int, work: Path) -> list[dict]:
     plan = the_plan(mode)
     work.mkdir(parents=True, exist_ok=True)
@@ -63,6 +70,7 @@ def main() -> None:
     for i, base in enumerate(peaks["replicated"]):
         row = {k: base[k] for k in ("device", "pipeline", "stage")}
         row["layers"] = f"{base['layers'][0]}-{base['layers'][1]}"
+        row["params_mb"] = param_mb(the_plan("replicated"), base["layers"])
         for mode in MODES:
             row[f"{mode}_mb"] = peaks[mode][i]["peak_mb"]
         row["sharded_ratio"] = row["sharded_mb"] / row["replicated_mb"]
@@ -70,6 +78,7 @@ def main() -> None:
         rows.append(row)
     print_table("Traced peak per rank (MB; CPU tracer, gpt-tiny widened to hidden 256, 4 blocks, seq 32)", rows, [
         ("device", "device"), ("pipeline.stage", "{pipeline}.{stage}"), ("blocks", "layers"),
+        ("fp32 params MB", "{params_mb:.1f}"),
         ("replicated MB", "{replicated_mb:.1f}"), ("sharded MB", "{sharded_mb:.1f}"),
         ("offloaded MB", "{offloaded_mb:.1f}"), ("sharded / replicated", "{sharded_ratio:.3f}"),
         ("offloaded / replicated", "{offloaded_ratio:.3f}")])
