@@ -149,6 +149,7 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
 
     from hetrain.config import TrainOptions, build_run_config
     from hetrain.plan.layout import build_layout
+    from hetrain.plan.schema import check_optimizer_state
     from hetrain.recovery.runs import prepare_run
     from hetrain.rundir import RunDir
     from hetrain.runtime.launch import launch
@@ -159,6 +160,7 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
     except ValidationError as e:
         raise HetrainError(describe_validation_error("train() options", e)) from None
     the_plan = check_plan(plan, cluster)
+    check_optimizer_state(the_plan, opts.optimizer)
     run = Path(run_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     nodes = list(build_layout(the_plan).nodes)

@@ -9,7 +9,9 @@ training's (``background: false`` keeps the old synchronous save). The commit pr
 same either way: the manifest is written last, and nothing is loaded without it. The state dict comes from ``get_state_dict`` with flattened optimizer
 state: keys are parameter names (``layers.7.mlp.w1.weight``, ``state.layers.7.mlp.w1.weight.exp_avg``),
 values are DTensors under tensor parallelism, so DCP reshards on load into any other plan:
-another TP degree, other pipeline cuts, fewer or more pipelines.
+another TP degree, other pipeline cuts, fewer or more pipelines. A stage whose optimizer state is
+sharded or offloaded (``hetrain.runtime.zero``) gives the same keys, its rows of each moment as a
+DTensor on a (TP x replicas) mesh: checkpoints reshard across optimizer-state modes too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from hetrain.checkpoint.backup import Uploader
 from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, build_manifest, join, prune, sha256_bytes, sha256_file, step_name, write_atomic)
@@ -57,11 +60,20 @@ POSITIONAL_TRAIN_STATE = ("lr", "lr_min", "warmup_steps", "decay_steps", "loss_s
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    train_state: dict[str, torch.Tensor] | None = None) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    if _is_sharded(optimizer):
+        model_sd, optim_sd = get_model_state_dict(model, options=OPTIONS), optimizer.checkpoint_state()
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     state = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     if train_state is not None:
         state[TRAIN_STATE] = train_state  # the same on every rank, stored once like the RNG state
     return state
+
+
+def _is_sharded(optimizer) -> bool:
+    """A ZeRO stage's optimizer (``hetrain.runtime.zero.ShardedAdamW``): it gives its state as checkpoint
+    entries itself, under the keys ``get_state_dict`` gives a ``torch.optim.AdamW``'s, its shares as DTensors."""
+    return hasattr(optimizer, "checkpoint_state")
 
 
 def prepare_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -72,7 +84,8 @@ def prepare_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) 
     for a 20 M-parameter stage on a loaded CPU. A warm start does it while it waits; the load
     overwrites every value.
     """
-    get_state_dict(model, optimizer, options=OPTIONS)
+    if not _is_sharded(optimizer):  # a sharded one makes its state when it is built
+        get_state_dict(model, optimizer, options=OPTIONS)
 
 
 def _stored_train_state(keys) -> tuple[str, ...] | None:
@@ -105,8 +118,12 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     if isinstance(reader, SafeFsspecReader):  # a fresh one: DCP's load sets the reader up again
         reader = SafeFsspecReader(url, **(storage_options or {}))
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTIONS)
+    if _is_sharded(optimizer):  # DCP loaded its shares in place; the model's weights go in as usual
+        set_model_state_dict(model, state["model"], options=OPTIONS)
+        optimizer.load_checkpoint_state(state["optim"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIONS)
     torch.set_rng_state(state["rng"])
     loaded = state.get(TRAIN_STATE)
     if loaded is None:

@@ -67,9 +67,14 @@ def train(
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
     from hetrain.config import RUN_ID, build_run_config
     from hetrain.plan.layout import build_layout
+    from hetrain.plan.schema import check_optimizer_state
     from hetrain.recovery.runs import prepare_run
 
     pl = _checked_plan(plan_file, model, cluster)
+    try:
+        check_optimizer_state(pl, options.optimizer)
+    except HetrainError as e:
+        raise HetrainError(f"{plan_file}: {e}") from None
     layout = build_layout(pl)
     run_dir = run_dir or Path("runs") / plan_file.stem
     if not RUN_ID.match(run_id or run_dir.resolve().name):

@@ -185,6 +185,43 @@ def validate_plan_structure(plan: Plan) -> None:
                 f"schedule needs at least one per stage"
             )
         _check_in_flight(pi, pipe)
+    _check_optimizer_state(plan)
+
+
+def check_optimizer_state(plan: Plan, optimizer: str) -> None:
+    """A plan that shards or offloads optimizer state trains with AdamW, the optimizer that has state."""
+    for pi, pipe in enumerate(plan.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            if optimizer != "adamw" and stage.optimizer_state not in (None, "replicated"):
+                raise HetrainError(f"pipelines[{pi}].stages[{si}]: optimizer_state {stage.optimizer_state} is for the "
+                                   f"adamw optimizer (the one with state to shard), not {optimizer}")
+
+
+def _shards_state(stage: StagePlan) -> bool:
+    """Whether a stage splits its layers' optimizer state with their other holders (offloaded: share on the host)."""
+    return stage.optimizer_state in ("sharded", "offloaded")
+
+
+def _check_optimizer_state(plan: Plan) -> None:
+    """Every stage holding a layer agrees on sharding its optimizer state (sharded or offloaded) or not.
+
+    The holders of a layer sync its gradients together (``hetrain.plan.layout.SyncBucket``): all
+    reduce-scatter and all-gather (ZeRO-1) or all all-reduce; a collective has one form for all
+    its members. Sharding costs no more traffic than the all-reduce, so a planner loses nothing
+    by sharding a replicated neighbour too. Where each share lives (device or host) is the stage's own choice.
+    """
+    cuts = sorted({s.layers[0] for p in plan.pipelines for s in p.stages})
+    for lo in cuts:
+        holders = [(pi, next(si for si, st in enumerate(p.stages) if st.layers[0] <= lo < st.layers[1]))
+                   for pi, p in enumerate(plan.pipelines)]
+        modes = {(pi, si): _shards_state(plan.pipelines[pi].stages[si]) for pi, si in holders}
+        if len(set(modes.values())) > 1:
+            (a, b), (c, d) = (next(h for h in holders if modes[h]), next(h for h in holders if not modes[h]))
+            first, other = plan.pipelines[a].stages[b], plan.pipelines[c].stages[d]
+            raise HetrainError(
+                f"pipelines[{a}].stages[{b}] has optimizer_state {first.optimizer_state} but "
+                f"pipelines[{c}].stages[{d}], which also holds block {lo}, keeps it {other.optimizer_state or 'replicated'}: every stage holding a "
+                f"block must shard (sharded or offloaded) or none, as they sync its gradients together")
 
 
 def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:

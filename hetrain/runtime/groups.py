@@ -21,6 +21,7 @@ class ProcessGroups:
     tp: dist.ProcessGroup | None = None  # this rank's stage's TP group
     pp: dist.ProcessGroup | None = None  # this rank's pipeline (one rank per stage, same TP rank)
     sync: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)  # bucket ranks -> group
+    dist_rank: list[int] = field(default_factory=list)  # plan rank -> torch.distributed rank (meshes name them)
 
 
 def layout_rank(layout: Layout) -> int:
@@ -44,7 +45,7 @@ def make_groups(layout: Layout, to_dist: list[int], my_rank: int) -> ProcessGrou
     def new(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return dist.new_group([to_dist[r] for r in ranks])
 
-    groups = ProcessGroups()
+    groups = ProcessGroups(dist_rank=list(to_dist))
     for ranks in layout.tp_groups:
         g = new(ranks)
         if my_rank in ranks:

@@ -28,7 +28,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout, Role, build_layout
-from hetrain.plan.schema import Plan, load_plan
+from hetrain.plan.schema import Plan, check_optimizer_state, load_plan
 from hetrain.rundir import answer_request, live_offer_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
@@ -40,6 +40,7 @@ from hetrain.runtime.parallelize import (bucket_params, local_tensor, paralleliz
                                          sync_gradients)
 from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
+from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
 from hetrain.runtime.pretrained import load_pretrained
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import EmulateSpec, load_cluster
@@ -127,25 +128,20 @@ class Trainer:
         )
         if plan.tp > 1 and role.num_stages > 1:  # after the meter: the chunks' all-gathers are not compute
             scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
-        # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
-        # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
-        fused = device.type == "cuda" and config.optimizer == "adamw"
-        impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
         self.lr_schedule = config.lr_schedule()
-        lr = self.lr_schedule.lr_at(config.start_step)
-        # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
-        # sharded block, embedding and head weights and the replicated positions/norms are separate groups.
-        params = list(model.parameters())
-        param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
-                              [p for p in params if not isinstance(p, DTensor)]) if g]
-        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr, weight_decay=config.weight_decay, **impl)
-        self.meter.set_model_states(optimizer_state_factor=2.0 if config.optimizer == "adamw" else 0.0)
+        # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
+        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+        self.optimizer_state = self._optimizer_state_mode(config, plan, role)
+        self.zero: ShardedAdamW | None = None
+        impl = self._make_optimizer(layout, groups, self.lr_schedule.lr_at(config.start_step))
+        self.meter.set_model_states(optimizer_state_factor=self._state_factor())
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
             local = [local_tensor(p) for p in model.parameters()]
-            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local))
+            # a sharded stage made its state before tracking starts (a replicated one makes it in the first step)
+            state_bytes = self.zero.device_state_bytes() if self.zero is not None else 0
+            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local) + state_bytes)
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
         self.schedule_extended: dict | None = None  # from_steps, to_steps, lr_before, lr_now (at the first step)
@@ -180,8 +176,46 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
-        # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
-        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+
+    def _make_optimizer(self, layout: Layout, groups: ProcessGroups, lr: float) -> dict:
+        """``self.optimizer`` (and ``self.zero`` for a sharded or offloaded stage); returns the kernel flags."""
+        config, model, role = self.config, self.model, self.role
+        # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
+        # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
+        fused = self.device.type == "cuda" and config.optimizer == "adamw"
+        impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
+        if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
+            self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
+                                      param_group=adamw_defaults(lr, config.weight_decay, impl),
+                                      counted=self.norm_params)
+            self.optimizer = self.zero
+            return impl
+        # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
+        # sharded block, embedding and head weights and the replicated positions/norms are separate groups.
+        params = list(model.parameters())
+        param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                                    [p for p in params if not isinstance(p, DTensor)]) if g]
+        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
+                                     weight_decay=config.weight_decay, **impl)
+        return impl
+
+    @staticmethod
+    def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
+        """The stage's ``optimizer_state`` (absent: replicated); sharding is for AdamW, the optimizer with state."""
+        check_optimizer_state(plan, config.optimizer)
+        return plan.pipelines[role.pipeline].stages[role.stage].optimizer_state or "replicated"
+
+    def _state_factor(self) -> float:
+        """Optimizer state bytes per parameter byte on the device, for the meter: AdamW's two moments, 1/D of
+        them when sharded over D replicas, none when offloaded to the host; SGD keeps none."""
+        if self.config.optimizer != "adamw" or self.optimizer_state == "offloaded":
+            return 0.0
+        if self.zero is None:
+            return 2.0
+        kept = sum(t.numel() for b in self.zero.buckets for t in b.state["exp_avg"])
+        whole = sum(local_tensor(p).numel() for b in self.zero.buckets for p in b.params)
+        return 2.0 * kept / max(1, whole)
 
     def load(self, url: str, start_step: int, steps: int | None = None, reader=None) -> None:
         """This rank's part of a checkpoint (DCP reshards), to train on from ``start_step`` (up to ``steps``).
@@ -246,7 +280,10 @@ class Trainer:
         else:
             self.schedule.step(**kw)
         compute_done = time.perf_counter()
-        sync_gradients(self.buckets, self.reduce_dtype)
+        if self.zero is not None:
+            self.zero.reduce_scatter(self.reduce_dtype)
+        else:
+            sync_gradients(self.buckets, self.reduce_dtype)
         synced = time.perf_counter()
 
         # One world all-reduce per step carries the squared gradient norm (pipeline 0
@@ -259,7 +296,9 @@ class Trainer:
             totals[StepTotals.REQUEST] = 1.0
             totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
             totals[StepTotals.LIVE] = float(_asks_to_stop(self.config.request_file, "live"))
-        if role.pipeline == 0:
+        if self.zero is not None:  # every replica its rows (the shares partition each parameter)
+            totals[StepTotals.GRAD_NORM_SQ] = self.zero.grad_norm_sq()
+        elif role.pipeline == 0:
             grads = [local_tensor(p.grad) for p in self.norm_params if p.grad is not None]
             if grads:  # one multi-tensor kernel, not three small ones per parameter
                 totals[StepTotals.GRAD_NORM_SQ] = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
@@ -278,15 +317,7 @@ class Trainer:
             coef = 1.0 / scale
             if self.config.max_grad_norm is not None:
                 coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
-            if coef != 1.0:
-                grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, coef)
-            if self.config.dump_dir and step == self.config.start_step:
-                self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            with self.meter.device_work():  # at the emulated device's speed on a CPU rank
-                self.optimizer.step()
+            self._apply(step, coef, lr)
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
@@ -305,6 +336,22 @@ class Trainer:
             if not applied:
                 record["skipped"] = True  # fp16 overflow: no update, the scale halves
         return record
+
+    def _apply(self, step: int, coef: float, lr: float) -> None:
+        """The optimizer step on gradients scaled by ``coef`` (unscale and clip), at ``lr``."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.zero is not None:  # scales its gradient rows, steps them, all-gathers the parameters
+            with self.meter.device_work():
+                self.zero.step(coef)
+            return
+        if coef != 1.0:
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        if self.config.dump_dir and step == self.config.start_step:
+            self._dump("grads", {n: p.grad for n, p in self.model.named_parameters()})
+        with self.meter.device_work():  # at the emulated device's speed on a CPU rank
+            self.optimizer.step()
 
     # -- the loop
     def train(self) -> None:
@@ -398,7 +445,10 @@ class Trainer:
         """
         if self.device.type != "cuda":
             return
-        self.optimizer.state.clear()
+        if self.zero is not None:
+            self.zero.clear()
+        else:
+            self.optimizer.state.clear()
         for p in self.model.parameters():
             p.grad = None
             p.data = torch.empty(0, device=self.device, dtype=p.dtype)
@@ -418,7 +468,9 @@ class Trainer:
         if self.config.dump_dir:
             tensors = dict(self.model.named_parameters())
             names = {p: n for n, p in self.model.named_parameters()}
-            for p, state in self.optimizer.state.items():
+            if self.zero is not None:  # gathered whole from the replicas' shares (collective)
+                tensors.update(self.zero.whole_state())
+            for p, state in self.optimizer.state.items() if self.zero is None else ():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim/{names[p]}/{key}"] = value
