@@ -197,31 +197,34 @@ def check_optimizer_state(plan: Plan, optimizer: str) -> None:
                                    f"adamw optimizer (the one with state to shard), not {optimizer}")
 
 
-def _shards_state(stage: StagePlan) -> bool:
-    """Whether a stage splits its layers' optimizer state with their other holders (offloaded: share on the host)."""
-    return stage.optimizer_state in ("sharded", "offloaded")
+def _keeps_whole(stage: StagePlan) -> bool:
+    """Whether a stage keeps its layers' optimizer state replicated (whole, on its GPU)."""
+    return stage.optimizer_state in (None, "replicated")
 
 
 def _check_optimizer_state(plan: Plan) -> None:
-    """Every stage holding a layer agrees on sharding its optimizer state (sharded or offloaded) or not.
+    """No stage holding a layer shards its optimizer state while another holder keeps it replicated.
 
     The holders of a layer sync its gradients together (``hetrain.plan.layout.SyncBucket``): all
     reduce-scatter and all-gather (ZeRO-1) or all all-reduce; a collective has one form for all
-    its members. Sharding costs no more traffic than the all-reduce, so a planner loses nothing
-    by sharding a replicated neighbour too. Where each share lives (device or host) is the stage's own choice.
+    its members. So a bucket shards when none of its holders keeps the state replicated, and a
+    ``sharded`` stage needs that; an ``offloaded`` one keeps its share on the host where the bucket
+    shards, its whole state where a replicated holder makes the bucket all-reduce
+    (``hetrain.runtime.zero.bucket_shards``). Sharding costs no more traffic than the all-reduce, so
+    a planner loses nothing by sharding a replicated neighbour too.
     """
     cuts = sorted({s.layers[0] for p in plan.pipelines for s in p.stages})
     for lo in cuts:
         holders = [(pi, next(si for si, st in enumerate(p.stages) if st.layers[0] <= lo < st.layers[1]))
                    for pi, p in enumerate(plan.pipelines)]
-        modes = {(pi, si): _shards_state(plan.pipelines[pi].stages[si]) for pi, si in holders}
-        if len(set(modes.values())) > 1:
-            (a, b), (c, d) = (next(h for h in holders if modes[h]), next(h for h in holders if not modes[h]))
-            first, other = plan.pipelines[a].stages[b], plan.pipelines[c].stages[d]
+        sharded = [h for h in holders if plan.pipelines[h[0]].stages[h[1]].optimizer_state == "sharded"]
+        whole = [h for h in holders if _keeps_whole(plan.pipelines[h[0]].stages[h[1]])]
+        if sharded and whole:
+            (a, b), (c, d) = sharded[0], whole[0]
             raise HetrainError(
-                f"pipelines[{a}].stages[{b}] has optimizer_state {first.optimizer_state} but "
-                f"pipelines[{c}].stages[{d}], which also holds block {lo}, keeps it {other.optimizer_state or 'replicated'}: every stage holding a "
-                f"block must shard (sharded or offloaded) or none, as they sync its gradients together")
+                f"pipelines[{a}].stages[{b}] has optimizer_state sharded but pipelines[{c}].stages[{d}], which also "
+                f"holds block {lo}, keeps it replicated: every stage holding a block must shard (sharded or "
+                f"offloaded) for one to, as they sync its gradients together")
 
 
 def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:

@@ -178,14 +178,20 @@ def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def sync_gradients(buckets: list[tuple[dist.ProcessGroup, list[nn.Parameter]]], reduce_dtype: torch.dtype) -> None:
-    """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket."""
+def sync_gradients(buckets: list[tuple[dist.ProcessGroup, list[nn.Parameter]]], reduce_dtype: torch.dtype,
+                   grads_of: list[torch.Tensor] | None = None) -> None:
+    """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket.
+
+    ``grads_of``: the (one) bucket's gradient tensors to reduce in place instead of its parameters' ``.grad``.
+    """
     for group, params in buckets:
-        grads = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(local_tensor(p.grad))
+        grads = grads_of
+        if grads is None:
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_tensor(p.grad))
         flat = _flatten_dense_tensors(grads)
         wire = flat.to(reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
         dist.all_reduce(wire, group=group)

@@ -36,7 +36,7 @@ from torch.optim.adamw import adamw
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, SyncBucket
 from hetrain.runtime.groups import ProcessGroups
-from hetrain.runtime.parallelize import _all_gather_flat, bucket_params, local_tensor
+from hetrain.runtime.parallelize import _all_gather_flat, bucket_params, local_tensor, sync_gradients
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments; ``step`` is a scalar per parameter
 
@@ -64,10 +64,15 @@ class ShardBucket:
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None, share: int,
-                 group_shares: list[int], mesh: DeviceMesh | None, *, offload: bool, fused: bool) -> None:
+                 group_shares: list[int], mesh: DeviceMesh | None, *, offload: bool, fused: bool,
+                 sum_group: dist.ProcessGroup | None = None, counts_norm: bool = True) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.group, self.share, self.group_shares = group, share, group_shares
+        # a whole (unsharded) bucket whose other holders keep their state replicated: its gradients are
+        # all-reduced over ``sum_group`` as theirs are (the same collective), and only the first holder
+        # (pipeline 0's, as a replicated stage) counts them in the global norm
+        self.sum_group, self.counts_norm = sum_group, counts_norm
         self.shares = len(group_shares)
         self.mesh, self.offload, self.fused = mesh, offload, fused
         local = [local_tensor(p) for p in self.params]
@@ -116,6 +121,8 @@ class ShardBucket:
         for p in self.params:
             p.grad = None  # ZeRO: past the reduce-scatter only this rank's rows of the gradients are read
         if self.group is None:
+            if self.sum_group is not None:  # the replicated holders' all-reduce, joined as they call it
+                sync_gradients([(self.sum_group, self.params)], reduce_dtype, grads)
             mine = torch.cat([g.reshape(-1) for g in self._mine(grads)]).float()
         else:
             flat = torch.cat([x for s in self.group_shares for x in self._flat(grads, s, reduce_dtype)])
@@ -142,7 +149,7 @@ class ShardBucket:
         whole gradient's: the global norm stays exact.
         """
         grads = [g for g, c in zip(self.grads or [], counted) if c and g.numel()]
-        if not grads:
+        if not grads or not self.counts_norm:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().cpu()
 
@@ -300,6 +307,14 @@ def _replica_mesh(layout: Layout, bucket: SyncBucket, groups: ProcessGroups, dev
                                  mesh_dim_names=("tp", "replicas"))
 
 
+def bucket_shards(layout: Layout, bucket: SyncBucket) -> bool:
+    """Whether a bucket's holders shard its optimizer state: none keeps it replicated (``validate_plan``:
+    a sharded stage has no replicated co-holder; an offloaded one beside replicated ones keeps it whole)."""
+    plan = layout.plan
+    modes = [plan.pipelines[layout.roles[r].pipeline].stages[layout.roles[r].stage].optimizer_state for r in bucket.ranks]
+    return all(m in ("sharded", "offloaded") for m in modes)
+
+
 def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessGroups, *, offload: bool,
                   param_group: dict, counted: list[nn.Parameter]) -> ShardedAdamW:
     """This rank's ``ShardedAdamW``: one ``ShardBucket`` per gradient bucket it holds (one for the whole
@@ -319,6 +334,10 @@ def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessG
         if not params:  # the same on every replica of the bucket: none of them takes part
             continue
         group = groups.sync[b.ranks]
+        if not bucket_shards(layout, b):  # an offloaded stage beside replicated ones: its whole state, on the host
+            buckets.append(ShardBucket([(names[p], p) for p in params], None, 0, [0], tp_mesh, offload=offload,
+                                       fused=fused, sum_group=group, counts_norm=b.ranks[0] == role.rank))
+            continue
         dist_ranks = [groups.dist_rank[r] for r in b.ranks]  # in pipeline order: share s is pipeline s's
         group_shares = [dist_ranks.index(r) for r in dist.get_process_group_ranks(group)]
         buckets.append(ShardBucket([(names[p], p) for p in params], group, b.ranks.index(role.rank), group_shares,
