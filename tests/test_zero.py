@@ -94,11 +94,12 @@ def test_offloaded_whole_or_its_share_matches_replicated_under_bf16(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_sharded_tp2_plan_matches_replicated_and_its_checkpoints_reshard(tmp_path: Path):
+def test_sharded_tp2_plan_matches_one_process_and_its_checkpoints_reshard(tmp_path: Path):
     """Sharded plan A (TP 2, two pipelines cut differently, three buckets per TP rank) trains 5 steps,
-    checkpointing after steps 2 and 4: the same weights, AdamW state and losses as the replicated plan
-    (on gloo the same sums: equal to the bit, measured) and as one process within what AdamW makes
-    of float32 sums in another order (the replicated plan: 3.8e-5 after 3 steps, its worst tensor).
+    checkpointing after steps 2 and 4: the weights, AdamW state and losses of one process within what
+    AdamW makes of float32 sums in another order (the replicated plan: 3.8e-5 after 3 steps, its worst
+    tensor; the sharded plan equalled the replicated one to the bit when both ran here, on gloo's same
+    sums: that run is left out to keep the suite short, the bf16 test above compares modes directly).
 
     Then across modes and plans: replicated plan B (TP 1, other cuts) loads A's step-4 checkpoint
     to the bit (weights and AdamW state) and resumes from A's step 2, checkpointing after step 3;
@@ -115,11 +116,8 @@ def test_sharded_tp2_plan_matches_replicated_and_its_checkpoints_reshard(tmp_pat
         return CheckpointConfig(local_dir=str(tmp_path / name), every_steps=every, keep=5, background=False)
 
     straight = run(a, tmp_path / "a", steps=5, checkpoint=ckpt("ckpt-a", 3), dump=True)
-    replicated = run(ASYM_TP2, tmp_path / "replicated", steps=5, dump=True)
     saved = dumped_state(a, tmp_path / "a")  # whole tensors; replicas asserted equal
     assert any(n.endswith("exp_avg_sq") for n in saved)
-    assert_close(saved, dumped_state(ASYM_TP2, tmp_path / "replicated"), tol=SAME_PLAN_TOL)
-    assert [r["loss"] for r in straight] == pytest.approx([r["loss"] for r in replicated], rel=SAME_PLAN_TOL)
     want, losses = reference(a, [r["lr"] for r in straight])
     assert_close(saved, want, tol=ONE_PROCESS_TOL)
     assert [r["loss"] for r in straight] == pytest.approx(losses, rel=REL_TOL)
