@@ -1,0 +1,340 @@
+"""Which GPUs to rent, and the plan over them: ``choose_rental`` for an objective over an offers file.
+
+The search has two steps, so that thousands of offered GPUs plan in seconds:
+
+1. **Estimate.** Each offer's node shape is planned once, alone, on the fewest of its nodes that
+   hold the model (``megatron``'s grid, exact for one GPU type and a fraction of a second): its
+   pipelines' depth, micro-batch size and time per micro-batch. A rental's throughput is then a
+   fluid 1F1B estimate over all its pipelines: pipeline p of S_p stages at t_p seconds per
+   micro-batch of b_p sequences takes (m_p + S_p - 1) t_p for m_p micro-batches, and the global
+   batch G is shared so that all end together: T = (G + sum_p b_p (S_p - 1)) / sum_p (b_p / t_p).
+   Its price and its expected preemption loss (``hetrain.cost.spot``) are sums over its nodes.
+   Candidates: each market of each offer at node counts doubling from the least that holds the
+   model to all available, every pair of those, and greedy fills by several orders (tokens per
+   dollar, speed, price; spot allowed or not), each up to the budget or, for a deadline, to the
+   least that meets it. A few thousand candidates, microseconds each.
+2. **Plan.** The best few by the objective (``PLAN_TOP``; one for a rental past ``LARGE_RENTAL_GPUS``)
+   are planned with the full planner on their cluster (``cluster_from_rental``); the objective is
+   scored again on the planned throughput and the best feasible one wins.
+
+Objectives: ``throughput`` (most expected goodput, within ``budget_per_hour`` when given),
+``cost`` (most expected tokens per dollar), ``deadline`` (the least dollars per token among
+rentals whose expected goodput finishes ``tokens`` within ``deadline_h`` hours).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from hetrain.cost.spot import (PreemptionLoss, RecoveryCosts, checkpoint_mb_per_gpu, load_recovery_costs,
+                               preemption_loss)
+from hetrain.errors import HetrainError, NoPlanError
+from hetrain.profiling.profile import Profile
+from hetrain.spec.offers import Market, OfferSpec, OffersSpec, Rental, cluster_from_rental
+from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
+from solver.common import PlanResult
+from solver.planner import make_plan
+
+OBJECTIVES = ("throughput", "cost", "deadline")
+PLAN_TOP = 3  # rentals planned in full: the estimate ranks close rentals within its error of each other
+MAX_PLANNED = 8  # planned before giving up when the planned throughput misses a deadline or a budget
+LARGE_RENTAL_GPUS = 1024  # past this the full planner takes seconds a rental: only the best one is planned
+REFERENCE_PLANNER = "megatron"  # one GPU type: its grid is the exact search there, and fast
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Objective:
+    kind: str = "throughput"
+    budget_per_hour: float | None = None
+    tokens: float | None = None
+    deadline_h: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in OBJECTIVES:
+            raise HetrainError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got '{self.kind}'")
+        if self.kind == "deadline" and (self.tokens is None or self.deadline_h is None):
+            raise HetrainError("--objective deadline needs --tokens and --deadline (hours)")
+
+    @property
+    def floor_tokens_per_s(self) -> float:
+        """Expected goodput the deadline asks for (0 for the other objectives)."""
+        return self.tokens / (self.deadline_h * SECONDS_PER_HOUR) if self.kind == "deadline" else 0.0
+
+    def feasible(self, c: Candidate) -> bool:
+        within = self.budget_per_hour is None or c.price_per_hour <= self.budget_per_hour * (1 + 1e-9)
+        return within and c.goodput > 0 and c.goodput >= self.floor_tokens_per_s
+
+    def score(self, c: Candidate) -> tuple[float, float]:
+        """Higher is better: goodput then cheapness (throughput), tokens per dollar then goodput (cost, deadline)."""
+        if self.kind == "throughput":
+            return (c.goodput, -c.price_per_hour)
+        return (c.tokens_per_dollar, c.goodput)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One offer's node shape planned alone on ``nodes`` nodes: its pipelines' shape and speed."""
+
+    nodes: int
+    gpus_per_pipeline: int
+    stages: int
+    micro_batch_size: int
+    microbatch_s: float  # one micro-batch through the slowest stage, bubble and sync shared out
+
+
+@dataclass(frozen=True)
+class Pool:
+    offer: OfferSpec
+    market: Market
+    ref: Reference
+
+    @property
+    def node_price_per_hour(self) -> float:
+        return self.offer.price_per_gpu_hour(self.market) * self.offer.gpus_per_node
+
+    @property
+    def preemptions_per_hour(self) -> float:
+        return (self.offer.preemptions_per_hour or 0.0) if self.market == "spot" else 0.0
+
+
+@dataclass
+class Candidate:
+    rentals: tuple[Rental, ...]
+    tokens_per_s: float
+    price_per_hour: float
+    loss: PreemptionLoss
+    gpus: int
+    planned: PlanResult | None = None
+    cluster: ClusterSpec | None = None
+
+    @property
+    def goodput(self) -> float:
+        return self.loss.goodput(self.tokens_per_s)
+
+    @property
+    def tokens_per_dollar(self) -> float:
+        return self.goodput * SECONDS_PER_HOUR / self.price_per_hour if self.price_per_hour > 0 else math.inf
+
+
+@dataclass
+class RentalChoice:
+    """What ``choose_rental`` returns: the winner, planned, and what the search looked at."""
+
+    best: Candidate
+    costs: RecoveryCosts  # unscaled, with their source
+    estimated: int  # candidates estimated
+    planned: list[Candidate]
+    search_s: float
+    plan_s: float
+
+
+def reference(offers: OffersSpec, offer: OfferSpec, model: ModelSpec, settings: TrainingSettings,
+              profile: Profile | None) -> Reference | None:
+    """The offer's shape planned on the fewest of its nodes (1, 2, 4, ...) that hold the model; None if none do."""
+    nodes = 1
+    while True:
+        cluster = cluster_from_rental(offers, [Rental(offer.name, offer.markets[0], nodes)])
+        try:
+            r = make_plan(REFERENCE_PLANNER, cluster, model, settings, profile)
+        except NoPlanError:
+            r = None
+        if r is not None:
+            p = r.plan
+            stages = max(len(x.stages) for x in p.pipelines)
+            m = max(x.num_microbatches for x in p.pipelines)
+            gpp = sum(len(s.devices) for s in p.pipelines[0].stages)
+            return Reference(nodes, gpp, stages, p.micro_batch_size, r.estimate.iteration_time_s / (m + stages - 1))
+        if nodes >= offer.nodes_available:
+            return None
+        nodes = min(2 * nodes, offer.nodes_available)
+
+
+def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, settings: TrainingSettings,
+             costs: RecoveryCosts) -> Candidate | None:
+    """A rental's throughput (the fluid 1F1B estimate), price and expected preemption loss; None if no pipeline."""
+    G = settings.global_batch_size
+    slope = G_extra = 0.0
+    price = 0.0
+    rates, nodes, gpus = [], 0, 0
+    for pool, n in zip(pools, counts):
+        if n <= 0:
+            continue
+        d = n * pool.offer.gpus_per_node // pool.ref.gpus_per_pipeline
+        b = pool.ref.micro_batch_size
+        slope += d * b / pool.ref.microbatch_s
+        G_extra += d * b * (pool.ref.stages - 1)
+        price += n * pool.node_price_per_hour
+        rates += [(pool.preemptions_per_hour, pool.offer.notice_s)] * (n if pool.market == "spot" else 0)
+        nodes += n
+        gpus += n * pool.offer.gpus_per_node
+    if slope <= 0:
+        return None
+    tokens_per_s = G * model.seq_length / ((G + G_extra) / slope)
+    loss = preemption_loss(rates, costs.scaled(checkpoint_mb_per_gpu(model, gpus)))
+    rentals = tuple(Rental(p.offer.name, p.market, n) for p, n in zip(pools, counts) if n > 0)
+    return Candidate(rentals, tokens_per_s, price, loss, gpus)
+
+
+def _grid(pool: Pool) -> list[int]:
+    """Node counts for one pool: doubling from the least that holds the model, and all available."""
+    counts, n = [], pool.ref.nodes
+    while n < pool.offer.nodes_available:
+        counts.append(n)
+        n *= 2
+    return counts + [pool.offer.nodes_available]
+
+
+def _fits(pools: list[Pool], counts: tuple[int, ...]) -> bool:
+    """No offer rented beyond its nodes (its spot and on-demand nodes together)."""
+    used: dict[str, int] = {}
+    for pool, n in zip(pools, counts):
+        used[pool.offer.name] = used.get(pool.offer.name, 0) + n
+    return all(used[p.offer.name] <= p.offer.nodes_available for p in pools)
+
+
+def candidate_counts(pools: list[Pool], objective: Objective,
+                     alone: list[Candidate | None]) -> Iterator[tuple[int, ...]]:
+    """Node counts per pool to estimate: singles and pairs on each pool's grid, then greedy fills."""
+    k = len(pools)
+    grids = [_grid(p) for p in pools]
+    for i in range(k):
+        for n in grids[i]:
+            yield tuple(n if x == i else 0 for x in range(k))
+    for i, j in itertools.combinations(range(k), 2):
+        for a, b in itertools.product(grids[i], grids[j]):
+            counts = tuple(a if x == i else b if x == j else 0 for x in range(k))
+            if _fits(pools, counts):
+                yield counts
+    keys = {"tokens per dollar": lambda i: -alone[i].tokens_per_dollar, "speed": lambda i: -alone[i].goodput,
+            "price": lambda i: pools[i].node_price_per_hour / pools[i].offer.gpus_per_node}
+    usable = [i for i in range(k) if alone[i] is not None]
+    for key in keys.values():
+        for spot in (True, False):
+            order = sorted((i for i in usable if spot or pools[i].market == "on_demand"), key=key)
+            yield from _fill(pools, order, objective)
+
+
+def _fill(pools: list[Pool], order: list[int], objective: Objective) -> Iterator[tuple[int, ...]]:
+    """Every pool in ``order``, all its nodes or what the budget leaves: each prefix of the fill."""
+    counts = [0] * len(pools)
+    left = objective.budget_per_hour if objective.budget_per_hour is not None else math.inf
+    for i in order:
+        pool = pools[i]
+        taken = sum(c for p, c in zip(pools, counts) if p.offer.name == pool.offer.name)
+        n = pool.offer.nodes_available - taken
+        if pool.node_price_per_hour > 0 and left < math.inf:
+            n = min(n, int(left // pool.node_price_per_hour))
+        if n < pool.ref.nodes:
+            continue
+        counts[i] = n
+        left -= n * pool.node_price_per_hour
+        yield tuple(counts)
+
+
+def _least_meeting(pools, counts: tuple[int, ...], i: int, objective: Objective, evaluate) -> tuple[int, ...]:
+    """``counts`` with pool i cut to the fewest nodes whose estimate still meets the deadline (bisection)."""
+    lo, hi = pools[i].ref.nodes, counts[i]
+    with_n = lambda n: counts[:i] + (n,) + counts[i + 1:]  # noqa: E731
+    first = evaluate(with_n(lo))
+    if first is not None and objective.feasible(first):
+        return with_n(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = evaluate(with_n(mid))
+        lo, hi = (lo, mid) if c is not None and objective.feasible(c) else (mid, hi)
+    return with_n(hi)
+
+
+def _pools(offers: OffersSpec, model: ModelSpec, settings: TrainingSettings, profile: Profile | None,
+           markets: tuple[Market, ...], progress: Callable[[str], None] | None) -> list[Pool]:
+    """A pool per offer and market, for offers whose nodes can hold the model."""
+    pools = []
+    for offer in offers.offers:
+        if progress:
+            progress(f"sizing offer {offer.name}")
+        ref = reference(offers, offer, model, settings, profile)
+        if ref is not None:
+            pools += [Pool(offer, m, ref) for m in offer.markets if m in markets]
+    if not pools:
+        raise HetrainError(f"offers '{offers.name}': no offer has enough nodes to hold {model.name} "
+                           f"(on the markets allowed: {', '.join(markets)})")
+    return pools
+
+
+def estimate_all(pools: list[Pool], model: ModelSpec, settings: TrainingSettings, objective: Objective,
+                 costs: RecoveryCosts) -> dict[tuple[int, ...], Candidate]:
+    """Every candidate rental estimated, deadline fills cut to the least that meets the deadline."""
+    seen: dict[tuple[int, ...], Candidate | None] = {}
+
+    def evaluate(counts):
+        if counts not in seen:
+            seen[counts] = estimate(pools, counts, model, settings, costs)
+        return seen[counts]
+
+    alone = [evaluate(tuple(p.offer.nodes_available if x == i else 0 for x in range(len(pools))))
+             for i, p in enumerate(pools)]
+    for counts in candidate_counts(pools, objective, alone):
+        c = evaluate(counts)
+        if objective.kind == "deadline" and c is not None and objective.feasible(c):
+            last = max(i for i, n in enumerate(counts) if n > 0)
+            evaluate(_least_meeting(pools, counts, last, objective, evaluate))
+    return {k: v for k, v in seen.items() if v is not None}
+
+
+def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettings, objective: Objective,
+                  profile: Profile | None = None, planner: str = "hetrain", time_limit_s: float = 10.0,
+                  markets: tuple[Market, ...] = ("spot", "on_demand"), costs: RecoveryCosts | None = None,
+                  progress: Callable[[str], None] | None = None) -> RentalChoice:
+    """The rental that best meets ``objective``, planned by ``planner``; HetrainError if none meets it."""
+    t0 = time.perf_counter()
+    costs = costs or load_recovery_costs()
+    pools = _pools(offers, model, settings, profile, markets, progress)
+    found = estimate_all(pools, model, settings, objective, costs)
+    ranked = sorted((c for c in found.values() if objective.feasible(c)), key=objective.score, reverse=True)
+    if not ranked:
+        raise HetrainError(why_none(offers, list(found.values()), objective))
+    t1 = time.perf_counter()
+    top = 1 if ranked[0].gpus > LARGE_RENTAL_GPUS else PLAN_TOP
+    # the best rental of one offer too: one GPU type, where the planner's plan is what the estimate assumes
+    single = next((c for c in ranked if len({r.offer for r in c.rentals}) == 1), None)
+    queue = ranked[:top] + ([single] if single is not None and single not in ranked[:top] else []) + ranked[top:]
+    planned: list[Candidate] = []
+    for c in queue[:MAX_PLANNED]:
+        if len(planned) >= top + (single is not None) and any(objective.feasible(p) for p in planned):
+            break
+        if progress:
+            progress(f"planning rental {len(planned) + 1} ({c.gpus} GPUs)")
+        planned.append(plan_candidate(offers, c, model, settings, profile, planner, time_limit_s))
+    feasible = [c for c in planned if objective.feasible(c)]
+    if not feasible:
+        raise HetrainError(why_none(offers, planned, objective, "planned "))
+    best = max(feasible, key=objective.score)
+    return RentalChoice(best, costs, len(found), planned, t1 - t0, time.perf_counter() - t1)
+
+
+def plan_candidate(offers: OffersSpec, c: Candidate, model: ModelSpec, settings: TrainingSettings,
+                   profile: Profile | None, planner: str, time_limit_s: float) -> Candidate:
+    """The candidate planned in full on its cluster: its throughput from the plan, not the estimate."""
+    cluster = cluster_from_rental(offers, c.rentals)
+    result = make_plan(planner, cluster, model, settings, profile, time_limit_s=time_limit_s)
+    return replace(c, tokens_per_s=result.estimate.tokens_per_s, planned=result, cluster=cluster)
+
+
+def why_none(offers: OffersSpec, seen: list[Candidate], objective: Objective, what: str = "") -> str:
+    """Why no rental meets the objective: the nearest miss, in the objective's own terms."""
+    within = [c for c in seen if objective.budget_per_hour is None or c.price_per_hour <= objective.budget_per_hour]
+    if not within:
+        cheapest = min(seen, key=lambda c: c.price_per_hour, default=None)
+        at_least = f": the cheapest {what}rental that holds the model costs ${cheapest.price_per_hour:,.2f}/h" \
+            if cheapest else ""
+        return f"offers '{offers.name}': no rental within --budget-per-hour {objective.budget_per_hour:g}{at_least}"
+    fastest = max(within, key=lambda c: c.goodput)
+    hours = objective.tokens / fastest.goodput / SECONDS_PER_HOUR if fastest.goodput > 0 else math.inf
+    return (f"offers '{offers.name}': no {what}rental finishes {objective.tokens:,.0f} tokens in "
+            f"{objective.deadline_h:g} h; the fastest{' within the budget' if objective.budget_per_hour else ''} "
+            f"({fastest.gpus} GPUs, {fastest.goodput:,.0f} tokens/s expected) takes {hours:,.1f} h")
