@@ -120,10 +120,10 @@ def summary_line(plan, est) -> str:
 
 @user_errors
 def plan(
-    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
     model: Annotated[Path, typer.Option(help="model YAML file, or a model directory (a transformers Llama, "
                                              "an export) to plan for its --init-from")],
     global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
+    cluster: Annotated[Path | None, typer.Option(help="cluster YAML file (or --offers)")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
@@ -137,8 +137,30 @@ def plan(
     compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan (or comparison) as JSON")] = False,
     time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
+    offers: Annotated[Path | None, typer.Option(help="offers YAML file: choose the GPUs to rent, then plan "
+                                                     "over them (instead of --cluster)")] = None,
+    objective: Annotated[str, typer.Option(help="with --offers: throughput (most expected tokens/s, within "
+                                                "--budget-per-hour), cost (most tokens per dollar) or deadline "
+                                                "(cheapest to train --tokens within --deadline hours)")] = "throughput",
+    budget_per_hour: Annotated[float | None, typer.Option(min=0.0, max=1e9, help="with --offers: dollars per "
+                                                                                "hour at most")] = None,
+    tokens: Annotated[float | None, typer.Option(min=1.0, max=1e18, help="with --objective deadline: tokens "
+                                                                        "to train")] = None,
+    deadline: Annotated[float | None, typer.Option(min=1e-3, max=1e6, help="with --objective deadline: "
+                                                                          "hours")] = None,
+    cluster_out: Annotated[Path | None, typer.Option(help="with --offers: write the rented cluster file here "
+                                                          "(default: beside --out, else ./rental-cluster.yaml)")] = None,
+    on_demand_only: Annotated[bool, typer.Option("--on-demand-only", help="with --offers: rent no spot "
+                                                                          "GPUs")] = False,
 ):
-    """Find the fastest plan for a model on a mixed cluster."""
+    """Find the fastest plan for a model on a mixed cluster, or choose the GPUs to rent from offers and plan them."""
+    from hetrain.cli.offers import offers_request, plan_offers
+
+    request = offers_request(offers, objective, budget_per_hour, tokens, deadline, cluster_out, on_demand_only)
+    if (offers is None) == (cluster is None):
+        raise HetrainError("give --cluster (your machines) or --offers (the GPUs you could rent), one of them")
+    if request is not None and compare:
+        raise HetrainError("--compare plans one cluster three ways: not with --offers")
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
     from hetrain.spec.hf import load_any_model as load_model
@@ -147,9 +169,11 @@ def plan(
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    cl, md = load_cluster(cluster), load_model(model)
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
     prof = load_profile(profile) if profile else None
+    if request is not None:
+        return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json)
+    cl, md = load_cluster(cluster), load_model(model)
     if out_file:
         check_output_file(out_file, "--out", {"--cluster": cluster, "--model": model, "--profile": profile})
 
