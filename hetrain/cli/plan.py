@@ -156,9 +156,9 @@ def plan(
     """Find the fastest plan for a model on a mixed cluster, or choose the GPUs to rent from offers and plan them."""
     from hetrain.cli.offers import offers_request, plan_offers
 
-    request = offers_request(offers, objective, budget_per_hour, tokens, deadline, cluster_out, on_demand_only)
     if (offers is None) == (cluster is None):
         raise HetrainError("give --cluster (your machines) or --offers (the GPUs you could rent), one of them")
+    request = offers_request(offers, objective, budget_per_hour, tokens, deadline, cluster_out, on_demand_only)
     if request is not None and compare:
         raise HetrainError("--compare plans one cluster three ways: not with --offers")
     from hetrain.cost.costmodel import CostModel

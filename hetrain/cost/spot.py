@@ -136,8 +136,9 @@ def preemption_loss(rates_per_hour: list[tuple[float, float]], costs: RecoveryCo
     (nothing redone, the switch's downtime); a shorter one is a restart from the last checkpoint.
     """
     warn_s = costs.switch["emergency_checkpoint_s"]
-    warned = sum(rate for rate, notice_s in rates_per_hour if notice_s >= warn_s)
-    unwarned = sum(rate for rate, notice_s in rates_per_hour if notice_s < warn_s)
+    in_time = [notice_s > 0 and notice_s >= warn_s for _, notice_s in rates_per_hour]
+    warned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if ok)
+    unwarned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if not ok)
     tau = young_daly_interval_s(costs.checkpoint_stall_s, unwarned)
     per_s = 1.0 / SECONDS_PER_HOUR
     lost = (costs.checkpoint_stall_s / tau + unwarned * per_s * (costs.restart["downtime_s"] + tau / 2)
