@@ -13,9 +13,11 @@ The search has two steps, so that thousands of offered GPUs plan in seconds:
    model to all available, every pair of those, and greedy fills by several orders (tokens per
    dollar, speed, price; spot allowed or not), each up to the budget or, for a deadline, to the
    least that meets it. A few thousand candidates, microseconds each.
-2. **Plan.** The best few by the objective (``PLAN_TOP``; one for a rental past ``LARGE_RENTAL_GPUS``)
-   are planned with the full planner on their cluster (``cluster_from_rental``); the objective is
-   scored again on the planned throughput and the best feasible one wins.
+2. **Plan.** The best few by the objective (``PLAN_TOP``, and the best rental of a single offer) are
+   planned on their cluster (``cluster_from_rental``): the offers' reference plans repeated over the
+   rented nodes (``solver.rental_plan``, a fraction of a second at any size) and, for rentals of at
+   most ``LARGE_RENTAL_GPUS``, the full planner; the faster plan counts. The objective is scored
+   again on the planned throughput and the best feasible rental wins.
 
 Objectives: ``throughput`` (most expected goodput, within ``budget_per_hour`` when given),
 ``cost`` (most expected tokens per dollar), ``deadline`` (the least dollars per token among
@@ -24,11 +26,12 @@ rentals whose expected goodput finishes ``tokens`` within ``deadline_h`` hours).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hetrain.cost.spot import (PreemptionLoss, RecoveryCosts, checkpoint_mb_per_gpu, load_recovery_costs,
                                preemption_loss)
@@ -38,11 +41,12 @@ from hetrain.spec.offers import Market, OfferSpec, OffersSpec, Rental, cluster_f
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 from solver.common import PlanResult
 from solver.planner import make_plan
+from solver.rental_plan import replicated_plan
 
 OBJECTIVES = ("throughput", "cost", "deadline")
 PLAN_TOP = 3  # rentals planned in full: the estimate ranks close rentals within its error of each other
 MAX_PLANNED = 8  # planned before giving up when the planned throughput misses a deadline or a budget
-LARGE_RENTAL_GPUS = 1024  # past this the full planner takes seconds a rental: only the best one is planned
+LARGE_RENTAL_GPUS = 256  # past this the full planner takes tens of seconds a rental (solver.symmetry.SLICE_ABOVE_GPUS)
 REFERENCE_PLANNER = "megatron"  # one GPU type: its grid is the exact search there, and fast
 SECONDS_PER_HOUR = 3600.0
 
@@ -78,13 +82,23 @@ class Objective:
 
 @dataclass(frozen=True)
 class Reference:
-    """One offer's node shape planned alone on ``nodes`` nodes: its pipelines' shape and speed."""
+    """One offer's node shape planned alone on ``nodes`` nodes: its pipelines' shape and speed, and the plan."""
 
     nodes: int
     gpus_per_pipeline: int
     stages: int
     micro_batch_size: int
     microbatch_s: float  # one micro-batch through the slowest stage, bubble and sync shared out
+    result: PlanResult = field(compare=False, repr=False)
+    cluster: ClusterSpec = field(compare=False, repr=False)
+
+    @property
+    def plan(self):
+        return self.result.plan
+
+    @property
+    def estimate(self):
+        return self.result.estimate
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,8 @@ def reference(offers: OffersSpec, offer: OfferSpec, model: ModelSpec, settings: 
             stages = max(len(x.stages) for x in p.pipelines)
             m = max(x.num_microbatches for x in p.pipelines)
             gpp = sum(len(s.devices) for s in p.pipelines[0].stages)
-            return Reference(nodes, gpp, stages, p.micro_batch_size, r.estimate.iteration_time_s / (m + stages - 1))
+            return Reference(nodes, gpp, stages, p.micro_batch_size, r.estimate.iteration_time_s / (m + stages - 1),
+                             r, cluster)
         if nodes >= offer.nodes_available:
             return None
         nodes = min(2 * nodes, offer.nodes_available)
@@ -290,7 +305,7 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
                   profile: Profile | None = None, planner: str = "hetrain", time_limit_s: float = 10.0,
                   markets: tuple[Market, ...] = ("spot", "on_demand"), costs: RecoveryCosts | None = None,
                   progress: Callable[[str], None] | None = None) -> RentalChoice:
-    """The rental that best meets ``objective``, planned by ``planner``; HetrainError if none meets it."""
+    """The rental that best meets ``objective``, planned; HetrainError if none meets it."""
     t0 = time.perf_counter()
     costs = costs or load_recovery_costs()
     pools = _pools(offers, model, settings, profile, markets, progress)
@@ -299,30 +314,73 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
     if not ranked:
         raise HetrainError(why_none(offers, list(found.values()), objective))
     t1 = time.perf_counter()
-    top = 1 if ranked[0].gpus > LARGE_RENTAL_GPUS else PLAN_TOP
     # the best rental of one offer too: one GPU type, where the planner's plan is what the estimate assumes
     single = next((c for c in ranked if len({r.offer for r in c.rentals}) == 1), None)
-    queue = ranked[:top] + ([single] if single is not None and single not in ranked[:top] else []) + ranked[top:]
+    queue = ranked[:PLAN_TOP] + ([single] if single is not None and single not in ranked[:PLAN_TOP] else [])
+    planner_of = _Planner(offers, {p.offer.name: p.ref for p in pools}, model, settings, profile, planner, time_limit_s)
     planned: list[Candidate] = []
-    for c in queue[:MAX_PLANNED]:
-        if len(planned) >= top + (single is not None) and any(objective.feasible(p) for p in planned):
+    for c in queue + [c for c in ranked[PLAN_TOP:] if c is not single][:MAX_PLANNED - len(queue)]:
+        if len(planned) >= len(queue) and any(objective.feasible(p) for p in planned):
             break
         if progress:
             progress(f"planning rental {len(planned) + 1} ({c.gpus} GPUs)")
-        planned.append(plan_candidate(offers, c, model, settings, profile, planner, time_limit_s))
+        with contextlib.suppress(NoPlanError):
+            planned.append(planner_of(c))
     feasible = [c for c in planned if objective.feasible(c)]
     if not feasible:
-        raise HetrainError(why_none(offers, planned, objective, "planned "))
+        raise HetrainError(why_none(offers, planned or ranked, objective, "planned " if planned else ""))
     best = max(feasible, key=objective.score)
     return RentalChoice(best, costs, len(found), planned, t1 - t0, time.perf_counter() - t1)
 
 
-def plan_candidate(offers: OffersSpec, c: Candidate, model: ModelSpec, settings: TrainingSettings,
-                   profile: Profile | None, planner: str, time_limit_s: float) -> Candidate:
-    """The candidate planned in full on its cluster: its throughput from the plan, not the estimate."""
-    cluster = cluster_from_rental(offers, c.rentals)
-    result = make_plan(planner, cluster, model, settings, profile, time_limit_s=time_limit_s)
-    return replace(c, tokens_per_s=result.estimate.tokens_per_s, planned=result, cluster=cluster)
+@dataclass
+class _Planner:
+    """Plans a candidate rental: the offers' references repeated (``solver.rental_plan``) and, on a rental of at
+    most ``LARGE_RENTAL_GPUS``, the full planner; the faster plan counts."""
+
+    offers: OffersSpec
+    refs: dict[str, Reference]
+    model: ModelSpec
+    settings: TrainingSettings
+    profile: Profile | None
+    planner: str
+    time_limit_s: float
+
+    def __call__(self, c: Candidate) -> Candidate:
+        cluster = cluster_from_rental(self.offers, c.rentals)
+        results = []
+        with contextlib.suppress(NoPlanError):
+            results.append(replicated_plan(c.rentals, cluster, self.aligned(c.rentals), self.model, self.settings,
+                                           self.profile))
+        if c.gpus <= LARGE_RENTAL_GPUS:
+            try:
+                results.append(make_plan(self.planner, cluster, self.model, self.settings, self.profile,
+                                         time_limit_s=self.time_limit_s))
+            except NoPlanError:
+                if not results:
+                    raise
+        if not results:
+            raise NoPlanError(f"no plan for the rental of {c.gpus} GPUs")
+        result = max(results, key=lambda r: r.estimate.tokens_per_s)
+        return replace(c, tokens_per_s=result.estimate.tokens_per_s, planned=result, cluster=cluster)
+
+    def aligned(self, rentals: tuple[Rental, ...]) -> dict[str, Reference]:
+        """The rental's offers' references at one TP degree and micro-batch size: its largest offer's."""
+        largest = max(rentals, key=lambda r: r.nodes * self.offers.offer(r.offer).gpus_per_node)
+        main = self.refs[largest.offer].plan
+        at = self.settings.model_copy(update={"tp_degrees": [main.tp], "micro_batch_sizes": [main.micro_batch_size]})
+        out = {}
+        for offer in {r.offer for r in rentals}:
+            ref = self.refs[offer]
+            if (ref.plan.tp, ref.plan.micro_batch_size) != (main.tp, main.micro_batch_size):
+                key = f"{offer}@tp{main.tp}mb{main.micro_batch_size}"
+                if key not in self.refs:
+                    self.refs[key] = reference(self.offers, self.offers.offer(offer), self.model, at, self.profile)
+                ref = self.refs[key]
+                if ref is None:
+                    raise NoPlanError(f"offer {offer} holds no pipeline at tp {main.tp}")
+            out[offer] = ref
+        return out
 
 
 def why_none(offers: OffersSpec, seen: list[Candidate], objective: Objective, what: str = "") -> str:
