@@ -14,10 +14,11 @@ The search has two steps, so that thousands of offered GPUs plan in seconds:
    dollar, speed, price; spot allowed or not), each up to the budget or, for a deadline, to the
    least that meets it. A few thousand candidates, microseconds each.
 2. **Plan.** The best few by the objective (``PLAN_TOP``, and the best rental of a single offer) are
-   planned on their cluster (``cluster_from_rental``): the offers' reference plans repeated over the
-   rented nodes (``solver.rental_plan``, a fraction of a second at any size) and, for rentals of at
-   most ``LARGE_RENTAL_GPUS``, the full planner; the faster plan counts. The objective is scored
-   again on the planned throughput and the best feasible rental wins.
+   planned on their cluster (``cluster_from_rental``) as the offers' reference plans repeated over the
+   rented nodes (``solver.rental_plan``, a fraction of a second at any size); the objective is scored
+   again on the planned throughput and the best feasible rental wins. Rentals of at most
+   ``FULL_PLAN_MAX_GPUS`` are planned by the full planner too (pipelines across GPU types), the
+   faster plan kept; a larger one's cluster file can be planned so with ``hetrain plan --cluster``.
 
 Objectives: ``throughput`` (most expected goodput, within ``budget_per_hour`` when given),
 ``cost`` (most expected tokens per dollar), ``deadline`` (the least dollars per token among
@@ -46,7 +47,12 @@ from solver.rental_plan import replicated_plan
 OBJECTIVES = ("throughput", "cost", "deadline")
 PLAN_TOP = 3  # rentals planned in full: the estimate ranks close rentals within its error of each other
 MAX_PLANNED = 8  # planned before giving up when the planned throughput misses a deadline or a budget
-LARGE_RENTAL_GPUS = 256  # past this the full planner takes tens of seconds a rental (solver.symmetry.SLICE_ABOVE_GPUS)
+# Rentals up to this size are planned by the full planner too: past it, that takes from ten seconds (128 GPUs of
+# gpt-30b, one type) to minutes (10,240 GPUs of 8 types) a rental on the development machine.
+FULL_PLAN_MAX_GPUS = 64
+# the deadline's fills are cut to the least that meets it by estimate and to a little more: the plan's
+# throughput differs from the estimate by a few per cent either way
+DEADLINE_MARGINS = (1.0, 1.05, 1.15)
 REFERENCE_PLANNER = "megatron"  # one GPU type: its grid is the exact search there, and fast
 SECONDS_PER_HOUR = 3600.0
 
@@ -89,6 +95,7 @@ class Reference:
     stages: int
     micro_batch_size: int
     microbatch_s: float  # one micro-batch through the slowest stage, bubble and sync shared out
+    pipelines: int
     result: PlanResult = field(compare=False, repr=False)
     cluster: ClusterSpec = field(compare=False, repr=False)
 
@@ -163,7 +170,7 @@ def reference(offers: OffersSpec, offer: OfferSpec, model: ModelSpec, settings: 
             m = max(x.num_microbatches for x in p.pipelines)
             gpp = sum(len(s.devices) for s in p.pipelines[0].stages)
             return Reference(nodes, gpp, stages, p.micro_batch_size, r.estimate.iteration_time_s / (m + stages - 1),
-                             r, cluster)
+                             len(p.pipelines), r, cluster)
         if nodes >= offer.nodes_available:
             return None
         nodes = min(2 * nodes, offer.nodes_available)
@@ -179,7 +186,7 @@ def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, setti
     for pool, n in zip(pools, counts):
         if n <= 0:
             continue
-        d = n * pool.offer.gpus_per_node // pool.ref.gpus_per_pipeline
+        d = n // pool.ref.nodes * pool.ref.pipelines  # whole copies of the reference plan, as solver.rental_plan
         b = pool.ref.micro_batch_size
         slope += d * b / pool.ref.microbatch_s
         G_extra += d * b * (pool.ref.stages - 1)
@@ -297,7 +304,9 @@ def estimate_all(pools: list[Pool], model: ModelSpec, settings: TrainingSettings
         c = evaluate(counts)
         if objective.kind == "deadline" and c is not None and objective.feasible(c):
             last = max(i for i, n in enumerate(counts) if n > 0)
-            evaluate(_least_meeting(pools, counts, last, objective, evaluate))
+            for margin in DEADLINE_MARGINS:  # the least that meets it by estimate, and a little more
+                evaluate(_least_meeting(pools, counts, last, replace(objective, tokens=objective.tokens * margin),
+                                        evaluate))
     return {k: v for k, v in seen.items() if v is not None}
 
 
@@ -335,8 +344,7 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
 
 @dataclass
 class _Planner:
-    """Plans a candidate rental: the offers' references repeated (``solver.rental_plan``) and, on a rental of at
-    most ``LARGE_RENTAL_GPUS``, the full planner; the faster plan counts."""
+    """Plans candidate rentals: the offers' references repeated (``solver.rental_plan``), or the full planner."""
 
     offers: OffersSpec
     refs: dict[str, Reference]
@@ -347,12 +355,14 @@ class _Planner:
     time_limit_s: float
 
     def __call__(self, c: Candidate) -> Candidate:
+        """The offers' references repeated over the rental and, up to ``FULL_PLAN_MAX_GPUS``, the full planner's
+        plan: the faster."""
         cluster = cluster_from_rental(self.offers, c.rentals)
         results = []
         with contextlib.suppress(NoPlanError):
             results.append(replicated_plan(c.rentals, cluster, self.aligned(c.rentals), self.model, self.settings,
                                            self.profile))
-        if c.gpus <= LARGE_RENTAL_GPUS:
+        if c.gpus <= FULL_PLAN_MAX_GPUS:
             try:
                 results.append(make_plan(self.planner, cluster, self.model, self.settings, self.profile,
                                          time_limit_s=self.time_limit_s))

@@ -10,7 +10,7 @@ another are planned again at the rental's (that of its largest offer).
 
 This is what the full planner's space holds too (one-class pipelines, repeated); it is not a
 search over the rental's cross-type pipelines, which the full planner runs where a rental is
-small enough for it to finish in seconds (``solver.offers.LARGE_RENTAL_GPUS``). The plan's claim
+small enough for it to finish in seconds (``solver.offers.FULL_PLAN_MAX_GPUS``). The plan's claim
 says which it is.
 """
 
