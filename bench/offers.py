@@ -98,7 +98,7 @@ def scale() -> list[dict]:
     for label, objective in (("cost", Objective("cost")),
                              ("throughput, budget 1/4 of all on demand",
                               Objective("throughput", budget_per_hour=round(all_on_demand / 4))),
-                             ("deadline 1e12 tokens in 168 h", Objective("deadline", tokens=1e12, deadline_h=168)),
+                             ("deadline 5e11 tokens in 168 h", Objective("deadline", tokens=5e11, deadline_h=168)),
                              ("throughput, no budget", Objective("throughput"))):
         t0 = time.perf_counter()
         choice = choose_rental(offers, model, settings, objective)
