@@ -429,3 +429,37 @@ def why_none(offers: OffersSpec, seen: list[Candidate], objective: Objective, wh
     return (f"offers '{offers.name}': no {what}rental finishes {objective.tokens:,.0f} tokens in "
             f"{objective.deadline_h:g} h; the fastest{' within the budget' if objective.budget_per_hour else ''} "
             f"({fastest.gpus} GPUs, {fastest.goodput:,.0f} tokens/s expected) takes {hours:,.1f} h")
+
+
+def rental_rows(offers, best) -> list[dict]:
+    rows = []
+    for r in best.rentals:
+        o = offers.offer(r.offer)
+        price = o.price_per_gpu_hour(r.market)
+        rows.append({"offer": r.offer, "zone": o.zone, "gpu": o.gpu, "market": r.market, "nodes": r.nodes,
+                     "gpus": r.nodes * o.gpus_per_node, "price_per_gpu_hour": price,
+                     "dollars_per_hour": price * r.nodes * o.gpus_per_node,
+                     "preemptions_per_node_hour": (o.preemptions_per_hour or 0.0) if r.market == "spot" else 0.0,
+                     "notice_s": o.notice_s if r.market == "spot" else None})
+    return rows
+
+
+def economics(choice, objective) -> dict:
+    """The rental's expected goodput and cost, its checkpoint interval and where the recovery costs come from."""
+    best = choice.best
+    loss = best.loss
+    report = {
+        "objective": objective.kind, "tokens_per_s": best.tokens_per_s, "expected_goodput_tokens_per_s": best.goodput,
+        "lost_fraction": loss.lost_fraction, "checkpoint_interval_s": loss.checkpoint_interval_s,
+        "preemptions_per_hour": loss.unwarned_per_hour + loss.warned_per_hour,
+        "dollars_per_hour": best.price_per_hour,
+        "dollars_per_million_tokens": best.price_per_hour / (best.goodput * 3600) * 1e6 if best.goodput else None,
+        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart["downtime_s"],
+        "switch_downtime_s": loss.costs.switch["downtime_s"], "recovery_costs_from": choice.costs.source,
+        "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
+        "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
+    if objective.kind == "deadline":
+        hours = objective.tokens / best.goodput / 3600
+        report |= {"tokens": objective.tokens, "deadline_h": objective.deadline_h, "expected_finish_h": hours,
+                   "expected_cost_dollars": hours * best.price_per_hour}
+    return report

@@ -281,3 +281,26 @@ def test_plan_with_offers_writes_a_plan_and_its_rented_cluster(tmp_path):
                   "tokens expected in", "(deadline 2 h)"):
         assert words in text, words
     assert load_cluster(tmp_path / "d.yaml").nodes
+
+
+# ---------------------------------------------------------------- the Prefect flow (its task's function, no server)
+
+
+def test_the_plan_flow_chooses_writes_and_validates_its_parameters(tmp_path):
+    from flows.plan import choose_gpus
+    from flows.plan import plan as plan_flow
+
+    path = write(tmp_path, GOOD)
+    objective = {"kind": "cost", "budget_per_hour": None, "tokens": None, "deadline_h": None}
+    result = choose_gpus.fn(str(path), str(MODEL), SETTINGS.model_dump(), objective, "hetrain", True,
+                            str(tmp_path / "plan.json"), str(tmp_path / "cluster.yaml"))
+    assert [r["market"] for r in result["rental"]] == ["on_demand"]  # on_demand_only
+    cluster = load_cluster(tmp_path / "cluster.yaml")
+    validate_plan(load_plan(tmp_path / "plan.json"), cluster)
+    assert result["economics"]["objective"] == "cost" and not any(n.spot for n in cluster.nodes)
+    ok = plan_flow.validate_parameters({"objective": "deadline", "tokens": 1e9, "deadline_h": 24.0})
+    assert ok["objective"] == "deadline"
+    with pytest.raises(Exception, match="objective"):
+        plan_flow.validate_parameters({"objective": "fastest"})
+    with pytest.raises(Exception, match="budget_per_hour"):
+        plan_flow.validate_parameters({"budget_per_hour": -1})

@@ -9,8 +9,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from hetrain.cli.common import err, out
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_file, write_text_atomic
@@ -61,8 +59,8 @@ def plan_offers(request: OffersRequest, model_path: Path, settings, profile, pla
                 plan_out: Path | None, as_json: bool) -> None:
     """Choose the rental, print it with its plan and economics, write the plan and the rented cluster file."""
     from hetrain.spec.hf import load_any_model
-    from hetrain.spec.offers import load_offers
-    from solver.offers import Objective, choose_rental
+    from hetrain.spec.offers import cluster_yaml, load_offers
+    from solver.offers import Objective, choose_rental, economics, rental_rows
 
     objective = Objective(request.objective, request.budget_per_hour, request.tokens, request.deadline_h)
     offers, model = load_offers(request.offers), load_any_model(model_path)
@@ -82,7 +80,9 @@ def plan_offers(request: OffersRequest, model_path: Path, settings, profile, pla
     plan = best.planned.plan.model_copy(update={"cluster": cluster.name})
     if plan_out is not None:
         plan.write(plan_out)
-    write_text_atomic(cluster_out, rental_yaml(cluster, offers.name, request), "--cluster-out")
+    header = (f"Rented from offers '{offers.name}' ({request.offers}) by `hetrain plan --objective "
+              f"{request.objective}`.")
+    write_text_atomic(cluster_out, cluster_yaml(cluster, header), "--cluster-out")
     report = economics(choice, objective)
     if as_json:
         print(json.dumps({"rental": rental_rows(offers, best), "economics": report,
@@ -94,51 +94,11 @@ def plan_offers(request: OffersRequest, model_path: Path, settings, profile, pla
             err.print(f"{what} written to {path}", highlight=False)
 
 
-def rental_yaml(cluster, offers_name: str, request: OffersRequest) -> str:
-    """The rented cluster as a cluster file, with a comment saying where it came from."""
-    body = yaml.safe_dump(cluster.model_dump(mode="json", exclude_defaults=True, exclude_none=True), sort_keys=False)
-    return (f"# Rented from offers '{offers_name}' ({request.offers}) by `hetrain plan --objective "
-            f"{request.objective}`.\n{body}")
-
-
-def rental_rows(offers, best) -> list[dict]:
-    rows = []
-    for r in best.rentals:
-        o = offers.offer(r.offer)
-        price = o.price_per_gpu_hour(r.market)
-        rows.append({"offer": r.offer, "zone": o.zone, "gpu": o.gpu, "market": r.market, "nodes": r.nodes,
-                     "gpus": r.nodes * o.gpus_per_node, "price_per_gpu_hour": price,
-                     "dollars_per_hour": price * r.nodes * o.gpus_per_node,
-                     "preemptions_per_node_hour": (o.preemptions_per_hour or 0.0) if r.market == "spot" else 0.0,
-                     "notice_s": o.notice_s if r.market == "spot" else None})
-    return rows
-
-
-def economics(choice, objective) -> dict:
-    """The rental's expected goodput and cost, its checkpoint interval and where the recovery costs come from."""
-    best = choice.best
-    loss = best.loss
-    report = {
-        "objective": objective.kind, "tokens_per_s": best.tokens_per_s, "expected_goodput_tokens_per_s": best.goodput,
-        "lost_fraction": loss.lost_fraction, "checkpoint_interval_s": loss.checkpoint_interval_s,
-        "preemptions_per_hour": loss.unwarned_per_hour + loss.warned_per_hour,
-        "dollars_per_hour": best.price_per_hour,
-        "dollars_per_million_tokens": best.price_per_hour / (best.goodput * 3600) * 1e6 if best.goodput else None,
-        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart["downtime_s"],
-        "switch_downtime_s": loss.costs.switch["downtime_s"], "recovery_costs_from": choice.costs.source,
-        "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
-        "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
-    if objective.kind == "deadline":
-        hours = objective.tokens / best.goodput / 3600
-        report |= {"tokens": objective.tokens, "deadline_h": objective.deadline_h, "expected_finish_h": hours,
-                   "expected_cost_dollars": hours * best.price_per_hour}
-    return report
-
-
 def print_choice(offers, choice, report: dict, plan, model_name: str) -> None:
     from rich.table import Table
 
     from hetrain.cli.plan import _compact_table, plan_table, summary_line
+    from solver.offers import rental_rows
 
     best = choice.best
     table: Table

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from hetrain.errors import HetrainError
@@ -229,3 +230,9 @@ def rental_of_cluster(cluster: ClusterSpec) -> list[Rental]:
         market: Market = "spot" if tag == "spot" else "on_demand"
         counts[(offer, market)] = counts.get((offer, market), 0) + 1
     return [Rental(o, m, n) for (o, m), n in counts.items()]
+
+
+def cluster_yaml(cluster: ClusterSpec, header: str) -> str:
+    """A cluster as the text of a cluster file, ``header`` as a comment on its first line."""
+    body = yaml.safe_dump(cluster.model_dump(mode="json", exclude_defaults=True, exclude_none=True), sort_keys=False)
+    return f"# {header}\n{body}"
