@@ -199,34 +199,47 @@ def _gbps_per_gpu(offers: OffersSpec, offer: OfferSpec) -> float:
 
 def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, settings: TrainingSettings,
              costs: RecoveryCosts) -> Candidate | None:
-    """A rental's throughput (the fluid 1F1B estimate), price and expected preemption loss; None if no pipeline."""
-    G = settings.global_batch_size
-    slope = G_extra = post_s = 0.0
-    price, replicas, sync = 0.0, 0, []
-    rates, nodes, gpus = [], 0, 0
+    """A rental's throughput (the fluid 1F1B estimate), price and expected preemption loss; None if no pipeline.
+
+    Each offer's copies of its reference plan run either side by side (replicas, which all-reduce their
+    gradients) or end to end (one pipeline as deep as all copies, a bigger bubble and 1/copies of the
+    gradients each): the faster of the two counts, since the planners choose the depth too.
+    """
+    wide, deep, post_s, price, rates, gpus = [], [], 0.0, 0.0, [], 0
     for pool, n in zip(pools, counts):
         if n <= 0:
             continue
-        d = n // pool.ref.nodes * pool.ref.pipelines  # whole copies of the reference plan, as solver.rental_plan
-        b = pool.ref.micro_batch_size
-        slope += d * b / pool.ref.microbatch_s
-        G_extra += d * b * (pool.ref.stages - 1)
+        ref, copies = pool.ref, n // pool.ref.nodes  # whole copies of the reference plan, as solver.rental_plan
+        sync_s = ref.sync_bytes_per_gpu / (ref.sync_gbps_per_gpu * 1e9)
+        if copies:
+            wide.append((copies * ref.pipelines, ref.micro_batch_size, ref.stages, ref.microbatch_s, sync_s))
+            depth = min(ref.stages * copies, model.num_layers)
+            deep.append((ref.pipelines, ref.micro_batch_size, depth, ref.microbatch_s * ref.stages / depth,
+                         sync_s * ref.stages / depth))
+        post_s = max(post_s, ref.post_s)
         price += n * pool.node_price_per_hour
-        replicas += d
-        post_s = max(post_s, pool.ref.post_s)
-        sync.append(pool.ref.sync_bytes_per_gpu / (pool.ref.sync_gbps_per_gpu * 1e9))
         rates += [(pool.preemptions_per_hour, pool.offer.notice_s)] * (n if pool.market == "spot" else 0)
-        nodes += n
         gpus += n * pool.offer.gpus_per_node
-    if slope <= 0:
+    if not wide:
         return None
-    # a ring all-reduce over the replicas moves 2 (D - 1) / D of each GPU's gradients; the slowest offer's sets the pace
-    sync_s = 2 * (replicas - 1) / replicas * max(sync) if replicas > 1 else 0.0
-    tokens_per_s = G * model.seq_length / ((G + G_extra) / slope + post_s + sync_s)
-    upper = G * model.seq_length / ((G + G_extra) / slope + post_s)
+    G = settings.global_batch_size
+    (wide_s, upper_s), (deep_s, _) = (_iteration_s(g, G, post_s) for g in (wide, deep))
     loss = preemption_loss(rates, costs.scaled(checkpoint_mb_per_gpu(model, gpus)))
     rentals = tuple(Rental(p.offer.name, p.market, n) for p, n in zip(pools, counts) if n > 0)
-    return Candidate(rentals, tokens_per_s, price, loss, gpus, upper)
+    tokens = G * model.seq_length
+    return Candidate(rentals, tokens / min(wide_s, deep_s), price, loss, gpus, tokens / min(upper_s, deep_s))
+
+
+def _iteration_s(groups: list[tuple], G: int, post_s: float) -> tuple[float, float]:
+    """Iteration time of pipeline groups (count, micro-batch size, stages, s per micro-batch, all-reduce s per
+    GPU), with and without the all-reduce: T = (G + sum d b (S - 1)) / sum d b / t, + the step, + the sync."""
+    slope = sum(d * b / t for d, b, _, t, _ in groups)
+    extra = sum(d * b * (S - 1) for d, b, S, _, _ in groups)
+    replicas = sum(d for d, *_ in groups)
+    # a ring all-reduce over the replicas moves 2 (D - 1) / D of each GPU's gradients; the slowest offer's sets the pace
+    sync_s = 2 * (replicas - 1) / replicas * max(g[4] for g in groups) if replicas > 1 else 0.0
+    base = (G + extra) / slope + post_s
+    return base + sync_s, base
 
 
 def _grid(pool: Pool) -> list[int]:
@@ -346,8 +359,9 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
     costs = costs or load_recovery_costs()
     pools = _pools(offers, model, settings, profile, markets, progress)
     found = estimate_all(pools, model, settings, objective, costs)
-    ranked = sorted((c for c in found.values() if objective.feasible(c, optimistic=True)), key=objective.score,
-                    reverse=True)
+    # feasible by the estimate first, then those only its upper bound may make feasible, each best first
+    ranked = sorted((c for c in found.values() if objective.feasible(c, optimistic=True)),
+                    key=lambda c: (objective.feasible(c), objective.score(c)), reverse=True)
     if not ranked:
         raise HetrainError(why_none(offers, list(found.values()), objective))
     t1 = time.perf_counter()
