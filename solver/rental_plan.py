@@ -21,7 +21,7 @@ import time
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
-from hetrain.plan.schema import PipelinePlan, Plan
+from hetrain.plan.schema import PipelinePlan
 from hetrain.profiling.profile import Profile
 from hetrain.spec.offers import Rental, node_names
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings

@@ -97,7 +97,7 @@ def plan_offers(request: OffersRequest, model_path: Path, settings, profile, pla
 def print_choice(offers, choice, report: dict, plan, model_name: str) -> None:
     from rich.table import Table
 
-    from hetrain.cli.plan import _compact_table, plan_table, summary_line
+    from hetrain.cli.tables import _compact_table, plan_table, summary_line
     from solver.offers import rental_rows
 
     best = choice.best
