@@ -12,7 +12,7 @@ from rich.text import Text
 
 from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, labelled, out, user_errors
 from hetrain.errors import HetrainError
-X
+from hetrain.cli.tables import _compact_table, plan_table, summary_line
 from hetrain.files import check_output_file, write_text_atomic
 
 
