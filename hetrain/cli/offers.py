@@ -29,9 +29,15 @@ class OffersRequest:
     on_demand_only: bool
 
 
-def offers_request(offers: Path | None, objective: str, budget_per_hour: float | None, tokens: float | None,
-                   deadline_h: float | None, cluster_out: Path | None, on_demand_only: bool) -> OffersRequest | None:
-    """The request when ``--offers`` is given; HetrainError for an option of ``--offers`` given without it."""
+def offers_request(cluster: Path | None, compare: bool, offers: Path | None, objective: str,
+                   budget_per_hour: float | None, tokens: float | None, deadline_h: float | None,
+                   cluster_out: Path | None, on_demand_only: bool) -> OffersRequest | None:
+    """The request when ``--offers`` is given; HetrainError for an option of ``--offers`` given without it, for
+    both --cluster and --offers or neither, and for --compare with --offers."""
+    if (offers is None) == (cluster is None):
+        raise HetrainError("give --cluster (your machines) or --offers (the GPUs you could rent), one of them")
+    if offers is not None and compare:
+        raise HetrainError("--compare plans one cluster three ways: not with --offers")
     given = {"--objective": objective != "throughput", "--budget-per-hour": budget_per_hour is not None,
              "--tokens": tokens is not None, "--deadline": deadline_h is not None,
              "--cluster-out": cluster_out is not None, "--on-demand-only": on_demand_only}

@@ -100,11 +100,8 @@ def plan(
     """Find the fastest plan for a model on a mixed cluster, or choose the GPUs to rent from offers and plan them."""
     from hetrain.cli.offers import offers_request, plan_offers
 
-    if (offers is None) == (cluster is None):
-        raise HetrainError("give --cluster (your machines) or --offers (the GPUs you could rent), one of them")
-    request = offers_request(offers, objective, budget_per_hour, tokens, deadline, cluster_out, on_demand_only)
-    if request is not None and compare:
-        raise HetrainError("--compare plans one cluster three ways: not with --offers")
+    request = offers_request(cluster, compare, offers, objective, budget_per_hour, tokens, deadline, cluster_out,
+                             on_demand_only)
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
     from hetrain.spec.hf import load_any_model as load_model
