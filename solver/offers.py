@@ -13,12 +13,14 @@ The search has two steps, so that thousands of offered GPUs plan in seconds:
    model to all available, every pair of those, and greedy fills by several orders (tokens per
    dollar, speed, price; spot allowed or not), each up to the budget or, for a deadline, to the
    least that meets it. A few thousand candidates, microseconds each.
-2. **Plan.** The best few by the objective (``PLAN_TOP``, and the best rental of a single offer) are
+2. **Plan.** The best few by the objective (``PLAN_TOP`` by the estimate, by its upper bound and on
+   demand only, and the best rental of a single offer) are
    planned on their cluster (``cluster_from_rental``) as the offers' reference plans repeated over the
    rented nodes (``solver.rental_plan``, a fraction of a second at any size); the objective is scored
-   again on the planned throughput and the best feasible rental wins. Rentals of at most
-   ``FULL_PLAN_MAX_GPUS`` are planned by the full planner too (pipelines across GPU types), the
-   faster plan kept; a larger one's cluster file can be planned so with ``hetrain plan --cluster``.
+   again on the planned throughput. Rentals of at most ``FULL_PLAN_MAX_GPUS`` whose upper bound
+   could beat the best plan so far are planned by the full planner too (pipelines across GPU types,
+   deeper pipelines), the faster plan kept; the best feasible rental wins. A larger rental's cluster
+   file can be planned so with ``hetrain plan --cluster``.
 
 Objectives: ``throughput`` (most expected goodput, within ``budget_per_hour`` when given),
 ``cost`` (most expected tokens per dollar), ``deadline`` (the least dollars per token among
@@ -88,11 +90,13 @@ class Objective:
         goodput = c.loss.goodput(c.upper_tokens_per_s) * (1 + ESTIMATE_SLACK) if optimistic else c.goodput
         return within and c.goodput > 0 and goodput >= self.floor_tokens_per_s
 
-    def score(self, c: Candidate) -> tuple[float, float]:
-        """Higher is better: goodput then cheapness (throughput), tokens per dollar then goodput (cost, deadline)."""
+    def score(self, c: Candidate, optimistic: bool = False) -> tuple[float, float]:
+        """Higher is better: goodput then cheapness (throughput), tokens per dollar then goodput (cost, deadline);
+        ``optimistic``: by the estimate's upper bound plus ``ESTIMATE_SLACK``, what no plan of the rental passes."""
+        goodput = c.loss.goodput(c.upper_tokens_per_s) * (1 + ESTIMATE_SLACK) if optimistic else c.goodput
         if self.kind == "throughput":
-            return (c.goodput, -c.price_per_hour)
-        return (c.tokens_per_dollar, c.goodput)
+            return (goodput, -c.price_per_hour)
+        return (goodput * SECONDS_PER_HOUR / c.price_per_hour if c.price_per_hour > 0 else math.inf, goodput)
 
 
 @dataclass(frozen=True)
@@ -369,8 +373,10 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
     # on demand (so that spot is chosen over on-demand by the plans, not by the estimate alone)
     single = [c for c in ranked if len({r.offer for r in c.rentals}) == 1][:1]
     on_demand = [c for c in ranked if all(r.market == "on_demand" for r in c.rentals)][:PLAN_TOP]
+    # and the best by the estimate's upper bound (deeper pipelines may hide the gradient all-reduce)
+    upper = sorted(ranked, key=lambda c: objective.score(c, optimistic=True), reverse=True)[:PLAN_TOP]
     queue = []
-    for c in ranked[:PLAN_TOP] + single + on_demand:
+    for c in ranked[:PLAN_TOP] + single + on_demand + upper:
         if c not in queue:
             queue.append(c)
     planner_of = _Planner(offers, {p.offer.name: p.ref for p in pools}, model, settings, profile, planner, time_limit_s)
@@ -382,11 +388,30 @@ def choose_rental(offers: OffersSpec, model: ModelSpec, settings: TrainingSettin
             progress(f"planning rental {len(planned) + 1} ({c.gpus} GPUs)")
         with contextlib.suppress(NoPlanError):
             planned.append(planner_of(c))
+    planned = _full_where_it_may_win(planned, objective, planner_of, progress)
     feasible = [c for c in planned if objective.feasible(c)]
     if not feasible:
         raise HetrainError(why_none(offers, planned or ranked, objective, "planned " if planned else ""))
     best = max(feasible, key=objective.score)
     return RentalChoice(best, costs, len(found), planned, t1 - t0, time.perf_counter() - t1)
+
+
+def _full_where_it_may_win(planned: list[Candidate], objective: Objective, planner_of: _Planner,
+                           progress: Callable[[str], None] | None) -> list[Candidate]:
+    """The planned rentals, those of at most ``FULL_PLAN_MAX_GPUS`` planned by the full planner too where their
+    upper bound could beat the best plan so far (the others cannot win: no use planning them again)."""
+    out = list(planned)
+    for i in sorted(range(len(out)), key=lambda i: objective.score(out[i], optimistic=True), reverse=True):
+        c = out[i]
+        best = max((objective.score(p) for p in out if objective.feasible(p)), default=None)
+        if c.gpus > FULL_PLAN_MAX_GPUS or not objective.feasible(c, optimistic=True):
+            continue
+        if best is not None and objective.score(c, optimistic=True) < best:
+            continue
+        if progress:
+            progress(f"planning a rental of {c.gpus} GPUs with {planner_of.planner}")
+        out[i] = planner_of.full(c)
+    return out
 
 
 @dataclass
@@ -402,24 +427,28 @@ class _Planner:
     time_limit_s: float
 
     def __call__(self, c: Candidate) -> Candidate:
-        """The offers' references repeated over the rental and, up to ``FULL_PLAN_MAX_GPUS``, the full planner's
-        plan: the faster."""
+        """The offers' references repeated over the rental; the full planner where that finds none."""
         cluster = cluster_from_rental(self.offers, c.rentals)
-        results = []
-        with contextlib.suppress(NoPlanError):
-            results.append(replicated_plan(c.rentals, cluster, self.aligned(c.rentals), self.model, self.settings,
-                                           self.profile))
-        if c.gpus <= FULL_PLAN_MAX_GPUS:
-            try:
-                results.append(make_plan(self.planner, cluster, self.model, self.settings, self.profile,
-                                         time_limit_s=self.time_limit_s))
-            except NoPlanError:
-                if not results:
-                    raise
-        if not results:
-            raise NoPlanError(f"no plan for the rental of {c.gpus} GPUs")
-        result = max(results, key=lambda r: r.estimate.tokens_per_s)
+        try:
+            result = replicated_plan(c.rentals, cluster, self.aligned(c.rentals), self.model, self.settings,
+                                     self.profile)
+        except NoPlanError:
+            if c.gpus > FULL_PLAN_MAX_GPUS:
+                raise
+            result = make_plan(self.planner, cluster, self.model, self.settings, self.profile,
+                               time_limit_s=self.time_limit_s)
         return replace(c, tokens_per_s=result.estimate.tokens_per_s, planned=result, cluster=cluster)
+
+    def full(self, c: Candidate) -> Candidate:
+        """The rental planned by the full planner too, the faster plan kept."""
+        try:
+            result = make_plan(self.planner, c.cluster, self.model, self.settings, self.profile,
+                               time_limit_s=self.time_limit_s)
+        except NoPlanError:
+            return c
+        if result.estimate.tokens_per_s <= c.tokens_per_s:
+            return c
+        return replace(c, tokens_per_s=result.estimate.tokens_per_s, planned=result)
 
     def aligned(self, rentals: tuple[Rental, ...]) -> dict[str, Reference]:
         """The rental's offers' references at one TP degree and micro-batch size: its largest offer's."""
