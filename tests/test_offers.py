@@ -304,3 +304,29 @@ def test_the_plan_flow_chooses_writes_and_validates_its_parameters(tmp_path):
         plan_flow.validate_parameters({"objective": "fastest"})
     with pytest.raises(Exception, match="budget_per_hour"):
         plan_flow.validate_parameters({"budget_per_hour": -1})
+
+
+# ---------------------------------------------------------------- large rentals: references repeated
+
+
+def test_micro_batches_are_shared_so_pipelines_end_together():
+    from solver.rental_plan import share_microbatches
+
+    assert share_microbatches([1.0, 1.0], [1, 1], 10) == [5, 5]
+    assert share_microbatches([1.0, 2.0], [1, 1], 9) == [6, 3]  # T = 9 / (1 + 1/2) = 6: 6 x 1 s and 3 x 2 s
+    # (m + S - 1) t equal: T = (8 + 0 + 2) / (1 + 1) = 5 -> 5 and 3 micro-batches
+    assert share_microbatches([1.0, 1.0], [1, 3], 8) == [5, 3]
+    assert share_microbatches([1.0, 10.0], [1, 4], 3) == [3, 0]  # the slow deep pipeline would not get one
+
+
+def test_a_large_rental_is_planned_as_its_offers_references_repeated():
+    spec = offers(flaky={"nodes_available": 300, "preemptions_per_hour": 0.0, "zone": "z2"},
+                  steady={"nodes_available": 200})
+    model = load_model(MODEL)
+    settings = TrainingSettings(global_batch_size=1024, precision="fp32")
+    choice = choose_rental(spec, model, settings, Objective("throughput"), costs=costs())
+    best = choice.best
+    assert best.gpus > 256 and best.planned.plan.solver.planner == "hetrain-offers"
+    validate_plan(best.planned.plan, best.cluster)
+    assert sum(p.num_microbatches for p in best.planned.plan.pipelines) * best.planned.plan.micro_batch_size == 1024
+    assert "repeated" in best.planned.plan.solver.model_extra["claim"]
