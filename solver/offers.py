@@ -36,8 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from hetrain.cost.spot import (PreemptionLoss, RecoveryCosts, checkpoint_mb_per_gpu, load_recovery_costs,
-                               preemption_loss)
+from hetrain.cost.spot import PreemptionLoss, RecoveryCosts, load_recovery_costs, preemption_loss
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.profiling.profile import Profile
 from hetrain.spec.offers import Market, OfferSpec, OffersSpec, Rental, cluster_from_rental
@@ -164,7 +163,7 @@ class RentalChoice:
     """What ``choose_rental`` returns: the winner, planned, and what the search looked at."""
 
     best: Candidate
-    costs: RecoveryCosts  # unscaled, with their source
+    costs: RecoveryCosts  # with their source
     estimated: int  # candidates estimated
     planned: list[Candidate]
     search_s: float
@@ -228,7 +227,7 @@ def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, setti
         return None
     G = settings.global_batch_size
     (wide_s, upper_s), (deep_s, _) = (_iteration_s(g, G, post_s) for g in (wide, deep))
-    loss = preemption_loss(rates, costs.scaled(checkpoint_mb_per_gpu(model, gpus)))
+    loss = preemption_loss(rates, costs)
     rentals = tuple(Rental(p.offer.name, p.market, n) for p, n in zip(pools, counts) if n > 0)
     tokens = G * model.seq_length
     return Candidate(rentals, tokens / min(wide_s, deep_s), price, loss, gpus, tokens / min(upper_s, deep_s))
@@ -507,8 +506,8 @@ def economics(choice, objective) -> dict:
         "preemptions_per_hour": loss.unwarned_per_hour + loss.warned_per_hour,
         "dollars_per_hour": best.price_per_hour,
         "dollars_per_million_tokens": best.price_per_hour / (best.goodput * 3600) * 1e6 if best.goodput else None,
-        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart["downtime_s"],
-        "switch_downtime_s": loss.costs.switch["downtime_s"], "recovery_costs_from": choice.costs.source,
+        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_downtime_s,
+        "switch_downtime_s": loss.costs.switch_downtime_s, "recovery_costs_from": choice.costs.source,
         "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
         "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
     if objective.kind == "deadline":

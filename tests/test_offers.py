@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from conftest import EXAMPLES
 from hetrain.cli import app
-from hetrain.cost.spot import (RecoveryCosts, checkpoint_mb_per_gpu, cluster_preemption_loss, load_recovery_costs,
-                               preemption_loss, young_daly_interval_s)
+from hetrain.cost.spot import (RecoveryCosts, cluster_preemption_loss, load_recovery_costs, preemption_loss,
+                               young_daly_interval_s)
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_offers, rental_of_cluster
@@ -30,11 +30,8 @@ STALL_S, RESTART_S = 36.0, 360.0
 
 
 def costs() -> RecoveryCosts:
-    """Costs measured on exactly gpt-small's checkpoint per GPU (so nothing is scaled): a 36 s stall, 360 s restart."""
-    mb = checkpoint_mb_per_gpu(load_model(MODEL), 1)
-    parts = {"emergency_checkpoint_s": 0.0, "fetch_s": 0.0, "load_s": 0.0}
-    return RecoveryCosts(STALL_S, {**parts, "downtime_s": RESTART_S}, {**parts, "downtime_s": RESTART_S}, mb, 1,
-                         "test figures")
+    """Test figures: a 36 s stall per checkpoint, 360 s per restart; a notice of 10 s allows a 60 s switch."""
+    return RecoveryCosts(STALL_S, RESTART_S, 60.0, 10.0, "test figures")
 
 
 def offers(**changes) -> OffersSpec:
@@ -171,25 +168,23 @@ def test_young_daly_interval_and_lost_fraction_by_hand():
     assert loss.lost_fraction == pytest.approx(36 / tau + (360 + tau / 2) / 3600)
     assert loss.lost_fraction == pytest.approx(lost_by_hand(1.0))
     # a notice long enough for the emergency checkpoint: nothing redone, the switch's downtime only
-    switch = RecoveryCosts(36.0, {"downtime_s": 360.0, "emergency_checkpoint_s": 10.0, "fetch_s": 0, "load_s": 0},
-                           {"downtime_s": 60.0, "emergency_checkpoint_s": 10.0, "fetch_s": 0, "load_s": 0}, 1, 1, "t")
-    warned = preemption_loss([(1.0, 120.0)], switch)
+    warned = preemption_loss([(1.0, 120.0)], costs())
     assert warned.lost_fraction == pytest.approx(36 / 3600 + 60 / 3600) and warned.warned_per_hour == 1.0
+    short = preemption_loss([(1.0, 5.0)], costs())  # too short a notice: a restart, as without one
+    assert short.lost_fraction == pytest.approx(lost_by_hand(1.0)) and short.unwarned_per_hour == 1.0
 
 
-def test_costs_scale_with_the_checkpoint_and_come_from_the_bench(tmp_path):
+def test_costs_come_from_the_bench_results_or_its_published_tables(tmp_path):
     c = load_recovery_costs(tmp_path)  # no JSON there: the published tables, named
     assert "docs/benchmarks/recovery.md" in c.source
-    double = c.scaled(2 * c.measured_checkpoint_mb / c.measured_ranks)
-    assert double.checkpoint_stall_s == pytest.approx(2 * c.checkpoint_stall_s)
-    moving = sum(c.restart[k] for k in ("emergency_checkpoint_s", "fetch_s", "load_s"))
-    assert double.restart["downtime_s"] == pytest.approx(c.restart["downtime_s"] + moving)
+    assert (c.checkpoint_stall_s, c.restart_downtime_s, c.switch_downtime_s) == (0.172, 11.94, 9.47)
     (tmp_path / "checkpoint_cost.json").write_text(json.dumps([{"mode": "background", "stall_s": 0.5}]))
+    (tmp_path / "recovery.json").write_text(json.dumps([{"mode": "peers first", "total_s": 30.0}]))
     (tmp_path / "recovery_notice.json").write_text(json.dumps([
-        {"mode": m, "downtime_s": d, "emergency_checkpoint_s": 1.0, "fetch_s": 2.0, "load_s": 1.0}
-        for m, d in (("peers-first restart", 30.0), ("notice-window switch", 8.0))]))
+        {"mode": "notice-window switch", "downtime_s": 8.0, "emergency_checkpoint_s": 1.0}]))
     measured = load_recovery_costs(tmp_path)
-    assert (measured.checkpoint_stall_s, measured.restart["downtime_s"], measured.switch["downtime_s"]) == (0.5, 30, 8)
+    assert (measured.checkpoint_stall_s, measured.restart_downtime_s, measured.switch_downtime_s,
+            measured.emergency_checkpoint_s) == (0.5, 30.0, 8.0, 1.0)
     assert str(tmp_path / "checkpoint_cost.json") in measured.source and "recovery.md" not in measured.source
 
 
@@ -224,7 +219,7 @@ def test_throughput_objective_takes_the_slower_steady_gpu_when_the_fast_one_is_f
     choice = choose_rental(spec, model, SETTINGS, Objective("throughput", budget_per_hour=1.5), costs=costs())
     assert [r.offer for r in choice.best.rentals] == [max(goodput, key=goodput.get)]
     assert [r.offer for r in choice.best.rentals] == ["flaky" if rate == 0.01 else "steady"]
-    loss = cluster_preemption_loss(choice.best.cluster, model, costs())  # the rented cluster file says the same
+    loss = cluster_preemption_loss(choice.best.cluster, costs())  # the rented cluster file says the same
     assert loss.lost_fraction == pytest.approx(choice.best.loss.lost_fraction)
 
 
