@@ -325,3 +325,19 @@ def test_a_large_rental_is_planned_as_its_offers_references_repeated():
     validate_plan(best.planned.plan, best.cluster)
     assert sum(p.num_microbatches for p in best.planned.plan.pipelines) * best.planned.plan.micro_batch_size == 1024
     assert "repeated" in best.planned.plan.solver.model_extra["claim"]
+
+
+def test_on_an_example_offer_set_each_objective_wins_its_own_measure():
+    """The issue's check on examples/offers/aws-us-east-1.yaml (bench/offers.py runs all three sets): the throughput
+    objective's rental has the most expected goodput, the cost objective's the fewest dollars per token."""
+    spec = load_offers(EXAMPLES / "offers" / "aws-us-east-1.yaml")
+    model, settings = load_model(EXAMPLES / "models" / "gpt-6.7b.yaml"), TrainingSettings(global_batch_size=512)
+    runs = {name: choose_rental(spec, model, settings, objective, markets=markets).best
+            for name, objective, markets in (
+                ("throughput", Objective("throughput"), ("spot", "on_demand")),
+                ("cost", Objective("cost"), ("spot", "on_demand")),
+                ("throughput on demand", Objective("throughput"), ("on_demand",)),
+                ("cost on demand", Objective("cost"), ("on_demand",)))}
+    assert runs["throughput"].goodput >= max(c.goodput for c in runs.values())
+    assert runs["cost"].tokens_per_dollar >= max(c.tokens_per_dollar for c in runs.values())
+    assert any(r.market == "spot" for r in runs["cost"].rentals)  # spot's discount outweighs its preemptions here
