@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from hetrain.cost.costmodel import CostModel
 from hetrain.cost.spot import PreemptionLoss, RecoveryCosts, load_recovery_costs, preemption_loss
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.profiling.profile import Profile
@@ -47,7 +48,7 @@ from solver.planner import make_plan
 from solver.rental_plan import replicated_plan
 
 OBJECTIVES = ("throughput", "cost", "deadline")
-PLAN_TOP = 3  # rentals planned in full: the estimate ranks close rentals within its error of each other
+PLAN_TOP = 3  # rentals planned per ranking: the estimate ranks close rentals within its error of each other
 MAX_PLANNED = 8  # planned before giving up when the planned throughput misses a deadline or a budget
 # Rentals up to this size are planned by the full planner too: past it, that takes from ten seconds (128 GPUs of
 # gpt-30b, one type) to minutes (10,240 GPUs of 8 types) a rental on the development machine.
@@ -61,7 +62,6 @@ DEADLINE_MARGINS = (0.8, 1.0, 1.05, 1.15)
 ESTIMATE_SLACK = 0.15
 REFERENCE_PLANNER = "megatron"  # one GPU type: its grid is the exact search there, and fast
 SECONDS_PER_HOUR = 3600.0
-GRAD_WIRE_BYTES = {"fp32": 4, "bf16": 2}  # per gradient element in the all-reduce (CostModel.grad_wire_bytes)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def reference(offers: OffersSpec, offer: OfferSpec, model: ModelSpec, settings: 
             gpp = sum(len(s.devices) for s in p.pipelines[0].stages)
             return Reference(nodes, gpp, stages, p.micro_batch_size, r.estimate.pipeline_s / (m + stages - 1),
                              len(p.pipelines), r.estimate.iteration_time_s - r.estimate.pipeline_s,
-                             total_params(model) / gpp * GRAD_WIRE_BYTES[settings.grad_reduce],
+                             total_params(model) / gpp * CostModel(cluster, model, settings).grad_wire_bytes,
                              _gbps_per_gpu(offers, offer), r, cluster)
         if nodes >= offer.nodes_available:
             return None
