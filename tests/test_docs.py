@@ -40,7 +40,8 @@ README_TASK_PAGES = ["docs/how-to/plan.md", "docs/how-to/train.md", "docs/how-to
                      "docs/how-to/schedule.md", "docs/how-to/checkpoints.md", "docs/how-to/export.md",
                      "docs/how-to/troubleshooting.md", "docs/getting-started/install.md"]
 # Each file format's page and the pydantic model at its top (the token and metrics files have none: see below).
-SCHEMA_MODELS = {"cluster": "hetrain.spec.specs:ClusterSpec", "model": "hetrain.spec.specs:ModelSpec",
+SCHEMA_MODELS = {"cluster": "hetrain.spec.specs:ClusterSpec", "offers": "hetrain.spec.offers:OffersSpec",
+                 "model": "hetrain.spec.specs:ModelSpec",
                  "plan": "hetrain.plan.schema:Plan", "profile": "hetrain.profiling.profile:Profile"}
 
 

@@ -148,7 +148,9 @@ CASES = [
      "no config.json (not a run directory)"),
     ("export int8", ["export", "--run", "{dir}", "--out", "{root}/exported", "--dtype", "int8"],
      "--dtype: expected one of fp32, bf16, fp16, got 'int8'"),
-    ("missing option", ["plan", "--model", MODEL], "Missing option '--cluster'"),
+    ("missing option", ["plan", "--model", MODEL], "Missing option '--global-batch-size'"),
+    ("neither cluster nor offers", ["plan", "--model", MODEL, "--global-batch-size", "16"],
+     "give --cluster (your machines) or --offers"),
     ("unknown command", ["trian"], "No such command 'trian'"),
     ("bad run id", ["train", "--plan", "{plan}", "--run-id", "../x"], "--run-id '../x': expected letters"),
     # outputs that cannot be written: refused before the work, nothing created

@@ -48,6 +48,11 @@ SCHEMA_PAGES = (
                "A YAML file naming the cluster's nodes, their GPUs and links; `--cluster` of `plan`, `estimate`, "
                "`train`, `recover`, `switch`, `profile`. Read by `hetrain.spec.specs.load_cluster`. Built-in GPU "
                "types are in `hetrain/spec/catalog.py`; `gpu_types` adds your own ([GPU type](#gputype))."),
+    SchemaPage("reference/offers.md", "Offers file", None, "hetrain.spec.offers:OffersSpec",
+               "A YAML file listing the GPUs you could rent: per offer a node shape, a zone, how many nodes, "
+               "prices on demand and on the spot market, the spot market's preemption rate and notice; zones "
+               "joined by their bandwidth. `--offers` of `plan` ([Spot economics](../how-to/spot-economics.md)). "
+               "Read by `hetrain.spec.offers.load_offers`. Examples are in `examples/offers/`."),
     SchemaPage("reference/model.md", "Model file", None, "hetrain.spec.specs:ModelSpec",
                "A YAML file describing a decoder-only transformer; `--model` of `plan`, `profile`, `train`. "
                "Read by `hetrain.spec.specs.load_model`. Examples are in `examples/models/`."),

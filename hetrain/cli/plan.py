@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.table import Table
 from rich.text import Text
 
 from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, labelled, out, user_errors
 from hetrain.errors import HetrainError
+from hetrain.cli.tables import _compact_table, plan_table, summary_line
 from hetrain.files import check_output_file, write_text_atomic
 
 
@@ -45,51 +45,6 @@ _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_siz
                     "tp_degrees": "--tp", "activation_recompute": "--recompute"}
 
 
-NARROW_TABLE_COLUMNS = 100  # in a terminal narrower than this, headers take two lines so that cells fit whole
-
-
-def _compact_table(title: str, headers: list[tuple[str, str]]) -> tuple[Table, list[str]]:
-    """A table with a rule under the header only and one space between columns; the headers' wide
-    or two-line names (``(wide, narrow)``) by the terminal's width. A boxed, padded table of ten
-    columns cut every cell at 80 columns."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
-    narrow = out.width < NARROW_TABLE_COLUMNS
-    return table, [n if narrow else w for w, n in headers]
-
-
-# a pipeline's schedule beside its micro-batches, short enough for 80 columns (1F1B, the default, says nothing)
-SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb"}
-
-
-def plan_table(plan, est, title: str) -> Table:
-    """One row a stage; numbers never wrap, and long names of GPUs and devices wrap instead of being cut."""
-    table, names = _compact_table(title, [
-        ("pipeline", "pipe-\nline"), ("stage", "stage"), ("gpu", "gpu"), ("devices", "devices"), ("blocks", "blocks"),
-        ("recompute", "recompute"), ("micro-batches", "micro\nbatches"), ("in flight", "in\nflight"),
-        ("stage ms", "stage\nms"), ("memory GB", "memory\nGB")])
-    for i, col in enumerate(names):
-        table.add_column(col, justify="left" if i in (2, 3, 5) else "right", no_wrap=i not in (2, 3, 4, 5),
-                         overflow="fold")
-    from hetrain.cost.report import plan_rows
-
-    rows = plan_rows(plan, est)
-    for i, r in enumerate(rows):
-        first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
-        table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
-                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"],
-                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}"))
-                      if first else "",
-                      str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""),
-                      f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f}/{r['capacity GB']:.0f}", end_section=last)
-    return table
-
-
-def _compact_devices(devices: list[str]) -> str:
-    node = devices[0].split("/")[0]
-    idx = [d.split("/")[1] for d in devices]
-    return f"{node}/{idx[0]}" if len(idx) == 1 else f"{node}/{{{','.join(idx)}}}"
-
-
 def capacity_line(cost, plan, est) -> str:
     """Where the plan spends the cluster's compute capacity (the useful-work bound's unit), largest first."""
     from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
@@ -107,23 +62,12 @@ def claim_line(plan) -> str:
     return f"optimality: {claim}" if claim else ""
 
 
-def summary_line(plan, est) -> str:
-    s = plan.solver
-    gap = f", gap {s.gap:.2g}" if s and s.gap is not None else ""
-    solver = f"; {s.planner} planner {s.status}{gap}, {s.wall_s:.2f} s" if s else ""
-    return (
-        f"tp={plan.tp} micro-batch={plan.micro_batch_size} pipelines={len(plan.pipelines)}: "
-        f"iteration {est.iteration_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
-        f"tightest memory headroom {est.min_headroom_gb:.1f} GB{solver}"
-    )
-
-
 @user_errors
 def plan(
-    cluster: Annotated[Path, typer.Option(help="cluster YAML file")],
     model: Annotated[Path, typer.Option(help="model YAML file, or a model directory (a transformers Llama, "
                                              "an export) to plan for its --init-from")],
     global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
+    cluster: Annotated[Path | None, typer.Option(help="cluster YAML file (or --offers)")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
@@ -137,8 +81,27 @@ def plan(
     compare: Annotated[bool, typer.Option(help="also plan with megatron and whale and print one table")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan (or comparison) as JSON")] = False,
     time_limit: Annotated[float, typer.Option(min=0.1, max=MAX_TIME_LIMIT_S, help="seconds per MILP solve")] = 10.0,
+    offers: Annotated[Path | None, typer.Option(help="offers YAML file: choose the GPUs to rent, then plan "
+                                                     "over them (instead of --cluster)")] = None,
+    objective: Annotated[str, typer.Option(help="with --offers: throughput (most expected tokens/s, within "
+                                                "--budget-per-hour), cost (most tokens per dollar) or deadline "
+                                                "(cheapest to train --tokens within --deadline hours)")] = "throughput",
+    budget_per_hour: Annotated[float | None, typer.Option(min=0.0, max=1e9, help="with --offers: dollars per "
+                                                                                "hour at most")] = None,
+    tokens: Annotated[float | None, typer.Option(min=1.0, max=1e18, help="with --objective deadline: tokens "
+                                                                        "to train")] = None,
+    deadline: Annotated[float | None, typer.Option(min=1e-3, max=1e6, help="with --objective deadline: "
+                                                                          "hours")] = None,
+    cluster_out: Annotated[Path | None, typer.Option(help="with --offers: write the rented cluster file here "
+                                                          "(default: beside --out, else ./rental-cluster.yaml)")] = None,
+    on_demand_only: Annotated[bool, typer.Option("--on-demand-only", help="with --offers: rent no spot "
+                                                                          "GPUs")] = False,
 ):
-    """Find the fastest plan for a model on a mixed cluster."""
+    """Find the fastest plan for a model on a mixed cluster, or choose the GPUs to rent from offers and plan them."""
+    from hetrain.cli.offers import offers_request, plan_offers
+
+    request = offers_request(cluster, compare, offers, objective, budget_per_hour, tokens, deadline, cluster_out,
+                             on_demand_only)
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
     from hetrain.spec.hf import load_any_model as load_model
@@ -147,9 +110,11 @@ def plan(
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    cl, md = load_cluster(cluster), load_model(model)
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
     prof = load_profile(profile) if profile else None
+    if request is not None:
+        return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json)
+    cl, md = load_cluster(cluster), load_model(model)
     if out_file:
         check_output_file(out_file, "--out", {"--cluster": cluster, "--model": model, "--profile": profile})
 
