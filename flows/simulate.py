@@ -56,7 +56,7 @@ def plan_cluster(cluster: str, model: str, global_batch_size: int, planner: str,
 def run_simulation(clusters: list[str], plans: list[str], options: SimulateOptions, planner: str,
                    time_limit_s: float, out_dir: str) -> tuple[dict, str | None]:
     """Simulate every cluster and plan under every strategy; the report and the picture's path (None: none)."""
-    from hetrain.recovery.costs import load_recovery_costs
+    from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import load_candidates, simulate, write_outputs
 
     if options.market:

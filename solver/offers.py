@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from hetrain.cost.costmodel import CostModel
-from hetrain.cost.spot import PreemptionLoss, RecoveryCosts, load_recovery_costs, preemption_loss
+from hetrain.cost.recovery_costs import RecoveryCosts, load_recovery_costs
+from hetrain.cost.spot import PreemptionLoss, preemption_loss
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.profiling.profile import Profile
 from hetrain.spec.offers import Market, OfferSpec, OffersSpec, Rental, cluster_from_rental
@@ -506,7 +507,7 @@ def economics(choice, objective) -> dict:
         "preemptions_per_hour": loss.unwarned_per_hour + loss.warned_per_hour,
         "dollars_per_hour": best.price_per_hour,
         "dollars_per_million_tokens": best.price_per_hour / (best.goodput * 3600) * 1e6 if best.goodput else None,
-        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_downtime_s,
+        "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_peers_s,
         "switch_downtime_s": loss.costs.switch_downtime_s, "recovery_costs_from": choice.costs.source,
         "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
         "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from conftest import EXAMPLES
 from hetrain.cli import app
-from hetrain.cost.spot import (RecoveryCosts, cluster_preemption_loss, load_recovery_costs, preemption_loss,
-                               young_daly_interval_s)
+from hetrain.cost.recovery_costs import RecoveryCosts, load_recovery_costs, young_daly_interval_s
+from hetrain.cost.spot import cluster_preemption_loss, preemption_loss
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_offers, rental_of_cluster
@@ -31,7 +31,10 @@ STALL_S, RESTART_S = 36.0, 360.0
 
 def costs() -> RecoveryCosts:
     """Test figures: a 36 s stall per checkpoint, 360 s per restart; a notice of 10 s allows a 60 s switch."""
-    return RecoveryCosts(STALL_S, RESTART_S, 60.0, 10.0, "test figures")
+    return RecoveryCosts(switch_downtime_s=60.0, live_switch_downtime_s=None, switch_warm_start_s=30.0,
+                         restart_notice_peers_s=RESTART_S, restart_notice_bucket_s=RESTART_S, restart_peers_s=RESTART_S,
+                         restart_bucket_s=RESTART_S, checkpoint_stall_s=STALL_S, emergency_checkpoint_s=10.0,
+                         source="test figures")
 
 
 def offers(**changes) -> OffersSpec:
@@ -161,7 +164,7 @@ def test_todays_cluster_files_load_unchanged():
 
 def test_young_daly_interval_and_lost_fraction_by_hand():
     assert young_daly_interval_s(STALL_S, 1.0) == pytest.approx(math.sqrt(2 * 36 * 3600))
-    assert young_daly_interval_s(STALL_S, 0.0) == 3600.0
+    assert young_daly_interval_s(STALL_S, 0.0) is None  # never interrupted: the caller's default (an hour here)
     loss = preemption_loss([(0.5, 0.0), (0.5, 0.0)], costs())
     tau = math.sqrt(2 * 36 * 3600)  # one preemption an hour in all
     assert loss.checkpoint_interval_s == pytest.approx(tau)
@@ -174,18 +177,12 @@ def test_young_daly_interval_and_lost_fraction_by_hand():
     assert short.lost_fraction == pytest.approx(lost_by_hand(1.0)) and short.unwarned_per_hour == 1.0
 
 
-def test_costs_come_from_the_bench_results_or_its_published_tables(tmp_path):
-    c = load_recovery_costs(tmp_path)  # no JSON there: the published tables, named
-    assert "docs/benchmarks/recovery.md" in c.source
-    assert (c.checkpoint_stall_s, c.restart_downtime_s, c.switch_downtime_s) == (0.172, 11.94, 9.47)
-    (tmp_path / "checkpoint_cost.json").write_text(json.dumps([{"mode": "background", "stall_s": 0.5}]))
-    (tmp_path / "recovery.json").write_text(json.dumps([{"mode": "peers first", "total_s": 30.0}]))
-    (tmp_path / "recovery_notice.json").write_text(json.dumps([
-        {"mode": "notice-window switch", "downtime_s": 8.0, "emergency_checkpoint_s": 1.0}]))
-    measured = load_recovery_costs(tmp_path)
-    assert (measured.checkpoint_stall_s, measured.restart_downtime_s, measured.switch_downtime_s,
-            measured.emergency_checkpoint_s) == (0.5, 30.0, 8.0, 1.0)
-    assert str(tmp_path / "checkpoint_cost.json") in measured.source and "recovery.md" not in measured.source
+def test_the_objectives_price_with_the_committed_measurements():
+    """The spot objectives and ``hetrain simulate`` read the same measured figures (one loader)."""
+    measured = load_recovery_costs()
+    assert "bench/measured" in measured.source
+    loss = preemption_loss([(1.0, 0.0)], measured)
+    assert loss.costs == measured and 0 < loss.lost_fraction < 1
 
 
 # ---------------------------------------------------------------- the objectives
@@ -266,7 +263,7 @@ def test_plan_with_offers_writes_a_plan_and_its_rented_cluster(tmp_path):
     assert econ["dollars_per_hour"] == pytest.approx(sum(n.count * n.price_per_gpu_hour for n in cluster.nodes))
     assert econ["dollars_per_million_tokens"] == pytest.approx(
         econ["dollars_per_hour"] / econ["expected_goodput_tokens_per_s"] / 3600 * 1e6)
-    assert "docs/benchmarks/recovery.md" in econ["recovery_costs_from"] or "bench/results" in econ["recovery_costs_from"]
+    assert econ["recovery_costs_from"].endswith("bench/measured")  # the committed measurements, named
     shown = CliRunner().invoke(app, ["plan", "--offers", str(path), "--model", str(MODEL), "--global-batch-size",
                                      "16", "--precision", "fp32", "--objective", "deadline", "--tokens", "1e6",
                                      "--deadline", "2", "--cluster-out", str(tmp_path / "d.yaml")])

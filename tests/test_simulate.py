@@ -17,11 +17,10 @@ import yaml
 from typer.testing import CliRunner
 
 from hetrain.cli import app
+from hetrain.cost.recovery_costs import COMMITTED_DIR, RecoveryCosts, load_recovery_costs, young_daly_interval_s
 from hetrain.errors import HetrainError
-from hetrain.recovery.costs import COMMITTED_DIR, RecoveryCosts, load_recovery_costs
 from hetrain.recovery.market import MarketEvent, generate_market, read_market_csv, write_market_csv
-from hetrain.recovery.simulate import (BUCKET_RESTART, HETRAIN, ON_DEMAND, Candidate, SimulateOptions, simulate,
-                                       young_interval_s)
+from hetrain.recovery.simulate import BUCKET_RESTART, HETRAIN, ON_DEMAND, Candidate, SimulateOptions, simulate
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 from solver.planner import make_plan
 
@@ -39,7 +38,8 @@ SETTINGS = TrainingSettings(global_batch_size=8, precision="fp32", micro_batch_s
 # Round numbers to compute the cases by hand with (the command reads measured ones)
 COSTS = RecoveryCosts(switch_downtime_s=5.0, live_switch_downtime_s=None, switch_warm_start_s=30.0,
                       restart_notice_peers_s=12.0, restart_notice_bucket_s=20.0, restart_peers_s=15.0,
-                      restart_bucket_s=25.0, checkpoint_stall_s=1.0, source="the test's round numbers")
+                      restart_bucket_s=25.0, checkpoint_stall_s=1.0, emergency_checkpoint_s=2.0,
+                      source="the test's round numbers")
 HORIZON_S = 1000.0
 EVERY_S = 100.0
 
@@ -139,8 +139,9 @@ def test_a_run_stops_paying_once_it_has_its_tokens(two, tmp_path):
 
 
 def test_youngs_interval_and_no_interval_without_preemptions():
-    assert young_interval_s(2.0, 1.0) == pytest.approx(math.sqrt(2 * 2.0 * 3600))
-    assert young_interval_s(2.0, 0.0) is None
+    assert young_daly_interval_s(2.0, 1.0) == pytest.approx(math.sqrt(2 * 2.0 * 3600))
+    assert young_daly_interval_s(2.0, 0.0) is None
+    assert young_daly_interval_s(2.0, 0.001) == 3600.0  # at most an hour apart
 
 
 # ---------------------------------------------------------------- the market CSV

@@ -99,7 +99,7 @@ def simulate(
 ):
     """Replay a spot market through plans: hetrain's recovery against restarts from the bucket and on demand."""
     from hetrain.files import check_output_dir
-    from hetrain.recovery.costs import load_recovery_costs
+    from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import STRATEGIES, load_candidates, write_outputs
     from hetrain.recovery.simulate import simulate as run
     from solver.planner import canonical, make_plan

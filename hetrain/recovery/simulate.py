@@ -3,7 +3,7 @@
 A discrete-event replay. The run trains at its plan's predicted rate (the cost model's
 iteration time: ``global_batch_size x seq_length`` tokens per iteration); market events
 (``hetrain.recovery.market``) take nodes away and give them back; each strategy recovers its
-way, every pause priced by the measured costs of ``hetrain.recovery.costs`` (the bench files,
+way, every pause priced by the measured costs of ``hetrain.cost.recovery_costs`` (the bench files,
 named in the output) and every re-plan made by the real planner on the nodes that are left
 (cached by node set: a replay of a day asks it a handful of times).
 
@@ -46,7 +46,7 @@ import numpy as np
 from hetrain.config import DEFAULT_CHECKPOINT_EVERY
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.recovery.costs import RecoveryCosts
+from hetrain.cost.recovery_costs import RecoveryCosts, young_daly_interval_s
 from hetrain.recovery.market import MarketEvent
 from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, MIN_CHECKPOINT_S, SWITCH_NOTICE_S
 from hetrain.recovery.recover import Planner, surviving_cluster
@@ -150,20 +150,13 @@ class PlanCache:
         return self._rates[nodes]
 
 
-def young_interval_s(stall_s: float, preemptions_per_hour: float) -> float | None:
-    """Young's checkpoint interval ``sqrt(2 x stall x MTBF)``; None when nothing is ever preempted."""
-    if preemptions_per_hour <= 0:
-        return None
-    return math.sqrt(2.0 * stall_s * SECONDS_PER_HOUR / preemptions_per_hour)
-
-
 def checkpoint_interval_s(candidate: Candidate, costs: RecoveryCosts, every_s: float | None) -> float:
     """``every_s``, else Young's interval for the cluster's spot rates, else hetrain's default checkpoint
     steps at the plan's iteration time; never shorter than one iteration."""
     iteration_s = candidate.plan.predicted.iteration_time_s if candidate.plan.predicted else 0.0
     if every_s is None:
         rate = sum(n.preemptions_per_hour or 0.0 for n in candidate.cluster.nodes if n.spot)
-        every_s = young_interval_s(costs.checkpoint_stall_s, rate)
+        every_s = young_daly_interval_s(costs.checkpoint_stall_s, rate)
     if every_s is None:
         every_s = DEFAULT_CHECKPOINT_EVERY * iteration_s
     return max(every_s, iteration_s)

@@ -1,7 +1,9 @@
 """What recovering from a preemption costs, as measured by ``bench/recovery.py`` and ``bench/checkpoint_cost.py``.
 
-The simulator (``hetrain.recovery.simulate``) prices every switch, restart and checkpoint with
-these numbers and names the files they came from; none of them is a constant in code. A
+The one owner of these figures: the simulator (``hetrain.recovery.simulate``) prices every
+switch, restart and checkpoint with them, the planner's spot objectives (``hetrain.cost.spot``)
+the expected loss of a rental, and both name the files they came from; none of them is a
+constant in code. Young/Daly's checkpoint interval from them is here too, for both. A
 directory holds the three result files the benches write (``bench/results/`` after a run; the
 repository commits one measured set in ``bench/measured/``):
 
@@ -21,6 +23,7 @@ simulator at their results to price your run.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,10 @@ RESTART_FILE = "recovery.json"
 CHECKPOINT_FILE = "checkpoint_cost.json"
 # The measured set committed with the repository (a checkout or an editable install has it)
 COMMITTED_DIR = Path(__file__).resolve().parents[2] / "bench" / "measured"
+# With rare preemptions the run still checkpoints (crashes, the end of a rental): at most an hour apart,
+# where Young/Daly gives a stall of seconds against an MTBF of days.
+MAX_CHECKPOINT_INTERVAL_S = 3600.0
+SECONDS_PER_HOUR = 3600.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class RecoveryCosts:
     restart_peers_s: float  # no notice: re-plan, fetch peers first, start, load, first step
     restart_bucket_s: float  # no notice, everything from the bucket
     checkpoint_stall_s: float  # training's stall per background checkpoint
+    emergency_checkpoint_s: float  # the switch's emergency checkpoint: what a notice must cover to lose no work
     source: str  # the directory the numbers were read from
 
     def as_dict(self) -> dict:
@@ -101,5 +109,15 @@ def load_recovery_costs(directory: str | Path | None = None) -> RecoveryCosts:
         restart_peers_s=_seconds(restart, "peers first", "total_s", rp),
         restart_bucket_s=_seconds(restart, "bucket only", "total_s", rp),
         checkpoint_stall_s=_seconds(ckpt, "background", "stall_s", cp),
+        emergency_checkpoint_s=_seconds(notice, "notice-window switch", "emergency_checkpoint_s", np_),
         source=str(d),
     )
+
+
+def young_daly_interval_s(stall_s: float, interruptions_per_hour: float) -> float | None:
+    """Young/Daly's checkpoint interval ``sqrt(2 x stall x MTBF)``, at most ``MAX_CHECKPOINT_INTERVAL_S``;
+    None when nothing is ever interrupted (the caller's default interval then)."""
+    if interruptions_per_hour <= 0:
+        return None
+    mtbf_s = SECONDS_PER_HOUR / interruptions_per_hour
+    return min(MAX_CHECKPOINT_INTERVAL_S, math.sqrt(2.0 * stall_s * mtbf_s))
