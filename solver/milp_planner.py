@@ -44,6 +44,10 @@ IMPROVE_DEVICE_SCORES = 6_000
 # 25 % behind do reach the optimum).
 IMPROVE_ALL_STARTS_UP_TO = 8
 IMPROVE_WITHIN = 0.03
+# The sharded space's templates are built for this many replicas of each layer: a plan of D >= 2 pipelines keeps
+# at most what 2 keep (1/D of the moments), so its templates fit every such plan, priced conservatively (the step
+# over 1/2, not 1/D, of the parameters); the exact cost model then prices the plan at its D.
+SHARDED_REPLICAS = 2
 
 
 class Scope(NamedTuple):
@@ -95,6 +99,16 @@ def _scope_label(nodes: set[str]) -> str:
     return ("node " if len(nodes) == 1 else "nodes ") + ",".join(sorted(nodes))
 
 
+def _spaces(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int) -> list[Space]:
+    """The spaces searched at (tp, micro-batch size) that have templates: every stage keeping its optimizer
+    state whole (or offloaded where that pays), and every stage sharding it (``SHARDED_REPLICAS``,
+    ``solver.space.build_space``): plan-wide, so every replica of a layer agrees."""
+    out = [build_space(cluster, cost, tp, micro_batch_size)]
+    if cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
+        out.append(build_space(cluster, cost, tp, micro_batch_size, replicas=SHARDED_REPLICAS))
+    return [space for space in out if space.templates]
+
+
 def plan_milp(
     cluster: ClusterSpec,
     cost: CostModel,
@@ -124,25 +138,9 @@ def plan_milp(
             best = (est.iteration_time_s, plan, extra, est)
         return True
 
-    # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
-    # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
-    # best plan scored so far is never built.
-    pending = []
-    for t, b in tp_and_micro_batch(cluster, cost):
-        classes = group_classes(cluster, cost, t, b)
-        M = cost.settings.global_batch_size // b
-        rate = sum(c.count / c.fastest_block_s for c in classes)
-        pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
-    all_spaces = []
-    for fluid_s, t, b in sorted(pending):
-        if best is not None and fluid_s >= best[0]:
-            continue
-        space = build_space(cluster, cost, t, b)
-        if not space.templates:
-            continue
-        all_spaces.append(space)
-        templates += len(space.templates)
-        M = cost.settings.global_batch_size // space.micro_batch_size
+    def search_space(space: Space, M: int) -> None:
+        """Solve the MILP for every sync scope of one space, scoring its best answers."""
+        nonlocal best_milp_s
         for label, avail, bw, optimistic in _sync_scopes(cluster, space):
             if best is not None and fluid_lower_bound_s(space, avail, M) >= best[0]:
                 continue  # this scope's groups cannot beat the best plan even computing nonstop
@@ -160,6 +158,25 @@ def plan_milp(
             # (the MILP does not know that 1F1B needs a micro-batch per stage; assembly does).
             if not optimistic and any(built):
                 best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
+
+    # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
+    # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
+    # best plan scored so far is never built.
+    pending = []
+    for t, b in tp_and_micro_batch(cluster, cost):
+        classes = group_classes(cluster, cost, t, b)
+        M = cost.settings.global_batch_size // b
+        rate = sum(c.count / c.fastest_block_s for c in classes)
+        pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
+    all_spaces = []
+    for fluid_s, t, b in sorted(pending):
+        if best is not None and fluid_s >= best[0]:
+            continue
+        for space in _spaces(cluster, cost, t, b):
+            all_spaces.append(space)
+            templates += len(space.templates)
+            M = cost.settings.global_batch_size // space.micro_batch_size
+            search_space(space, M)
     # Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
     # inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
     # those whose time without any gradient sync would beat the best plan are worth scoring.
@@ -170,7 +187,7 @@ def plan_milp(
             most = min(tpl.max_copies(space.available), M // len(tpl.classes))  # a micro-batch per stage
             if most < 1:
                 continue
-            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)}:
+            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)} - set(range(tpl.min_pipelines)):
                 no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
                 aligned.append((no_sync_s, copies, tpl))
         for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):

@@ -217,6 +217,7 @@ class CostModel:
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
+        sharded = self.sharded_stages(plan)
         stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
         finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
         for pipe in plan.pipelines:
@@ -227,10 +228,11 @@ class CostModel:
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
                 in_flight, pending = pipe.in_flight(k), pipe.weight_pending(k)
-                key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, n_blocks, k == 0, k == S - 1, in_flight,
-                       pending)
+                replicas = len(plan.pipelines) if id(stage) in sharded else 1
+                key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
+                       in_flight, pending)
                 if key not in stages_seen:
-                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, len(plan.pipelines))
+                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas)
                     first, last = k == 0, k == S - 1
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
                                         u.stage_memory_bytes(n_blocks, first, last, in_flight, pending) / GB,
@@ -337,6 +339,17 @@ class CostModel:
                         if by_name[node].shares_nic:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
+
+    def sharded_stages(self, plan: Plan) -> set[int]:
+        """``id`` of each stage that keeps 1/D of its optimizer state: sharded or offloaded, in a plan of D > 1
+        pipelines, and every other holder of each of its layers (its buckets') too. A stage whose layers
+        some replica keeps whole keeps them whole as well (an offloaded one: all of its state on the host)."""
+        if len(plan.pipelines) == 1:
+            return set()
+        whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
+                 if not all(st.optimizer_state in SHARDS_STATE for st in stages) for st in stages}
+        return {id(st) for p in plan.pipelines for st in p.stages
+                if st.optimizer_state in SHARDS_STATE and id(st) not in whole}
 
     def _sync_buckets(self, plan: Plan) -> list[tuple[tuple[int, ...], list, float]]:
         """The gradient sync's buckets, (key, the stages holding them, one per pipeline; bytes per TP rank),
