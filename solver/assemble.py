@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.cost.costmodel import SHARDS_STATE, CostModel, Estimate
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
@@ -297,11 +297,30 @@ def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> f
 
 
 def choose_schedules(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
-    """The plan with each pipeline on the fastest schedule that fits: torch's 1F1B, eager 1F1B
-    (``eager_in_flight``) or ZB-H1 (``zero_bubble_pipelines``), and its estimate; the whole plan is
-    kept only if the cost model predicts it faster. What a planner calls after assembly."""
+    """The plan with its optimizer state sharded where that is faster (``shard_if_faster``), then each pipeline
+    on the fastest schedule that fits: torch's 1F1B, eager 1F1B (``eager_in_flight``) or ZB-H1
+    (``zero_bubble_pipelines``), and its estimate; the whole plan is kept only if the cost model predicts it
+    faster. What a planner calls after assembly."""
+    plan, est = shard_if_faster(plan, cost, est)
     plan, est = eager_in_flight(plan, cost, est)
     return zero_bubble_pipelines(plan, cost, est)
+
+
+def shard_if_faster(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """The plan with every stage that keeps its optimizer state whole sharding it instead (an offloaded one
+    stays offloaded, its share then 1/D), if it has several pipelines and the cost model predicts that faster.
+
+    Sharding is not only for memory: each replica steps 1/D of its parameters and the reduce-scatter
+    overlaps the drain where the all-reduce did, against the parameters' all-gather after the step
+    (``hetrain.cost.costmodel``), so it can win where everything fits; the memory it frees is then there for
+    the schedules (``eager_in_flight``, ``zero_bubble_pipelines``). Plan-wide: every replica of a layer agrees."""
+    est = est or cost.estimate(plan)
+    if len(plan.pipelines) < 2 or all(st.optimizer_state in SHARDS_STATE for p in plan.pipelines for st in p.stages):
+        return plan, est
+    pipes = [p.model_copy(update={"stages": [st if st.optimizer_state in SHARDS_STATE else
+                                             st.model_copy(update={"optimizer_state": "sharded"}) for st in p.stages]})
+             for p in plan.pipelines]
+    return _if_faster(plan, est, pipes, cost)
 
 
 def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:

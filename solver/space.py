@@ -41,6 +41,10 @@ MANY_CLASSES = 5
 # re-estimates of split_layers_modes' bulk threshold (each re-reads the per-block seconds at the
 # block counts the last one implies): on the benchmark templates two leave ~4 of ~34 blocks to the heap
 BULK_REFINES = 2
+# The sharded space's templates are built for this many replicas of each layer: a plan of D >= 2 pipelines keeps
+# at most what 2 keep (1/D of the moments), so its templates fit every such plan, priced conservatively (the step
+# over 1/2, not 1/D, of the parameters); the exact cost model then prices the plan at its D.
+SHARDED_REPLICAS = 2
 
 
 def classes_per_pipeline(num_classes: int) -> int:
@@ -94,9 +98,10 @@ class GroupClass:
 
 
 def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int,
-                  replicas: int = 1) -> list[GroupClass]:
+                  replicas: int = 1, offload: bool = False) -> list[GroupClass]:
     """The group classes of the cluster at (tp, micro-batch size), each with its modes (``class_modes``);
-    ``replicas`` > 1: a sharded space's, every stage sharding its optimizer state among at least that many."""
+    ``replicas`` > 1: a sharded space's, every stage sharding its optimizer state among at least that many;
+    ``offload``: offloaded modes too."""
     merged: dict[tuple, list[tuple[str, int]]] = {}
     for node in cluster.nodes:
         groups = node.count // tp
@@ -108,15 +113,15 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
         merged.setdefault(key, []).append((node.name, groups))
     classes = []
     for i, ((gpu, bw, *_), members) in enumerate(merged.items()):  # a class's nodes share NICs alike
-        modes, split_s = class_modes(cost, gpu, bw, tp, micro_batch_size, replicas)
+        modes, split_s = class_modes(cost, gpu, bw, tp, micro_batch_size, replicas, offload)
         classes.append(
             GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), modes, split_s)
         )
     return classes
 
 
-def class_modes(cost: CostModel, gpu: str, bw: float, tp: int, micro_batch_size: int,
-                replicas: int) -> tuple[tuple[UnitCosts, ...], tuple[float, ...]]:
+def class_modes(cost: CostModel, gpu: str, bw: float, tp: int, micro_batch_size: int, replicas: int,
+                offload: bool) -> tuple[tuple[UnitCosts, ...], tuple[float, ...]]:
     """A class's modes (``GroupClass.modes``) and the seconds per block its splits rank them by.
 
     Offloading costs a stage its host step once per iteration (``hetrain.cost.stage``), recompute
@@ -126,7 +131,7 @@ def class_modes(cost: CostModel, gpu: str, bw: float, tp: int, micro_batch_size:
     kept = "sharded" if replicas > 1 else "replicated"
     recompute = cost.settings.recompute_modes
     modes = tuple(cost.unit_costs(gpu, bw, tp, micro_batch_size, m, state, replicas)
-                  for state in (kept, "offloaded") for m in recompute)
+                  for state in ((kept, "offloaded") if offload else (kept,)) for m in recompute)
     most_microbatches = max(1, cost.settings.global_batch_size // micro_batch_size // replicas)
     block_params = cost.stage_params(1, False, False, tp)
     extra = [max(u.opt_s_per_param - modes[0].opt_s_per_param, 0.0) * block_params / most_microbatches
@@ -525,6 +530,7 @@ class Space:
     classes: list[GroupClass]
     templates: list[Template]
     replicas: int = 1  # > 1: the sharded space (``build_space``)
+    offload: bool = False  # its stages may offload their optimizer state
 
     @property
     def available(self) -> list[int]:
@@ -539,6 +545,7 @@ def build_space(
     max_classes_per_pipeline: int | None = None,
     depth_slack: int = DEPTH_SLACK,
     replicas: int = 1,
+    offload: bool = False,
 ) -> Space:
     """Enumerate the templates (multisets of classes, canonical order) that fit in memory.
 
@@ -551,9 +558,10 @@ def build_space(
     window would stop a few stages past the shallowest. Dominated templates (another uses no
     more groups of any class and is no slower in bottleneck, fill and post-backward time) are
     dropped: they can never be needed. ``replicas`` > 1: the sharded space, every stage sharding its optimizer
-    state among at least that many pipelines (``group_classes``), its templates for plans of as many.
+    state among at least that many pipelines (``group_classes``), its templates for plans of as many;
+    ``offload``: a stage may offload its optimizer state where its split finds that pays.
     """
-    classes = group_classes(cluster, cost, tp, micro_batch_size, replicas)
+    classes = group_classes(cluster, cost, tp, micro_batch_size, replicas, offload)
     if max_classes_per_pipeline is None:
         max_classes_per_pipeline = classes_per_pipeline(len(classes))
     avail = [c.count for c in classes]
@@ -579,7 +587,7 @@ def build_space(
         return built[members]
 
     templates = [t for t in (get(members) for members in shapes(lambda members: get(members) is not None)) if t is not None]
-    return Space(tp, micro_batch_size, L, classes, _undominated(templates), replicas)
+    return Space(tp, micro_batch_size, L, classes, _undominated(templates), replicas, offload)
 
 
 def _shapes(classes: list[GroupClass], avail: list[int], fits: "_MemoryCheck", max_classes_per_pipeline: int,
@@ -608,6 +616,36 @@ def _shapes(classes: list[GroupClass], avail: list[int], fits: "_MemoryCheck", m
                 if found and shallowest is None:
                     shallowest = depth
     return visit
+
+
+def search_spaces(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int, which: str = "all",
+                  plain: list[Space] | None = None) -> list[Space]:
+    """The spaces searched at (tp, micro-batch size) that have templates (``build_space``).
+
+    ``which`` "whole": the plain space, every stage keeping its optimizer state whole. "less": where memory
+    binds in the plain space (``memory_bound``; ``plain``: it, where the caller built it), two more: a stage's
+    state offloaded where its split finds that pays, and every stage sharding it among at least
+    ``SHARDED_REPLICAS`` pipelines (offloading it where that pays), plan-wide, so every replica of a layer
+    agrees. "all": both. Each space holds one shape per stage multiset, so the plain space is searched beside
+    them: a split that offloads on the promise of many micro-batches per pipeline can be the wrong one for
+    plans of many pipelines."""
+    if plain is None:
+        built = build_space(cluster, cost, tp, micro_batch_size)
+        plain = [built] if built.templates else []
+    out = list(plain) if which != "less" else []
+    if which != "whole" and (not plain or memory_bound(plain[0])):
+        out.append(build_space(cluster, cost, tp, micro_batch_size, offload=True))
+        if cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
+            out.append(build_space(cluster, cost, tp, micro_batch_size, replicas=SHARDED_REPLICAS, offload=True))
+    return [space for space in out if space.templates]
+
+
+def memory_bound(space: Space) -> bool:
+    """Whether memory limits a space whose stages keep their optimizer state whole: none of its templates, one
+    that recomputes, or a class that cannot hold a block even in a middle stage with one micro-batch in flight.
+    Where none does, keeping less state changes no template (each stage already runs its fastest mode)."""
+    return (not space.templates or any(mode != "none" for t in space.templates for mode in t.recompute)
+            or any(c.max_blocks(False, False, 1) < 1 for c in space.classes))
 
 
 class _MemoryCheck:
