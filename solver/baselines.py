@@ -158,9 +158,9 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
             for node, n in zip(c.nodes, c.groups_per_node):
                 groups += [(c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu, c) for g in range(n)]
         groups.sort(key=lambda x: x[0])
-        per_block = np.array([[u.block_s for u in g[4].modes[:len(modes)]] for g in groups])  # (groups, modes)
+        per_block = np.array([[u.block_s for u in g[4].modes] for g in groups])  # (groups, modes)
         # every GPU steps its optimizer after the pipelines (``CostModel.estimate``): its blocks' share at least
-        opt_per_block = np.array([[u.opt_s_per_param * cost.stage_params(1, False, False, t) for u in g[4].modes[:len(modes)]]
+        opt_per_block = np.array([[u.opt_s_per_param * cost.stage_params(1, False, False, t) for u in g[4].modes]
                                   for g in groups])
         for p in range(1, min(L, len(groups)) + 1):
             d = len(groups) // p
