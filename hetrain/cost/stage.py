@@ -37,7 +37,8 @@ Optimizer state (a stage's ``optimizer_state``; D = the replicas of its layers, 
     offloaded: none of it on the GPU, bytes_per_param (1 - z); the step on the host over its share
         P_d / D: the gradients down and the parameters up over PCIe (``PCIE_BANDWIDTH_GBPS``, fp32
         each way) and torch's fused AdamW on the CPU (``CPU_ADAMW_BYTES_PER_S``), one after the
-        other and after backward: nothing overlaps it. With D > 1 an offloaded stage shards too.
+        other and after backward: nothing overlaps it. D > 1 only where every replica of its layers
+        shards or offloads (``CostModel.sharded_stages``); else its whole state, D = 1.
 
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first; eager 1F1B min(in_flight_k, m_p)), counted as the runtime holds it (bf16/fp16
@@ -79,10 +80,10 @@ OPTIMIZER_STATE_SHARE = 0.5
 # many cloud hosts; PCIe 4.0 doubles it), taken for every GPU type: the catalog has no per-type field, and
 # a node's GPUs often share a PCIe switch two by two, which halves PCIe 4.0's share again.
 PCIE_BANDWIDTH_GBPS = 12.0
-# torch's fused AdamW on the host, bytes it moves per second (ADAMW_BYTES_PER_PARAM per parameter): measured on
-# this project's 2-core development machine, one thread, under load (/tmp/adamw_cpu.py in the issue 37 note):
-# 224 M parameters/s = 6.3 GB/s; foreach 0.66 GB/s, for-loop 0.18. A server rank has more threads but shares the
-# socket's memory bandwidth with its node's other ranks: taken as measured.
+# torch's fused AdamW on the host, bytes it moves per second (ADAMW_BYTES_PER_PARAM per parameter): measured by
+# bench/cpu_adamw.py on this project's 2-core development machine, one thread (a rank's share under torchrun's
+# OMP_NUM_THREADS=1), under load: 224 M parameters/s = 6.3 GB/s; foreach 0.66 GB/s, for-loop 0.18. A server rank
+# may get more threads but shares the socket's memory bandwidth with its node's other ranks: taken as measured.
 CPU_ADAMW_BYTES_PER_S = 6.0e9
 # one AdamW update in fp32: reads parameter, gradient, exp_avg, exp_avg_sq; writes parameter, exp_avg, exp_avg_sq
 ADAMW_BYTES_PER_PARAM = 28
