@@ -44,6 +44,13 @@ IMPROVE_DEVICE_SCORES = 6_000
 # 25 % behind do reach the optimum).
 IMPROVE_ALL_STARTS_UP_TO = 8
 IMPROVE_WITHIN = 0.03
+# The search over the spaces that keep less optimizer state (offloaded, sharded) visits a (t, b) only where no plain
+# template fitted or its best plain plan came within this fraction of the best (one the plain MILP ruled out by its
+# bound is not visited): keeping less state removes recompute
+# (full recompute adds a third to a block's time, its whole share of a plan at most a quarter) and the stages'
+# memory limits on the split, but adds a step on the host or an all-gather; on hethub-4types gpt-30b the (t, b)
+# it helps is the one whose plain plan was best. Further off, building the spaces costs more than it finds.
+LESS_STATE_WITHIN = 0.25
 
 
 class Scope(NamedTuple):
@@ -100,22 +107,33 @@ class _Search:
     tried (``plan_milp`` runs one over the plain spaces, then one over the spaces that keep less state)."""
 
     def __init__(self, cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
-                 progress: Callable[[str], None] | None):
+                 progress: Callable[[str], None] | None, incumbent: "_Search | None" = None):
+        """``incumbent``: an earlier search, whose best plan and MILP optimum this one must beat to matter."""
         self.cluster, self.cost, self.time_limit_s, self.progress = cluster, cost, time_limit_s, progress
         self.best: tuple[float, Plan, dict, Estimate] | None = None  # + the plan's estimate
         self.templates, self.best_gap, self.statuses = 0, 0.0, set()
         self.stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
-        self.best_milp_s: float | None = None
+        self.best_milp_s: float | None = incumbent.best_milp_s if incumbent is not None else None
+        self.incumbent_s = incumbent.best[0] if incumbent is not None and incumbent.best is not None else None
         self.starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
         self.spaces: list[Space] = []
+        self.best_at: dict[tuple[int, int], float] = {}  # per (t, b): its best plan scored (before local improvement)
+
+    @property
+    def beat_s(self) -> float | None:
+        """What a plan must beat to matter: the best so far, here or the incumbent's (None: nothing yet)."""
+        times = [t for t in (self.incumbent_s, self.best[0] if self.best is not None else None) if t is not None]
+        return min(times, default=None)
 
     def consider(self, space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> bool:
         """Score a choice of templates exactly; False when it cannot be built (e.g. a micro-batch per stage short)."""
         best = self.best
-        scored = score(self.cluster, self.cost, space, chosen, best[0] if best is not None else None)
+        scored = score(self.cluster, self.cost, space, chosen, self.beat_s)
         if scored is None:
             return False
         plan, est = scored
+        at = (space.tp, space.micro_batch_size)
+        self.best_at[at] = min(self.best_at.get(at, est.iteration_time_s), est.iteration_time_s)
         key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
         self.starts[key] = (est.iteration_time_s, space, chosen)
         if best is None or est.iteration_time_s < best[0]:
@@ -128,7 +146,7 @@ class _Search:
         """The MILP over ``spaces_at(t, b)`` for each (t, b) of ``pending`` (fluid bound first) that can still
         beat the best plan, then copies of one template lined up (``aligned``)."""
         for fluid_s, t, b in sorted(pending):
-            if self.best is not None and fluid_s >= self.best[0]:
+            if self.beat_s is not None and fluid_s >= self.beat_s:
                 continue
             for space in spaces_at(t, b):
                 self.spaces.append(space)
@@ -140,7 +158,7 @@ class _Search:
     def search_space(self, space: Space, M: int) -> None:
         """Solve the MILP for every sync scope of one space, scoring its best answers."""
         for label, avail, bw, optimistic in _sync_scopes(self.cluster, space):
-            if self.best is not None and fluid_lower_bound_s(space, avail, M) >= self.best[0]:
+            if self.beat_s is not None and fluid_lower_bound_s(space, avail, M) >= self.beat_s:
                 continue  # this scope's groups cannot beat the best plan even computing nonstop
             if self.progress:
                 self.progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
@@ -173,7 +191,7 @@ class _Search:
                 no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
                 aligned.append((no_sync_s, copies, tpl))
         for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
-            if self.best is not None and no_sync_s >= self.best[0]:
+            if self.beat_s is not None and no_sync_s >= self.beat_s:
                 break
             self.consider(space, [tpl] * copies, "aligned copies", None, 0.0)
 
@@ -214,6 +232,19 @@ class _Search:
         return finish(plan, cost, info, est)
 
 
+def _less_state_spaces(cluster: ClusterSpec, cost: CostModel, t: int, b: int, plain_search: _Search,
+                       plain: list[Space] | None) -> list[Space]:
+    """The spaces keeping less state at (t, b) (``search_spaces``), where no plain template fitted or the plain
+    search's best plan there came close enough (``LESS_STATE_WITHIN``); not where the plain search ruled it out
+    by its bound or found it far behind. ``plain``: the plain spaces built at (t, b), None where not built."""
+    near = plain_search.best_at.get((t, b))
+    fits = plain is None or bool(plain)  # not built: unknown, taken as fitting
+    best = plain_search.best
+    if fits and (near is None or (best is not None and near > best[0] * (1 + LESS_STATE_WITHIN))):
+        return []
+    return search_spaces(cluster, cost, t, b, "less", plain)
+
+
 def plan_milp(
     cluster: ClusterSpec,
     cost: CostModel,
@@ -239,15 +270,16 @@ def plan_milp(
         rate = sum(c.count / c.fastest_block_s for c in classes)
         pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
     plain: dict[tuple[int, int], list[Space]] = {}
-    found, templates = [], 0
-    for spaces_at in (lambda t, b: plain.setdefault((t, b), search_spaces(cluster, cost, t, b, "whole")),
-                      lambda t, b: search_spaces(cluster, cost, t, b, "less", plain.get((t, b)))):
-        search = _Search(cluster, cost, time_limit_s, progress)
-        search.run(pending, spaces_at)
-        templates += search.templates
-        if search.best is not None:
-            search.improve_best()
-            found.append(search.result(t0, min(f for f, _, _ in pending)))
+    first = _Search(cluster, cost, time_limit_s, progress)
+    first.run(pending, lambda t, b: plain.setdefault((t, b), search_spaces(cluster, cost, t, b, "whole")))
+    if first.best is not None:
+        first.improve_best()
+    second = _Search(cluster, cost, time_limit_s, progress, incumbent=first)
+    second.run(pending, lambda t, b: _less_state_spaces(cluster, cost, t, b, first, plain.get((t, b))))
+    if second.best is not None:
+        second.improve_best()
+    found = [search.result(t0, min(f for f, _, _ in pending)) for search in (first, second) if search.best is not None]
+    templates = first.templates + second.templates
     if not found:
         raise NoPlanError(explain_no_plan(cluster, cost))
     plan, est = min(found, key=lambda f: f[1].iteration_time_s)
