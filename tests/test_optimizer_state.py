@@ -150,13 +150,25 @@ def test_optimizer_state_round_trips_through_the_plan_file(tmp_path):
     assert '"optimizer_state"' not in (tmp_path / "plan.json").read_text().split('"stages"')[1].split("}")[0]
 
 
-def test_the_estimate_table_shows_each_stages_optimizer_state():
+@pytest.mark.parametrize("width", [120, 80])
+def test_the_estimate_table_shows_each_stages_optimizer_state(width, monkeypatch):
+    """A column of its own in a wide terminal; at 80 columns under the stage's recompute where it is not replicated."""
+    import hetrain.cli.plan as cli_plan
+
+    terminal = Console(file=io.StringIO(), width=width, no_color=True)
+    monkeypatch.setattr(cli_plan, "out", terminal)
     cost = CostModel(CLUSTER, MODEL, SETTINGS)
     plan = _plan("sharded", pipelines=2)
     plan.pipelines[1].stages[1].optimizer_state = "offloaded"
-    out = io.StringIO()
-    Console(file=out, width=120, no_color=True).print(plan_table(plan, cost.estimate(plan), "t"))
-    lines = out.getvalue().splitlines()
-    assert "optim" in "".join(lines[:3])
-    rows = [line for line in lines if "A100-80G" in line]
-    assert ["shard" in row for row in rows] == [True, True, True, False] and "host" in rows[3]
+    plan.pipelines[0].stages[0].optimizer_state = None
+    terminal.print(plan_table(plan, cost.estimate(plan), "t"))
+    text = terminal.file.getvalue()
+    assert all(len(line) <= width for line in text.splitlines())
+    if width == 120:
+        assert "optimizer state" in text
+        rows = [line for line in text.splitlines() if "A100-80G" in line]
+        assert [s for row in rows for s in ("replicated", "sharded", "offloaded") if s in row] == [
+            "replicated", "sharded", "sharded", "offloaded"]
+    else:
+        assert "optimizer" not in text and "replicated" not in text
+        assert text.count("sharded") == 2 and text.count("offloaded") == 1
