@@ -117,7 +117,8 @@ class _Search:
         self.incumbent_s = incumbent.best[0] if incumbent is not None and incumbent.best is not None else None
         self.starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
         self.spaces: list[Space] = []
-        self.best_at: dict[tuple[int, int], float] = {}  # per (t, b): its best plan scored (before local improvement)
+        # per (t, b): its best plan scored (before local improvement), and the plan
+        self.best_at: dict[tuple[int, int], tuple[float, Plan]] = {}
 
     @property
     def beat_s(self) -> float | None:
@@ -133,7 +134,8 @@ class _Search:
             return False
         plan, est = scored
         at = (space.tp, space.micro_batch_size)
-        self.best_at[at] = min(self.best_at.get(at, est.iteration_time_s), est.iteration_time_s)
+        if at not in self.best_at or est.iteration_time_s < self.best_at[at][0]:
+            self.best_at[at] = (est.iteration_time_s, plan)
         key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
         self.starts[key] = (est.iteration_time_s, space, chosen)
         if best is None or est.iteration_time_s < best[0]:
@@ -234,15 +236,20 @@ class _Search:
 
 def _less_state_spaces(cluster: ClusterSpec, cost: CostModel, t: int, b: int, plain_search: _Search,
                        plain: list[Space] | None) -> list[Space]:
-    """The spaces keeping less state at (t, b) (``search_spaces``), where no plain template fitted or the plain
-    search's best plan there came close enough (``LESS_STATE_WITHIN``); not where the plain search ruled it out
-    by its bound or found it far behind. ``plain``: the plain spaces built at (t, b), None where not built."""
-    near = plain_search.best_at.get((t, b))
-    fits = plain is None or bool(plain)  # not built: unknown, taken as fitting
-    best = plain_search.best
-    if fits and (near is None or (best is not None and near > best[0] * (1 + LESS_STATE_WITHIN))):
+    """The spaces keeping less state at (t, b) (``search_spaces``), where no plain template fitted, or the plain
+    search's best plan there came close enough (``LESS_STATE_WITHIN``) and memory limits it: a stage recomputes
+    or GPUs are left out; for plans of as many pipelines as that plan (one: offloaded; more: sharded). Not where the plain search ruled it out by its bound or found it far behind.
+    ``plain``: the plain spaces built at (t, b), None where not built."""
+    if plain is not None and not plain:  # nothing fits keeping the state whole
+        return search_spaces(cluster, cost, t, b, "less", plain)
+    near, best = plain_search.best_at.get((t, b)), plain_search.best
+    if near is None or best is None or near[0] > best[0] * (1 + LESS_STATE_WITHIN):
         return []
-    return search_spaces(cluster, cost, t, b, "less", plain)
+    stages = [st for p in near[1].pipelines for st in p.stages]
+    if all(st.recompute in (None, "none") for st in stages) and len(near[1].devices()) == cluster.num_devices:
+        return []
+    # as many pipelines as the plain plan there: offloaded whole for one, sharded for more
+    return search_spaces(cluster, cost, t, b, "less", plain, len(near[1].pipelines))
 
 
 def plan_milp(

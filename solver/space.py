@@ -619,23 +619,25 @@ def _shapes(classes: list[GroupClass], avail: list[int], fits: "_MemoryCheck", m
 
 
 def search_spaces(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int, which: str = "all",
-                  plain: list[Space] | None = None) -> list[Space]:
+                  plain: list[Space] | None = None, pipelines: int | None = None) -> list[Space]:
     """The spaces searched at (tp, micro-batch size) that have templates (``build_space``).
 
     ``which`` "whole": the plain space, every stage keeping its optimizer state whole. "less": where memory
     binds in the plain space (``memory_bound``; ``plain``: it, where the caller built it), two more: a stage's
-    state offloaded where its split finds that pays, and every stage sharding it among at least
-    ``SHARDED_REPLICAS`` pipelines (offloading it where that pays), plan-wide, so every replica of a layer
-    agrees. "all": both. Each space holds one shape per stage multiset, so the plain space is searched beside
-    them: a split that offloads on the promise of many micro-batches per pipeline can be the wrong one for
-    plans of many pipelines."""
+    state offloaded where its split finds that pays (for plans of one pipeline: with more, the sharded space
+    offloads a stage's share), and every stage sharding it among at least ``SHARDED_REPLICAS`` pipelines
+    (offloading it where that pays), plan-wide, so every replica of a layer agrees; ``pipelines``: the plans
+    of interest have this many (1: only the first, more: only the second; None: both). "all": every space.
+    Each space holds one shape per stage multiset, so the plain space is searched beside them: a split that
+    offloads on the promise of many micro-batches per pipeline can be the wrong one for plans of many."""
     if plain is None:
         built = build_space(cluster, cost, tp, micro_batch_size)
         plain = [built] if built.templates else []
     out = list(plain) if which != "less" else []
     if which != "whole" and (not plain or memory_bound(plain[0])):
-        out.append(build_space(cluster, cost, tp, micro_batch_size, offload=True))
-        if cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
+        if pipelines is None or pipelines == 1:
+            out.append(build_space(cluster, cost, tp, micro_batch_size, offload=True))
+        if (pipelines is None or pipelines > 1) and cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
             out.append(build_space(cluster, cost, tp, micro_batch_size, replicas=SHARDED_REPLICAS, offload=True))
     return [space for space in out if space.templates]
 
