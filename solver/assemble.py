@@ -141,7 +141,8 @@ def finish(plan: Plan, cost: CostModel, solver_info: dict, est: Estimate | None 
 
 def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template],
           must_beat_s: float | None = None) -> tuple[Plan, Estimate] | None:
-    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory.
+    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory. Its stages shard
+    their optimizer state where the cost model predicts that faster (``shard_if_faster``).
 
     Where a template repeats, its copies are placed both pipeline-major and stage-major
     (``assemble``) and the faster that fits is kept; stage-major only when its placement can
@@ -161,8 +162,9 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
         if other is not None:
             other_est = cost.estimate(other)
             if other_est.iteration_time_s < est.iteration_time_s:
-                return other, other_est
-    return plan, est
+                plan, est = other, other_est
+    # sharding the optimizer state is part of the plan (its memory and sync), not of its schedule
+    return shard_if_faster(plan, cost, est)
 
 
 def _compute_only_s(plan: Plan, est: Estimate) -> float:
