@@ -46,11 +46,10 @@ IMPROVE_ALL_STARTS_UP_TO = 8
 IMPROVE_WITHIN = 0.03
 # The search over the spaces that keep less optimizer state (offloaded, sharded) visits a (t, b) only where no plain
 # template fitted or its best plain plan came within this fraction of the best (one the plain MILP ruled out by its
-# bound is not visited): keeping less state removes recompute
-# (full recompute adds a third to a block's time, its whole share of a plan at most a quarter) and the stages'
-# memory limits on the split, but adds a step on the host or an all-gather; on hethub-4types gpt-30b the (t, b)
-# it helps is the one whose plain plan was best. Further off, building the spaces costs more than it finds.
-LESS_STATE_WITHIN = 0.25
+# bound is not visited). Measured (this machine, loaded): at 0.25 that search cost 30-70 % more planning on gen-32
+# to gen-256 and won 0.25 % on gen-64 only; at 0.05 it keeps hethub-4types gpt-30b's gain (the (t, b) it helps is
+# the one whose plain plan was best) for a third of that cost.
+LESS_STATE_WITHIN = 0.05
 
 
 class Scope(NamedTuple):
