@@ -163,7 +163,10 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
             other_est = cost.estimate(other)
             if other_est.iteration_time_s < est.iteration_time_s:
                 plan, est = other, other_est
-    # sharding the optimizer state is part of the plan (its memory and sync), not of its schedule
+    # sharding the optimizer state is part of the plan (its memory and sync), not of its schedule; it changes
+    # only what follows the pipelines, so not where they alone, with the step's fixed work, lose to the caller's best
+    if must_beat_s is not None and est.pipeline_s + est.step_overhead_s >= must_beat_s:
+        return plan, est
     return shard_if_faster(plan, cost, est)
 
 
