@@ -37,6 +37,13 @@ DEPTH_SLACK = 3
 # two: the shapes grow with the cube of the classes (with three, a 320-GPU slice of 8 classes had
 # 33,386 templates, 30 s to build and 77 s of MILP; 60 GPUs in 11 classes 17,866 and 158 s).
 MAX_CLASSES_PER_PIPELINE = 3
+# The offloaded space (plans of one pipeline where memory binds, ``search_spaces``) mixes up to this many on clusters
+# of at most ONE_PIPELINE_GROUPS TP groups: there the model barely fits the cluster, and a pipeline of 3 classes
+# leaves the GPUs of the others out (hethub-4types gpt-30b: the A10G group, 11 % of the capacity; 4 classes: 71.7 %
+# -> 80.6 % of the useful-work bound, planning 1.2 -> 1.6 s). Few such shapes on small clusters; on large ones the
+# compositions of deep pipelines over 4 classes are what MANY_CLASSES guards against.
+ONE_PIPELINE_CLASSES = 4
+ONE_PIPELINE_GROUPS = 32
 MANY_CLASSES = 5
 # re-estimates of split_layers_modes' bulk threshold (each re-reads the per-block seconds at the
 # block counts the last one implies): on the benchmark templates two leave ~4 of ~34 blocks to the heap
@@ -636,7 +643,9 @@ def search_spaces(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
     out = list(plain) if which != "less" else []
     if which != "whole" and (not plain or memory_bound(plain[0])):
         if pipelines is None or pipelines == 1:
-            out.append(build_space(cluster, cost, tp, micro_batch_size, offload=True))
+            groups = sum(n.count // tp for n in cluster.nodes)
+            mix = ONE_PIPELINE_CLASSES if groups <= ONE_PIPELINE_GROUPS else None
+            out.append(build_space(cluster, cost, tp, micro_batch_size, max_classes_per_pipeline=mix, offload=True))
         if (pipelines is None or pipelines > 1) and cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
             out.append(build_space(cluster, cost, tp, micro_batch_size, replicas=SHARDED_REPLICAS, offload=True))
     return [space for space in out if space.templates]

@@ -70,7 +70,7 @@ def test_an_offloaded_stage_keeps_no_moments_and_steps_on_the_host():
     # gradient down and parameter up, 4 bytes each over PCIe, then AdamW's 28 bytes on the CPU
     assert off.opt_s_per_param == pytest.approx(8 / (PCIE_BANDWIDTH_GBPS * GB) + ADAMW_BYTES_PER_PARAM
                                                 / CPU_ADAMW_BYTES_PER_S)
-    assert off.opt_s_per_param == pytest.approx(8 / 12e9 + 28 / 6e9)
+    assert off.opt_s_per_param == pytest.approx(8 / 12e9 + 28 / 39e9)
 
 
 def test_a_sharded_plan_by_hand():
@@ -126,7 +126,8 @@ def test_the_planner_shards_where_a_plan_fits_only_sharded():
 
 def test_the_planner_offloads_on_hethub_gpt_30b_and_recomputes_less():
     """The issue's case: one pipeline of 28 GPUs (no replica to shard with); the stages that hold the most
-    blocks move their moments to the host, and no stage recomputes fully."""
+    blocks move their moments to the host, no stage recomputes fully, every GPU takes part (the A10G group too:
+    one pipeline over the 4 classes) and the plan reaches 80 % of the useful-work bound (65.1 % keeping it whole)."""
     cluster = load_cluster(EXAMPLES / "clusters/hethub-4types.yaml")
     model, settings = load_model(EXAMPLES / "models/gpt-30b.yaml"), TrainingSettings(global_batch_size=512)
     r = make_plan("hetrain", cluster, model, settings)
@@ -136,7 +137,8 @@ def test_the_planner_offloads_on_hethub_gpt_30b_and_recomputes_less():
     assert any(st.optimizer_state == "offloaded" for st in stages)
     assert not any(st.recompute == "full" for st in stages)
     cost = CostModel(cluster, model, settings)
-    assert r.estimate.tokens_per_s / cost.upper_bound_tokens_per_s(useful_work=True) > 0.70  # 0.651 kept whole
+    assert len(r.plan.devices()) == cluster.num_devices
+    assert r.estimate.tokens_per_s / cost.upper_bound_tokens_per_s(useful_work=True) >= 0.80
 
 
 def test_optimizer_state_round_trips_through_the_plan_file(tmp_path):

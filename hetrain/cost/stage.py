@@ -81,10 +81,11 @@ OPTIMIZER_STATE_SHARE = 0.5
 # a node's GPUs often share a PCIe switch two by two, which halves PCIe 4.0's share again.
 PCIE_BANDWIDTH_GBPS = 12.0
 # torch's fused AdamW on the host, bytes it moves per second (ADAMW_BYTES_PER_PARAM per parameter): measured by
-# bench/cpu_adamw.py on this project's 2-core development machine, one thread (a rank's share under torchrun's
-# OMP_NUM_THREADS=1), under load: 224 M parameters/s = 6.3 GB/s; foreach 0.66 GB/s, for-loop 0.18. A server rank
-# may get more threads but shares the socket's memory bandwidth with its node's other ranks: taken as measured.
-CPU_ADAMW_BYTES_PER_S = 6.0e9
+# bench/cpu_adamw.py on this project's development machine (AMD EPYC), one thread (a rank's share under torchrun's
+# OMP_NUM_THREADS=1), the machine otherwise idle (load 1.3): 1.41 G parameters/s = 39 GB/s, twice alike (foreach
+# 6.3 GB/s, for-loop 4.5). Under load 11 on its 2 cores the same step ran at 6.3 GB/s: a rank that shares its core
+# gets its share. A server's 8 ranks on two sockets' memory channels each keep about this.
+CPU_ADAMW_BYTES_PER_S = 39.0e9
 # one AdamW update in fp32: reads parameter, gradient, exp_avg, exp_avg_sq; writes parameter, exp_avg, exp_avg_sq
 ADAMW_BYTES_PER_PARAM = 28
 # what an offloaded step copies per parameter of its share over PCIe: the fp32 gradient down, the parameter up
