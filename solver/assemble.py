@@ -7,7 +7,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.cost.costmodel import SHARDS_STATE, CostModel, Estimate
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
@@ -109,7 +109,8 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
                     del pool[node]
                 stages_of[i].append(StagePlan(devices=[f"{node}/{d}" for d in range(g * t, (g + 1) * t)],
                                               gpu=space.classes[cls_idx].gpu, layers=(start, start + blocks),
-                                              recompute=tpl.recompute[k] if tpl.recompute else None))
+                                              recompute=tpl.recompute[k] if tpl.recompute else None,
+                                              optimizer_state=_state_of(tpl, k)))
                 prev_node[i] = stage_node[cls_idx] = node
             start += blocks
     pipelines = [PipelinePlan(num_microbatches=counts[i], stages=stages_of[i]) for i in range(len(templates))]
@@ -124,6 +125,12 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     )
 
 
+def _state_of(tpl: Template, k: int) -> str | None:
+    """Stage k's optimizer state as the plan file writes it: absent where replicated (what absent means)."""
+    state = tpl.optimizer_state[k] if tpl.optimizer_state else "replicated"
+    return None if state == "replicated" else state
+
+
 def finish(plan: Plan, cost: CostModel, solver_info: dict, est: Estimate | None = None) -> tuple[Plan, Estimate]:
     """Attach the cost model's prediction (``est``, where the caller has it) and the solver report to a plan."""
     est = est or cost.estimate(plan)
@@ -134,7 +141,8 @@ def finish(plan: Plan, cost: CostModel, solver_info: dict, est: Estimate | None 
 
 def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template],
           must_beat_s: float | None = None) -> tuple[Plan, Estimate] | None:
-    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory.
+    """Assemble and predict a candidate; None when it cannot be built or does not fit in memory. Its stages shard
+    their optimizer state where the cost model predicts that faster (``shard_if_faster``).
 
     Where a template repeats, its copies are placed both pipeline-major and stage-major
     (``assemble``) and the faster that fits is kept; stage-major only when its placement can
@@ -154,8 +162,12 @@ def score(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequen
         if other is not None:
             other_est = cost.estimate(other)
             if other_est.iteration_time_s < est.iteration_time_s:
-                return other, other_est
-    return plan, est
+                plan, est = other, other_est
+    # sharding the optimizer state is part of the plan (its memory and sync), not of its schedule; it changes
+    # only what follows the pipelines, so not where they alone, with the step's fixed work, lose to the caller's best
+    if must_beat_s is not None and est.pipeline_s + est.step_overhead_s >= must_beat_s:
+        return plan, est
+    return shard_if_faster(plan, cost, est)
 
 
 def _compute_only_s(plan: Plan, est: Estimate) -> float:
@@ -212,49 +224,61 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
     # per distinct pipeline: None (torch's 1F1B) or, per stage, (count, recompute: None where unchanged)
     seen: dict[tuple, list[tuple[int, str | None]] | None] = {}
     ops_left = [EAGER_PLAY_OPS]
+    sharded = cost.sharded_stages(plan)
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
         if S < 2 or _sends_cost_s(pe.stage_s, pe.p2p_s, m) < EAGER_MIN_GAIN * est.iteration_time_s:
             continue
-        key = (tuple((st.gpu, st.layers, st.recompute) for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))
+        key = (tuple((st.gpu, st.layers, st.recompute, st.optimizer_state, id(st) in sharded) for st in pipe.stages), m,
+               tuple(pe.p2p_s), tuple(pe.stage_s))
         if key not in seen:
-            bws = [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps for st in pipe.stages]
-            played_s: dict[tuple[int, ...], tuple[float, list[tuple[int, str | None]]]] = {}
-
-            def played(extra: tuple[int, ...]) -> float:
-                """The pipeline's time with these extra micro-batches, each stage at the least recompute that fits."""
-                if extra not in played_s:
-                    counts = _in_flight_counts(list(extra))
-                    fitted = [_least_recompute_that_fits(cost, plan, st, bws[k], k == 0, k == S - 1, min(n, m))
-                              for k, (st, n) in enumerate(zip(pipe.stages, counts))] if counts[0] <= m else [None]
-                    if any(f is None for f in fitted):
-                        played_s[extra] = (float("inf"), [])
-                    else:
-                        stage_s = [s if f[1] is None else f[1] for s, f in zip(pe.stage_s, fitted)]
-                        backward_s = [b if f[1] is None else f[2] for b, f in zip(pe.backward_s, fitted)]
-                        played_s[extra] = (eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m, cost.p2p_duplex)[1],
-                                           [(n, f[0]) for n, f in zip(counts, fitted)])
-                return played_s[extra][0]
-
-            best_s, best = one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, m), None
-            if 2 ** (S - 1) <= EAGER_EXHAUSTIVE_UP_TO:
-                choices = itertools.product((0, 1), repeat=S - 1)
-            else:  # coordinate descent from 1F1B's counts, slowest sends first, until nothing helps
-                choices = _coordinate_descent(S - 1, played, order=sorted(range(S - 1), key=lambda k: -pe.p2p_s[k]))
-            for extra in choices:
-                if ops_left[0] <= 0:
-                    break
-                if tuple(extra) not in played_s:
-                    ops_left[0] -= 2 * S * m
-                total_s = played(tuple(extra))
-                if total_s < best_s * (1 - 1e-9):
-                    best_s, best = total_s, played_s[tuple(extra)][1]
-            seen[key] = best
+            seen[key] = _eager_choice(cost, plan, pipe, pe, [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps
+                                                             for st in pipe.stages],
+                                      [len(pipes) if id(st) in sharded else 1 for st in pipe.stages], ops_left)
         if seen[key] is not None:
             stages = [st.model_copy(update={"in_flight": n, "recompute": mode or st.recompute})
                       for st, (n, mode) in zip(pipe.stages, seen[key])]
             pipes[p] = pipe.model_copy(update={"stages": stages})
     return _if_faster(plan, est, pipes, cost)
+
+
+def _eager_choice(cost: CostModel, plan: Plan, pipe: PipelinePlan, pe, bws: list[float], replicas: list[int],
+                  ops_left: list[int]) -> list[tuple[int, str | None]] | None:
+    """Per stage (in-flight count, recompute: None where unchanged) of the eager counts that play ``pipe`` fastest
+    within memory, None where torch's 1F1B plays it as fast (``eager_in_flight``); ``ops_left``: the plays'
+    budget, shared across the plan's pipelines."""
+    S, m = len(pipe.stages), pipe.num_microbatches
+    played_s: dict[tuple[int, ...], tuple[float, list[tuple[int, str | None]]]] = {}
+
+    def played(extra: tuple[int, ...]) -> float:
+        """The pipeline's time with these extra micro-batches, each stage at the least recompute that fits."""
+        if extra not in played_s:
+            counts = _in_flight_counts(list(extra))
+            fitted = [_least_recompute_that_fits(cost, plan, st, bws[k], k == 0, k == S - 1, min(n, m), replicas[k])
+                      for k, (st, n) in enumerate(zip(pipe.stages, counts))] if counts[0] <= m else [None]
+            if any(f is None for f in fitted):
+                played_s[extra] = (float("inf"), [])
+            else:
+                stage_s = [s if f[1] is None else f[1] for s, f in zip(pe.stage_s, fitted)]
+                backward_s = [b if f[1] is None else f[2] for b, f in zip(pe.backward_s, fitted)]
+                played_s[extra] = (eager_pipeline_s(stage_s, backward_s, pe.p2p_s, counts, m, cost.p2p_duplex)[1],
+                                   [(n, f[0]) for n, f in zip(counts, fitted)])
+        return played_s[extra][0]
+
+    best_s, best = one_f_one_b_play_s(pe.stage_s, pe.backward_s, pe.p2p_s, m), None
+    if 2 ** (S - 1) <= EAGER_EXHAUSTIVE_UP_TO:
+        choices = itertools.product((0, 1), repeat=S - 1)
+    else:  # coordinate descent from 1F1B's counts, slowest sends first, until nothing helps
+        choices = _coordinate_descent(S - 1, played, order=sorted(range(S - 1), key=lambda k: -pe.p2p_s[k]))
+    for extra in choices:
+        if ops_left[0] <= 0:
+            break
+        if tuple(extra) not in played_s:
+            ops_left[0] -= 2 * S * m
+        total_s = played(tuple(extra))
+        if total_s < best_s * (1 - 1e-9):
+            best_s, best = total_s, played_s[tuple(extra)][1]
+    return best
 
 
 def _if_faster(plan: Plan, est: Estimate, pipes: list[PipelinePlan], cost: CostModel) -> tuple[Plan, Estimate]:
@@ -278,11 +302,30 @@ def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> f
 
 
 def choose_schedules(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
-    """The plan with each pipeline on the fastest schedule that fits: torch's 1F1B, eager 1F1B
-    (``eager_in_flight``) or ZB-H1 (``zero_bubble_pipelines``), and its estimate; the whole plan is
-    kept only if the cost model predicts it faster. What a planner calls after assembly."""
+    """The plan with its optimizer state sharded where that is faster (``shard_if_faster``), then each pipeline
+    on the fastest schedule that fits: torch's 1F1B, eager 1F1B (``eager_in_flight``) or ZB-H1
+    (``zero_bubble_pipelines``), and its estimate; the whole plan is kept only if the cost model predicts it
+    faster. What a planner calls after assembly."""
+    plan, est = shard_if_faster(plan, cost, est)
     plan, est = eager_in_flight(plan, cost, est)
     return zero_bubble_pipelines(plan, cost, est)
+
+
+def shard_if_faster(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
+    """The plan with every stage that keeps its optimizer state whole sharding it instead (an offloaded one
+    stays offloaded, its share then 1/D), if it has several pipelines and the cost model predicts that faster.
+
+    Sharding is not only for memory: each replica steps 1/D of its parameters and the reduce-scatter
+    overlaps the drain where the all-reduce did, against the parameters' all-gather after the step
+    (``hetrain.cost.costmodel``), so it can win where everything fits; the memory it frees is then there for
+    the schedules (``eager_in_flight``, ``zero_bubble_pipelines``). Plan-wide: every replica of a layer agrees."""
+    est = est or cost.estimate(plan)
+    if len(plan.pipelines) < 2 or all(st.optimizer_state in SHARDS_STATE for p in plan.pipelines for st in p.stages):
+        return plan, est
+    pipes = [p.model_copy(update={"stages": [st if st.optimizer_state in SHARDS_STATE else
+                                             st.model_copy(update={"optimizer_state": "sharded"}) for st in p.stages]})
+             for p in plan.pipelines]
+    return _if_faster(plan, est, pipes, cost)
 
 
 def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
@@ -299,16 +342,18 @@ def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = No
     node_of, device_node = cost.cluster.node_by_name, cost.cluster.node_of
     pipes = list(plan.pipelines)
     seen: dict[tuple, list[str | None] | None] = {}  # per distinct pipeline: None (unchanged) or each stage's recompute
+    sharded = cost.sharded_stages(plan)
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
         if S < 2 or pipe.schedule_name == "zb-h1":
             continue
-        key = (tuple((st.gpu, st.layers, st.recompute, st.in_flight) for st in pipe.stages), m, tuple(pe.p2p_s),
-               tuple(pe.stage_s))
+        key = (tuple((st.gpu, st.layers, st.recompute, st.in_flight, st.optimizer_state, id(st) in sharded)
+                     for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))
         if key not in seen:
             seen[key] = _zero_bubble_choice(plan, pipe, pe, cost,
                                             [node_of[device_node[st.devices[0]]].intra_node_bandwidth_gbps
-                                             for st in pipe.stages])
+                                             for st in pipe.stages],
+                                            [len(pipes) if id(st) in sharded else 1 for st in pipe.stages])
         if seen[key] is not None:
             stages = [st.model_copy(update={"recompute": mode or st.recompute, "in_flight": None})
                       for st, mode in zip(pipe.stages, seen[key])]
@@ -316,10 +361,10 @@ def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = No
     return _if_faster(plan, est, pipes, cost)
 
 
-def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
-                        bws: list[float]) -> list[str | None] | None:
+def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel, bws: list[float],
+                        replicas: list[int]) -> list[str | None] | None:
     """Each stage's recompute under ZB-H1 (None: its own) if ZB-H1 fits and plays faster than the
-    pipeline's schedule now, else None."""
+    pipeline's schedule now, else None. ``replicas``: per stage, those sharing its optimizer state."""
     S, m = len(pipe.stages), pipe.num_microbatches
     modes, stage_s, backward_s, weight_s = [], [], [], []
     for k, st in enumerate(pipe.stages):
@@ -329,7 +374,7 @@ def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
         allowed = cost.settings.recompute_modes  # least recompute first
         blocks = st.layers[1] - st.layers[0]
         for mode in (allowed[allowed.index(own):] if own in allowed else (own,)):
-            u = cost.unit_costs(st.gpu, bws[k], plan.tp, plan.micro_batch_size, mode)
+            u = cost.unit_costs(st.gpu, bws[k], plan.tp, plan.micro_batch_size, mode, st.optimizer_state, replicas[k])
             if u.stage_memory_bytes(blocks, first, last, in_flight, pending) <= u.capacity_bytes:
                 break
         else:
@@ -351,16 +396,18 @@ def _zero_bubble_choice(plan: Plan, pipe: PipelinePlan, pe, cost: CostModel,
 
 
 def _least_recompute_that_fits(cost: CostModel, plan: Plan, stage: StagePlan, intra_bw_gbps: float, first: bool,
-                               last: bool, in_flight: int) -> tuple[str | None, float | None, float | None] | None:
+                               last: bool, in_flight: int,
+                               replicas: int = 1) -> tuple[str | None, float | None, float | None] | None:
     """(recompute, stage seconds, backward seconds) for ``in_flight`` micro-batches on this stage: its own mode
     where that fits (None, the times unchanged), else the least more recompute (``activation_recompute: auto``)
-    that does; None if nothing fits."""
+    that does; None if nothing fits. ``replicas``: those sharing its optimizer state (``CostModel.sharded_stages``)."""
     own = cost.settings.stage_recompute(stage.recompute)
     allowed = cost.settings.recompute_modes  # least recompute first
     modes = allowed[allowed.index(own):] if own in allowed else (own,)
     blocks = stage.layers[1] - stage.layers[0]
     for mode in modes:
-        u = cost.unit_costs(stage.gpu, intra_bw_gbps, plan.tp, plan.micro_batch_size, mode)
+        u = cost.unit_costs(stage.gpu, intra_bw_gbps, plan.tp, plan.micro_batch_size, mode, stage.optimizer_state,
+                            replicas)
         if u.stage_memory_bytes(blocks, first, last, in_flight) <= u.capacity_bytes:
             if mode == own:
                 return None, None, None

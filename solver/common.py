@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.cost.stage import device_state_bytes_per_param
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.spec.arithmetic import total_params
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
-from solver.space import Space, build_space
+from solver.space import Space, search_spaces
 
 
 @dataclass
@@ -49,18 +50,20 @@ def tp_and_micro_batch(cluster: ClusterSpec, cost: CostModel) -> Iterator[tuple[
 
 def spaces(cluster: ClusterSpec, cost: CostModel) -> Iterator[Space]:
     for t, b in tp_and_micro_batch(cluster, cost):
-        yield build_space(cluster, cost, t, b)
+        yield from search_spaces(cluster, cost, t, b)
 
 
 def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
     """Why nothing fits, in the user's terms."""
     model, st = cost.model, cost.settings
-    need = total_params(model) * st.bytes_per_param / GB
+    # the least the GPUs must hold: weights and gradients, the optimizer state offloaded (hetrain.cost.stage)
+    need = total_params(model) * device_state_bytes_per_param(st, "offloaded", 1) / GB
     have = cluster.total_memory_gb()
     usable = have - cluster.num_devices * st.framework_reserve_gb
     if need > usable:
         return (
-            f"{model.name} needs at least {need:,.0f} GB for weights and optimizer state; cluster "
+            f"{model.name} needs at least {need:,.0f} GB for weights and optimizer state (its AdamW moments offloaded "
+            f"to host memory); cluster "
             f"'{cluster.name}' has {have:,.0f} GB ({usable:,.0f} GB after the {st.framework_reserve_gb:g} GB "
             f"per-GPU framework reserve)"
         )
@@ -70,7 +73,7 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
             f"no TP degree in {st.tp_degrees} divides {model.split_sizes()} of {model.name} and fits on a node"
         )
     return (
-        f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and optimizer state) "
+        f"{model.name} ({total_params(model) / 1e9:.1f}B parameters, {need:,.0f} GB of weights and gradients at the least) "
         f"fits in the cluster's {have:,.0f} GB only in aggregate: no pipeline of at most "
         f"{model.num_layers} stages with tp in {tps} holds all {model.num_layers} blocks plus the activations "
         f"of its in-flight micro-batches (nor one deeper than global batch / micro-batch: 1F1B needs a micro-batch per "

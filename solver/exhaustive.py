@@ -39,21 +39,24 @@ def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12
             f"cluster '{cluster.name}' has {cluster.num_devices}"
         )
     t0 = time.perf_counter()
-    best = None
+    # per family of spaces, as the MILP planner searches them (``solver.milp_planner.plan_milp``): those whose
+    # stages keep their optimizer state whole, and those that keep less; each's best gets its schedules
+    best: dict[bool, tuple] = {}
     seen = 0
     for space in spaces(cluster, cost):
         M = cost.settings.global_batch_size // space.micro_batch_size
+        family = space.offload or space.replicas > 1
         for combo in _multisets(space.templates, space.available, M):
             seen += 1
             if seen > MAX_CANDIDATES:
                 raise HetrainError(f"more than {MAX_CANDIDATES:,} candidate plans: cluster too large to enumerate")
             scored = score(cluster, cost, space, combo)
-            if scored is not None and (best is None or scored[1].iteration_time_s < best[0]):
-                best = (scored[1].iteration_time_s, scored[0], scored[1])
-    if best is None:
+            if scored is not None and (family not in best or scored[1].iteration_time_s < best[family][0]):
+                best[family] = (scored[1].iteration_time_s, scored[0], scored[1])
+    if not best:
         raise NoPlanError(explain_no_plan(cluster, cost))
     info = {"planner": "exhaustive", "status": "optimal", "gap": 0.0,
             "wall_s": round(time.perf_counter() - t0, 4), "candidates": seen}
-    plan, est = choose_schedules(best[1], cost, best[2])
+    plan, est = min((choose_schedules(p, cost, e) for _, p, e in best.values()), key=lambda f: f[1].iteration_time_s)
     plan, est = finish(plan, cost, info, est)
     return PlanResult(plan, est)

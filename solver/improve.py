@@ -62,6 +62,7 @@ class _Neighbourhood:
         self.fill_per_tau = [t.fill_s / t.tau_s for t in self.T]
         self.rate = [1 / t.tau_s for t in self.T]
         self.opt = [max(t.opt_s) for t in self.T]
+        self.fewest = max([1] + [t.min_pipelines for t in self.T])
 
     def sync_lo(self, j: int, D: int) -> float:
         key = (j, D)
@@ -77,8 +78,8 @@ class _Neighbourhood:
     def lower_bound(self, combo: tuple[int, ...]) -> float:
         D = len(combo)
         depth = self.depth
-        if D == 0 or sum([depth[j] for j in combo]) > self.M:  # 1F1B: a micro-batch per stage
-            return float("inf")
+        if D < self.fewest or sum([depth[j] for j in combo]) > self.M:  # 1F1B: a micro-batch per stage
+            return float("inf")  # (a sharded space's plans need 2 pipelines: ``Template.min_pipelines``)
         first = max([self.first[j] for j in combo])
         fluid = (self.M + sum([self.fill_per_tau[j] for j in combo])) / sum([self.rate[j] for j in combo])
         return max(first, fluid) + min([self.sync_lo(j, D) for j in combo]) + max([self.opt[j] for j in combo])

@@ -272,11 +272,15 @@ class _TemplateArrays:
     def __init__(self, templates: list[Template], available: list[int], sync_bw_gbps: float):
         S = max(len(t.grad_bytes) for t in templates)
         self.grad = np.zeros((len(templates), S))
+        self.gather = np.zeros((len(templates), S))  # sharded templates: the all-gather after the step
         self.ahead = np.full((len(templates), S), np.inf)  # past a template's last stage: no term
         self.opt = np.array([max(t.opt_s) for t in templates])
         for j, t in enumerate(templates):
             self.grad[j, : len(t.grad_bytes)] = t.grad_bytes
+            self.gather[j, : len(t.gather_bytes)] = t.gather_bytes
             self.ahead[j, : len(t.grad_bytes)] = t.ahead_s
+        # a sharded template reduce-scatters (half an all-reduce) and all-gathers after the step
+        self.sharded = np.array([bool(t.gather_bytes) for t in templates])[:, None]
         self.latency = np.array([t.sync_latency_s for t in templates])[:, None]
         self.tau = np.array([t.tau_s for t in templates])
         self.fill = np.array([t.fill_s for t in templates])
@@ -284,9 +288,10 @@ class _TemplateArrays:
         self.bw = sync_bw_gbps
 
     def post_s(self, num_pipelines: int) -> np.ndarray:
-        phi = 2 * (num_pipelines - 1) / num_pipelines
+        phi = np.where(self.sharded, 0.5, 1.0) * (2 * (num_pipelines - 1) / num_pipelines)
         lat = self.latency * collective_steps(num_pipelines)
-        return np.max(phi * self.grad / (self.bw * 1e9) + lat - self.ahead, axis=1) + self.opt
+        gather = np.max(np.where(self.sharded, phi * self.gather / (self.bw * 1e9) + lat, 0.0), axis=1)
+        return np.max(phi * self.grad / (self.bw * 1e9) + lat - self.ahead, axis=1) + self.opt + gather
 
     def simple_upper_bound_s(self, M: int, post: np.ndarray, num_copies: tuple[int, int] = (1, 1 << 30)) -> float | None:
         x = np.minimum(np.minimum(self.copies, M), num_copies[1])
@@ -365,7 +370,9 @@ def solve_templates(
     lows: list[float] = []  # largest time proven infeasible, per pipeline count tried
     lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
     found = []  # per pipeline count with an answer: (time, proven low, d_lo, d_hi, post)
-    counts = [(d, d) for d in range(1, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
+    # a sharded space's templates need at least 2 pipelines (``Template.min_pipelines``)
+    fewest = max(t.min_pipelines for t in templates)
+    counts = [(d, d) for d in range(fewest, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
     # with a sync latency, one group per power of two above: the latency's steps (ceil(log2 D)) are
     # the same within it, so charging its largest D overstates only the small ring factor
     by_power_of_two = any(t.sync_latency_s for t in templates)
@@ -380,7 +387,9 @@ def solve_templates(
         post_np = arr.post_s(d_hi)
         hi = arr.simple_upper_bound_s(M, post_np, (d_lo, d_hi))
         if hi is None:  # no single-template plan has this many pipelines: a bound any plan meets
-            hi = arr.simple_upper_bound_s(M, post_np)
+            hi = arr.simple_upper_bound_s(M, post_np, (fewest, 1 << 30))
+        if hi is None:
+            continue
         if prune_above_s is not None:
             hi = min(hi, prune_above_s)
         post = post_np.tolist()

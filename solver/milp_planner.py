@@ -22,7 +22,7 @@ from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
 from solver.assemble import choose_schedules, finish, score
 from solver.improve import improve
 from solver.milp import fluid_lower_bound_s, solve_templates
-from solver.space import Space, build_space, group_classes
+from solver.space import Space, group_classes, search_spaces
 
 # (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
 # still assembled and scored exactly: the MILP's sync estimate is conservative.
@@ -44,6 +44,12 @@ IMPROVE_DEVICE_SCORES = 6_000
 # 25 % behind do reach the optimum).
 IMPROVE_ALL_STARTS_UP_TO = 8
 IMPROVE_WITHIN = 0.03
+# The search over the spaces that keep less optimizer state (offloaded, sharded) visits a (t, b) only where no plain
+# template fitted or its best plain plan came within this fraction of the best (one the plain MILP ruled out by its
+# bound is not visited). Measured (this machine, loaded): at 0.25 that search cost 30-70 % more planning on gen-32
+# to gen-256 and won 0.25 % on gen-64 only; at 0.05 it keeps hethub-4types gpt-30b's gain (the (t, b) it helps is
+# the one whose plain plan was best) for a third of that cost.
+LESS_STATE_WITHIN = 0.05
 
 
 class Scope(NamedTuple):
@@ -95,35 +101,171 @@ def _scope_label(nodes: set[str]) -> str:
     return ("node " if len(nodes) == 1 else "nodes ") + ",".join(sorted(nodes))
 
 
+class _Search:
+    """One search of the MILP planner over some spaces per (t, b): its best plan scored so far and what it
+    tried (``plan_milp`` runs one over the plain spaces, then one over the spaces that keep less state)."""
+
+    def __init__(self, cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
+                 progress: Callable[[str], None] | None, incumbent: "_Search | None" = None):
+        """``incumbent``: an earlier search, whose best plan and MILP optimum this one must beat to matter."""
+        self.cluster, self.cost, self.time_limit_s, self.progress = cluster, cost, time_limit_s, progress
+        self.best: tuple[float, Plan, dict, Estimate] | None = None  # + the plan's estimate
+        self.templates, self.best_gap, self.statuses = 0, 0.0, set()
+        self.stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
+        self.best_milp_s: float | None = incumbent.best_milp_s if incumbent is not None else None
+        self.incumbent_s = incumbent.best[0] if incumbent is not None and incumbent.best is not None else None
+        self.starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
+        self.spaces: list[Space] = []
+        # per (t, b): its best plan scored (before local improvement), and the plan
+        self.best_at: dict[tuple[int, int], tuple[float, Plan]] = {}
+
+    @property
+    def beat_s(self) -> float | None:
+        """What a plan must beat to matter: the best so far, here or the incumbent's (None: nothing yet)."""
+        times = [t for t in (self.incumbent_s, self.best[0] if self.best is not None else None) if t is not None]
+        return min(times, default=None)
+
+    def consider(self, space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> bool:
+        """Score a choice of templates exactly; False when it cannot be built (e.g. a micro-batch per stage short)."""
+        best = self.best
+        scored = score(self.cluster, self.cost, space, chosen, self.beat_s)
+        if scored is None:
+            return False
+        plan, est = scored
+        at = (space.tp, space.micro_batch_size)
+        if at not in self.best_at or est.iteration_time_s < self.best_at[at][0]:
+            self.best_at[at] = (est.iteration_time_s, plan)
+        key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
+        self.starts[key] = (est.iteration_time_s, space, chosen)
+        if best is None or est.iteration_time_s < best[0]:
+            self.best_gap = gap
+            extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
+            self.best = (est.iteration_time_s, plan, extra, est)
+        return True
+
+    def run(self, pending: list[tuple[float, int, int]], spaces_at: Callable[[int, int], list[Space]]) -> None:
+        """The MILP over ``spaces_at(t, b)`` for each (t, b) of ``pending`` (fluid bound first) that can still
+        beat the best plan, then copies of one template lined up (``aligned``)."""
+        for fluid_s, t, b in sorted(pending):
+            if self.beat_s is not None and fluid_s >= self.beat_s:
+                continue
+            for space in spaces_at(t, b):
+                self.spaces.append(space)
+                self.templates += len(space.templates)
+                self.search_space(space, self.cost.settings.global_batch_size // space.micro_batch_size)
+        for space in self.spaces:
+            self.aligned(space)
+
+    def search_space(self, space: Space, M: int) -> None:
+        """Solve the MILP for every sync scope of one space, scoring its best answers."""
+        for label, avail, bw, optimistic in _sync_scopes(self.cluster, space):
+            if self.beat_s is not None and fluid_lower_bound_s(space, avail, M) >= self.beat_s:
+                continue  # this scope's groups cannot beat the best plan even computing nonstop
+            if self.progress:
+                self.progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
+            prune = self.best_milp_s * (1 + PRUNE_MARGIN) if self.best_milp_s is not None else None
+            res = solve_templates(space, M, avail, bw, time_limit_s=self.time_limit_s, prune_above_s=prune,
+                                  stats=self.stats)
+            if res is None:
+                continue
+            self.statuses.add(res.status)
+            # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
+            # the full cost model decides among its best answer for each pipeline count
+            built = [self.consider(space, chosen, label, res.objective_s, res.gap) for chosen in res.candidates]
+            # An optimistic price must not prune the honest ones, nor an answer that cannot be built
+            # (the MILP does not know that 1F1B needs a micro-batch per stage; assembly does).
+            if not optimistic and any(built):
+                self.best_milp_s = res.objective_s if self.best_milp_s is None else min(self.best_milp_s,
+                                                                                         res.objective_s)
+
+    def aligned(self, space: Space) -> None:
+        """Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
+        inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
+        those whose time without any gradient sync would beat the best plan are worth scoring."""
+        M = self.cost.settings.global_batch_size // space.micro_batch_size
+        aligned = []
+        for tpl in space.templates:
+            most = min(tpl.max_copies(space.available), M // len(tpl.classes))  # a micro-batch per stage
+            if most < 1:
+                continue
+            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)} - set(range(tpl.min_pipelines)):
+                no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
+                aligned.append((no_sync_s, copies, tpl))
+        for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
+            if self.beat_s is not None and no_sync_s >= self.beat_s:
+                break
+            self.consider(space, [tpl] * copies, "aligned copies", None, 0.0)
+
+    def improve_best(self) -> None:
+        """The cost model prices gradient sync per block bucket, the MILP per scope: search the
+        neighbourhood of the best plans found, scored exactly (see solver.improve)."""
+        ranked = sorted(self.starts.values(), key=lambda s: s[0])
+        firsts = {}  # the best plan of each space as well
+        for s in ranked:
+            firsts.setdefault(id(s[1]), s)
+        top = ranked[:IMPROVE_STARTS]
+        begin = top + [s for s in firsts.values() if not any(s is r for r in top)]
+        per_start = max(10, IMPROVE_DEVICE_SCORES // self.cluster.num_devices // max(1, len(begin)))
+        if self.cluster.num_devices > IMPROVE_ALL_STARTS_UP_TO:
+            begin = [s for s in begin if s[0] <= self.best[0] * (1 + IMPROVE_WITHIN)]
+        for _, space, chosen in begin:
+            found = improve(self.cluster, self.cost, space, chosen, max_scores=per_start)
+            if found is not None and found[0] < self.best[0] * (1 - 1e-9):
+                self.best = (found[0], found[1], {"scope": "local improvement"}, found[2])
+                self.best_gap = 0.0
+
+    def result(self, t0: float, lower_bound_s: float) -> tuple[Plan, Estimate]:
+        """The best plan with its schedules chosen and the solver report attached."""
+        _, plan, extra, est = self.best
+        info = {
+            "planner": "milp",
+            "status": "optimal" if self.statuses <= {"optimal"} else ",".join(sorted(self.statuses)),
+            "gap": self.best_gap,
+            "wall_s": round(time.perf_counter() - t0, 4),
+            "milp_solves": self.stats.get("milp_solves", 0),
+            "lp_proofs": self.stats.get("lp_proofs", 0),
+            "templates": self.templates,
+            # no plan of any (t, b) beats its groups computing blocks nonstop (``fluid_lower_bound_s``)
+            "lower_bound_s": round(lower_bound_s, 6),
+            **extra,
+        }
+        plan, est = choose_schedules(plan, cost := self.cost, est)
+        return finish(plan, cost, info, est)
+
+
+def _less_state_spaces(cluster: ClusterSpec, cost: CostModel, t: int, b: int, plain_search: _Search,
+                       plain: list[Space] | None) -> list[Space]:
+    """The spaces keeping less state at (t, b) (``search_spaces``), where no plain template fitted, or the plain
+    search's best plan there came close enough (``LESS_STATE_WITHIN``) and memory limits it: a stage recomputes
+    or GPUs are left out; for plans of as many pipelines as that plan (one: offloaded; more: sharded). Not where the plain search ruled it out by its bound or found it far behind.
+    ``plain``: the plain spaces built at (t, b), None where not built."""
+    if plain is not None and not plain:  # nothing fits keeping the state whole
+        return search_spaces(cluster, cost, t, b, "less", plain)
+    near, best = plain_search.best_at.get((t, b)), plain_search.best
+    if near is None or best is None or near[0] > best[0] * (1 + LESS_STATE_WITHIN):
+        return []
+    stages = [st for p in near[1].pipelines for st in p.stages]
+    if all(st.recompute in (None, "none") for st in stages) and len(near[1].devices()) == cluster.num_devices:
+        return []
+    # as many pipelines as the plain plan there: offloaded whole for one, sharded for more
+    return search_spaces(cluster, cost, t, b, "less", plain, len(near[1].pipelines))
+
+
 def plan_milp(
     cluster: ClusterSpec,
     cost: CostModel,
     time_limit_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
-    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP."""
+    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP.
+
+    Two searches, each as the planner searched before optimizer state was a choice: over the spaces whose
+    stages keep their optimizer state whole, then, where memory binds there, over the spaces that offload
+    or shard it (``search_spaces``); the faster plan of the two after choosing its schedules. Two and not
+    one: the first keeps every plan, local improvement and schedule it found before, so keeping less
+    state never makes a plan slower; a (t, b) where memory does not bind costs the second nothing.
+    """
     t0 = time.perf_counter()
-    best: tuple[float, Plan, dict, Estimate] | None = None  # + the plan's estimate
-    templates, best_gap, statuses = 0, 0.0, set()
-    stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
-    best_milp_s: float | None = None
-    starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
-
-    def consider(space: Space, chosen: list, label: str, milp_s: float | None, gap: float) -> bool:
-        """Score a choice of templates exactly; False when it cannot be built (e.g. a micro-batch per stage short)."""
-        nonlocal best, best_gap
-        scored = score(cluster, cost, space, chosen, best[0] if best is not None else None)
-        if scored is None:
-            return False
-        plan, est = scored
-        key = (space.tp, space.micro_batch_size, tuple(sorted(id(t) for t in chosen)))
-        starts[key] = (est.iteration_time_s, space, chosen)
-        if best is None or est.iteration_time_s < best[0]:
-            best_gap = gap
-            extra = {"scope": label} | ({"milp_objective_s": round(milp_s, 6)} if milp_s is not None else {})
-            best = (est.iteration_time_s, plan, extra, est)
-        return True
-
     # (t, b) pairs in order of the fluid lower bound (every group computing blocks nonstop, no
     # bubble, no sync), which needs only the group classes; a pair whose bound cannot beat the
     # best plan scored so far is never built.
@@ -133,80 +275,19 @@ def plan_milp(
         M = cost.settings.global_batch_size // b
         rate = sum(c.count / c.fastest_block_s for c in classes)
         pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
-    all_spaces = []
-    for fluid_s, t, b in sorted(pending):
-        if best is not None and fluid_s >= best[0]:
-            continue
-        space = build_space(cluster, cost, t, b)
-        if not space.templates:
-            continue
-        all_spaces.append(space)
-        templates += len(space.templates)
-        M = cost.settings.global_batch_size // space.micro_batch_size
-        for label, avail, bw, optimistic in _sync_scopes(cluster, space):
-            if best is not None and fluid_lower_bound_s(space, avail, M) >= best[0]:
-                continue  # this scope's groups cannot beat the best plan even computing nonstop
-            if progress:
-                progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
-            prune = best_milp_s * (1 + PRUNE_MARGIN) if best_milp_s is not None else None
-            res = solve_templates(space, M, avail, bw, time_limit_s=time_limit_s, prune_above_s=prune, stats=stats)
-            if res is None:
-                continue
-            statuses.add(res.status)
-            # the MILP plans with per-scope sync bandwidth and per-pipeline post-backward time;
-            # the full cost model decides among its best answer for each pipeline count
-            built = [consider(space, chosen, label, res.objective_s, res.gap) for chosen in res.candidates]
-            # An optimistic price must not prune the honest ones, nor an answer that cannot be built
-            # (the MILP does not know that 1F1B needs a micro-batch per stage; assembly does).
-            if not optimistic and any(built):
-                best_milp_s = res.objective_s if best_milp_s is None else min(best_milp_s, res.objective_s)
-    # Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
-    # inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
-    # those whose time without any gradient sync would beat the best plan are worth scoring.
-    for space in all_spaces:
-        M = cost.settings.global_batch_size // space.micro_batch_size
-        aligned = []
-        for tpl in space.templates:
-            most = min(tpl.max_copies(space.available), M // len(tpl.classes))  # a micro-batch per stage
-            if most < 1:
-                continue
-            for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)}:
-                no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
-                aligned.append((no_sync_s, copies, tpl))
-        for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
-            if best is not None and no_sync_s >= best[0]:
-                break
-            consider(space, [tpl] * copies, "aligned copies", None, 0.0)
-    if best is None:
+    plain: dict[tuple[int, int], list[Space]] = {}
+    first = _Search(cluster, cost, time_limit_s, progress)
+    first.run(pending, lambda t, b: plain.setdefault((t, b), search_spaces(cluster, cost, t, b, "whole")))
+    if first.best is not None:
+        first.improve_best()
+    second = _Search(cluster, cost, time_limit_s, progress, incumbent=first)
+    second.run(pending, lambda t, b: _less_state_spaces(cluster, cost, t, b, first, plain.get((t, b))))
+    if second.best is not None:
+        second.improve_best()
+    found = [search.result(t0, min(f for f, _, _ in pending)) for search in (first, second) if search.best is not None]
+    templates = first.templates + second.templates
+    if not found:
         raise NoPlanError(explain_no_plan(cluster, cost))
-    # The cost model prices gradient sync per block bucket, the MILP per scope: search the
-    # neighbourhood of the best plans found, scored exactly (see solver.improve).
-    ranked = sorted(starts.values(), key=lambda s: s[0])
-    firsts = {}  # the best plan of each (tp, micro-batch size) as well
-    for s in ranked:
-        firsts.setdefault(id(s[1]), s)
-    begin = ranked[:IMPROVE_STARTS] + [s for s in firsts.values() if not any(s is r for r in ranked[:IMPROVE_STARTS])]
-    per_start = max(10, IMPROVE_DEVICE_SCORES // cluster.num_devices // max(1, len(begin)))
-    if cluster.num_devices > IMPROVE_ALL_STARTS_UP_TO:
-        begin = [s for s in begin if s[0] <= best[0] * (1 + IMPROVE_WITHIN)]
-    for _, space, chosen in begin:
-        found = improve(cluster, cost, space, chosen, max_scores=per_start)
-        if found is not None and found[0] < best[0] * (1 - 1e-9):
-            best = (found[0], found[1], {"scope": "local improvement"}, found[2])
-            best_gap = 0.0
-    _, plan, extra, est = best
-    info = {
-        "planner": "milp",
-        "status": "optimal" if statuses <= {"optimal"} else ",".join(sorted(statuses)),
-        "gap": best_gap,
-        "wall_s": round(time.perf_counter() - t0, 4),
-        "milp_solves": stats.get("milp_solves", 0),
-        "lp_proofs": stats.get("lp_proofs", 0),
-        "templates": templates,
-        # no plan of any (t, b) beats its groups computing blocks nonstop (``fluid_lower_bound_s``)
-        "lower_bound_s": round(min(f for f, _, _ in pending), 6),
-        **extra,
-    }
-    plan, est = choose_schedules(plan, cost, est)
-    plan, est = finish(plan, cost, info, est)
-    return PlanResult(plan, est)
+    plan, est = min(found, key=lambda f: f[1].iteration_time_s)
+    return PlanResult(plan.model_copy(update={"solver": plan.solver.model_copy(
+        update={"wall_s": round(time.perf_counter() - t0, 4), "templates": templates})}), est)

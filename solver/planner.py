@@ -21,7 +21,7 @@ from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_s
 from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import plan_milp
-from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE
+from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
 from solver.symmetry import Slice, replicate, slice_of
 
 
@@ -71,7 +71,8 @@ def _search(cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
         except NoPlanError:
             pass  # the slice cannot hold the model: the whole cluster may
     space = (f"the MILP over its space (pipeline templates of up to {MAX_CLASSES_PER_PIPELINE} GPU classes per "
-             f"pipeline, 2 past {MANY_CLASSES} classes; each TP degree x micro-batch size)")
+             f"pipeline, 2 past {MANY_CLASSES} classes, {ONE_PIPELINE_CLASSES} in one pipeline that offloads on "
+             f"clusters of up to {ONE_PIPELINE_GROUPS} TP groups; each TP degree x micro-batch size)")
     try:
         return plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress), space, None
     except NoPlanError as e:

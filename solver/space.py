@@ -28,7 +28,8 @@ from hetrain.cost.collectives import collective_steps
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import drain_ahead_s, pipeline_terms
 from hetrain.cost.stage import UnitCosts
-from hetrain.spec.specs import ClusterSpec, RecomputeMode
+from hetrain.cost.costmodel import PARAM_GATHER_BYTES
+from hetrain.spec.specs import ClusterSpec, OptimizerStateMode, RecomputeMode
 
 
 DEPTH_SLACK = 3
@@ -36,10 +37,21 @@ DEPTH_SLACK = 3
 # two: the shapes grow with the cube of the classes (with three, a 320-GPU slice of 8 classes had
 # 33,386 templates, 30 s to build and 77 s of MILP; 60 GPUs in 11 classes 17,866 and 158 s).
 MAX_CLASSES_PER_PIPELINE = 3
+# The offloaded space (plans of one pipeline where memory binds, ``search_spaces``) mixes up to this many on clusters
+# of at most ONE_PIPELINE_GROUPS TP groups: there the model barely fits the cluster, and a pipeline of 3 classes
+# leaves the GPUs of the others out (hethub-4types gpt-30b: the A10G group, 11 % of the capacity; 4 classes: 71.7 %
+# -> 80.6 % of the useful-work bound, planning 1.2 -> 1.6 s). Few such shapes on small clusters; on large ones the
+# compositions of deep pipelines over 4 classes are what MANY_CLASSES guards against.
+ONE_PIPELINE_CLASSES = 4
+ONE_PIPELINE_GROUPS = 32
 MANY_CLASSES = 5
 # re-estimates of split_layers_modes' bulk threshold (each re-reads the per-block seconds at the
 # block counts the last one implies): on the benchmark templates two leave ~4 of ~34 blocks to the heap
 BULK_REFINES = 2
+# The sharded space's templates are built for this many replicas of each layer: a plan of D >= 2 pipelines keeps
+# at most what 2 keep (1/D of the moments), so its templates fit every such plan, priced conservatively (the step
+# over 1/2, not 1/D, of the parameters); the exact cost model then prices the plan at its D.
+SHARDED_REPLICAS = 2
 
 
 def classes_per_pipeline(num_classes: int) -> int:
@@ -56,7 +68,12 @@ class GroupClass:
     intra_bw_gbps: float
     nodes: tuple[str, ...]
     groups_per_node: tuple[int, ...]
-    modes: tuple[UnitCosts, ...]  # one per allowed activation recompute mode, least recompute first
+    # one per allowed (optimizer state, activation recompute): the state kept on the GPU first (replicated, or
+    # sharded in a sharded space), then offloaded; least recompute first within each
+    modes: tuple[UnitCosts, ...]
+    # per mode, the seconds per block a stage's split ranks it by: its block_s, plus, offloaded, its host step
+    # spread over the micro-batches a pipeline runs at most (``offload_penalty_s``); empty: block_s
+    split_block_s: tuple[float, ...] = ()
     _options: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -78,7 +95,8 @@ class GroupClass:
         key = (first, last, in_flight)
         found = self._options.get(key)
         if found is None:
-            found = self._options[key] = [(u.block_s, u.max_blocks(first, last, in_flight)) for u in self.modes]
+            per_block = self.split_block_s or [u.block_s for u in self.modes]
+            found = self._options[key] = [(b, u.max_blocks(first, last, in_flight)) for b, u in zip(per_block, self.modes)]
         return found
 
     def max_blocks(self, first: bool, last: bool, in_flight: int) -> int:
@@ -86,7 +104,11 @@ class GroupClass:
         return max(c for _, c in self.options(first, last, in_flight))
 
 
-def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int) -> list[GroupClass]:
+def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int,
+                  replicas: int = 1, offload: bool = False) -> list[GroupClass]:
+    """The group classes of the cluster at (tp, micro-batch size), each with its modes (``class_modes``);
+    ``replicas`` > 1: a sharded space's, every stage sharding its optimizer state among at least that many;
+    ``offload``: offloaded modes too."""
     merged: dict[tuple, list[tuple[str, int]]] = {}
     for node in cluster.nodes:
         groups = node.count // tp
@@ -98,11 +120,30 @@ def group_classes(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_si
         merged.setdefault(key, []).append((node.name, groups))
     classes = []
     for i, ((gpu, bw, *_), members) in enumerate(merged.items()):  # a class's nodes share NICs alike
-        modes = tuple(cost.unit_costs(gpu, bw, tp, micro_batch_size, m) for m in cost.settings.recompute_modes)
+        modes, split_s = class_modes(cost, gpu, bw, tp, micro_batch_size, replicas, offload)
         classes.append(
-            GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), modes)
+            GroupClass(i, gpu, bw, tuple(n for n, _ in members), tuple(g for _, g in members), modes, split_s)
         )
     return classes
+
+
+def class_modes(cost: CostModel, gpu: str, bw: float, tp: int, micro_batch_size: int, replicas: int,
+                offload: bool) -> tuple[tuple[UnitCosts, ...], tuple[float, ...]]:
+    """A class's modes (``GroupClass.modes``) and the seconds per block its splits rank them by.
+
+    Offloading costs a stage its host step once per iteration (``hetrain.cost.stage``), recompute
+    costs it per micro-batch: for a split to weigh one against the other, the host step of a
+    block's parameters is spread over the micro-batches a pipeline of the plan runs at most, M / replicas
+    (the template's exact host step goes into its post-backward time, ``Template.opt_s``)."""
+    kept = "sharded" if replicas > 1 else "replicated"
+    recompute = cost.settings.recompute_modes
+    modes = tuple(cost.unit_costs(gpu, bw, tp, micro_batch_size, m, state, replicas)
+                  for state in ((kept, "offloaded") if offload else (kept,)) for m in recompute)
+    most_microbatches = max(1, cost.settings.global_batch_size // micro_batch_size // replicas)
+    block_params = cost.stage_params(1, False, False, tp)
+    extra = [max(u.opt_s_per_param - modes[0].opt_s_per_param, 0.0) * block_params / most_microbatches
+             if u.optimizer_state == "offloaded" else 0.0 for u in modes]
+    return modes, tuple(u.block_s + e for u, e in zip(modes, extra))
 
 
 def class_link(cluster: ClusterSpec, a: GroupClass, b: GroupClass) -> tuple[float, bool]:
@@ -262,6 +303,15 @@ class Template:
     num_classes: int
     sync_latency_s: float = 0.0  # fixed cost of one gradient all-reduce between two pipelines (log2 D steps among D)
     recompute: tuple[RecomputeMode, ...] = ()  # per stage; empty: the settings' mode
+    optimizer_state: tuple[OptimizerStateMode, ...] = ()  # per stage; empty: replicated
+    # a sharded space's (every stage shards its optimizer state, so the plan needs at least 2 pipelines): per
+    # stage the parameter bytes its all-gather after the step moves, per TP rank; empty: gradients all-reduced
+    gather_bytes: tuple[float, ...] = ()
+
+    @property
+    def min_pipelines(self) -> int:
+        """The fewest pipelines a plan of this template needs: 2 where its stages shard their optimizer state."""
+        return 2 if self.gather_bytes else 1
 
     @cached_property
     def _terms(self) -> tuple[float, float]:
@@ -289,11 +339,16 @@ class Template:
     def post_s(self, num_pipelines: int, sync_bw_gbps: float) -> float:
         """After its pipeline's end, among ``num_pipelines`` pipelines: the gradient all-reduces the
         drain does not hide (a stage starts its own when it leaves 1F1B), then the optimizer step,
-        which every GPU takes after the step's one world all-reduce (``CostModel.estimate``)."""
+        which every GPU takes after the step's one world all-reduce (``CostModel.estimate``). Sharded:
+        a reduce-scatter (half an all-reduce) in the all-reduce's place, the step, then the parameters'
+        all-gather, which nothing hides."""
         phi = 2 * (num_pipelines - 1) / num_pipelines
         lat = self.sync_latency_s * collective_steps(num_pipelines)
+        if self.gather_bytes:
+            phi /= 2
+        gather = max((phi * g / (sync_bw_gbps * 1e9) + lat for g in self.gather_bytes), default=0.0)
         return (max(phi * g / (sync_bw_gbps * 1e9) + lat - a for g, a in zip(self.grad_bytes, self.ahead_s))
-                + max(self.opt_s))
+                + max(self.opt_s) + gather)
 
 
 def stage_order(classes: list[GroupClass], members: tuple[int, ...]) -> tuple[int, ...]:
@@ -368,11 +423,14 @@ class _TemplateBuilder:
             return None
         _, order, blocks, units, stage_s, p2p = best
         S = len(order)
-        grads = tuple(cost.grad_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S))
-        opts = tuple(cost.stage_params(blocks[k], k == 0, k == S - 1, tp) * units[k].opt_s_per_param for k in range(S))
+        params = [cost.stage_params(blocks[k], k == 0, k == S - 1, tp) for k in range(S)]
+        grads = tuple(n * cost.grad_wire_bytes for n in params)
+        opts = tuple(n * u.opt_s_per_param for n, u in zip(params, units))
         ahead = drain_ahead_s([units[k].stage_backward_s(blocks[k], k == S - 1) for k in range(S)])
+        sharded = units[0].replicas > 1
         return Template(order, tuple(blocks), stage_s, p2p, grads, opts, ahead, len(classes), cost.latency_s,
-                        tuple(u.recompute for u in units))
+                        tuple(u.recompute for u in units), tuple(u.optimizer_state for u in units),
+                        tuple(n * PARAM_GATHER_BYTES for n in params) if sharded else ())
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)
@@ -478,6 +536,8 @@ class Space:
     num_layers: int
     classes: list[GroupClass]
     templates: list[Template]
+    replicas: int = 1  # > 1: the sharded space (``build_space``)
+    offload: bool = False  # its stages may offload their optimizer state
 
     @property
     def available(self) -> list[int]:
@@ -491,6 +551,8 @@ def build_space(
     micro_batch_size: int,
     max_classes_per_pipeline: int | None = None,
     depth_slack: int = DEPTH_SLACK,
+    replicas: int = 1,
+    offload: bool = False,
 ) -> Space:
     """Enumerate the templates (multisets of classes, canonical order) that fit in memory.
 
@@ -502,9 +564,11 @@ def build_space(
     little optimizer state to step (large-1024, gpt-30b: 16-stage pipelines at TP 8), where the
     window would stop a few stages past the shallowest. Dominated templates (another uses no
     more groups of any class and is no slower in bottleneck, fill and post-backward time) are
-    dropped: they can never be needed.
+    dropped: they can never be needed. ``replicas`` > 1: the sharded space, every stage sharding its optimizer
+    state among at least that many pipelines (``group_classes``), its templates for plans of as many;
+    ``offload``: a stage may offload its optimizer state where its split finds that pays.
     """
-    classes = group_classes(cluster, cost, tp, micro_batch_size)
+    classes = group_classes(cluster, cost, tp, micro_batch_size, replicas, offload)
     if max_classes_per_pipeline is None:
         max_classes_per_pipeline = classes_per_pipeline(len(classes))
     avail = [c.count for c in classes]
@@ -516,28 +580,7 @@ def build_space(
     builder = _TemplateBuilder(cluster, cost, classes, tp, micro_batch_size)
 
     def shapes(exists):
-        """The pipeline shapes the enumeration visits, in order; ``exists(shape)``: whether it has a
-        template (the deeper shapes visited depend on the shallowest that has one)."""
-        visit = []
-        for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
-            for chosen in itertools.combinations(range(len(classes)), kinds):
-                shallowest = None
-                for depth in range(kinds, depth_cap + 1):
-                    if (kinds > 1 and shallowest is not None
-                            and depth > max(shallowest + depth_slack, scarce_depth)):
-                        break  # one class: every depth (one shape each), see the docstring
-                    found = False
-                    check = fits.checker(chosen, depth)
-                    for counts in _compositions(depth, [avail[c] for c in chosen]):
-                        if not check(counts):
-                            continue  # some stage cannot hold its share of the blocks: no template
-                        members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
-                        visit.append(members)
-                        if exists(members):
-                            found = True
-                    if found and shallowest is None:
-                        shallowest = depth
-        return visit
+        return _shapes(classes, avail, fits, max_classes_per_pipeline, (depth_cap, depth_slack, scarce_depth), exists)
 
     # The memory check passes exactly the shapes that split (``_MemoryCheck``), so the shapes
     # are listed first and their templates built at once; the listing is then repeated with
@@ -551,7 +594,69 @@ def build_space(
         return built[members]
 
     templates = [t for t in (get(members) for members in shapes(lambda members: get(members) is not None)) if t is not None]
-    return Space(tp, micro_batch_size, L, classes, _undominated(templates))
+    return Space(tp, micro_batch_size, L, classes, _undominated(templates), replicas, offload)
+
+
+def _shapes(classes: list[GroupClass], avail: list[int], fits: "_MemoryCheck", max_classes_per_pipeline: int,
+            depths: tuple[int, int, int], exists) -> list[tuple[int, ...]]:
+    """The pipeline shapes ``build_space`` visits, in order; ``exists(shape)``: whether it has a template
+    (the deeper shapes visited depend on the shallowest that has one). ``depths``: the deepest pipeline,
+    how far past the shallowest one of several classes goes, and the depth scarce micro-batches need."""
+    depth_cap, depth_slack, scarce_depth = depths
+    visit = []
+    for kinds in range(1, min(max_classes_per_pipeline, len(classes)) + 1):
+        for chosen in itertools.combinations(range(len(classes)), kinds):
+            shallowest = None
+            for depth in range(kinds, depth_cap + 1):
+                if (kinds > 1 and shallowest is not None
+                        and depth > max(shallowest + depth_slack, scarce_depth)):
+                    break  # one class: every depth (one shape each), see build_space
+                found = False
+                check = fits.checker(chosen, depth)
+                for counts in _compositions(depth, [avail[c] for c in chosen]):
+                    if not check(counts):
+                        continue  # some stage cannot hold its share of the blocks: no template
+                    members = tuple(c for c, n in zip(chosen, counts) for _ in range(n))
+                    visit.append(members)
+                    if exists(members):
+                        found = True
+                if found and shallowest is None:
+                    shallowest = depth
+    return visit
+
+
+def search_spaces(cluster: ClusterSpec, cost: CostModel, tp: int, micro_batch_size: int, which: str = "all",
+                  plain: list[Space] | None = None, pipelines: int | None = None) -> list[Space]:
+    """The spaces searched at (tp, micro-batch size) that have templates (``build_space``).
+
+    ``which`` "whole": the plain space, every stage keeping its optimizer state whole. "less": where memory
+    binds in the plain space (``memory_bound``; ``plain``: it, where the caller built it), two more: a stage's
+    state offloaded where its split finds that pays (for plans of one pipeline: with more, the sharded space
+    offloads a stage's share), and every stage sharding it among at least ``SHARDED_REPLICAS`` pipelines
+    (offloading it where that pays), plan-wide, so every replica of a layer agrees; ``pipelines``: the plans
+    of interest have this many (1: only the first, more: only the second; None: both). "all": every space.
+    Each space holds one shape per stage multiset, so the plain space is searched beside them: a split that
+    offloads on the promise of many micro-batches per pipeline can be the wrong one for plans of many."""
+    if plain is None:
+        built = build_space(cluster, cost, tp, micro_batch_size)
+        plain = [built] if built.templates else []
+    out = list(plain) if which != "less" else []
+    if which != "whole" and (not plain or memory_bound(plain[0])):
+        if pipelines is None or pipelines == 1:
+            groups = sum(n.count // tp for n in cluster.nodes)
+            mix = ONE_PIPELINE_CLASSES if groups <= ONE_PIPELINE_GROUPS else None
+            out.append(build_space(cluster, cost, tp, micro_batch_size, max_classes_per_pipeline=mix, offload=True))
+        if (pipelines is None or pipelines > 1) and cost.settings.global_batch_size // micro_batch_size >= SHARDED_REPLICAS:
+            out.append(build_space(cluster, cost, tp, micro_batch_size, replicas=SHARDED_REPLICAS, offload=True))
+    return [space for space in out if space.templates]
+
+
+def memory_bound(space: Space) -> bool:
+    """Whether memory limits a space whose stages keep their optimizer state whole: none of its templates, one
+    that recomputes, or a class that cannot hold a block even in a middle stage with one micro-batch in flight.
+    Where none does, keeping less state changes no template (each stage already runs its fastest mode)."""
+    return (not space.templates or any(mode != "none" for t in space.templates for mode in t.recompute)
+            or any(c.max_blocks(False, False, 1) < 1 for c in space.classes))
 
 
 class _MemoryCheck:

@@ -23,7 +23,7 @@ def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
     assert "note: the plan's predicted times: these times are analytic estimates" in launch.stderr
     assert set(plan["solver"]) >= {"planner", "status", "gap", "wall_s"}
     stage = plan["pipelines"][0]["stages"][0]
-    assert set(stage) <= {"devices", "gpu", "layers", "recompute", "in_flight"} and "recompute" in stage
+    assert set(stage) <= {"devices", "gpu", "layers", "recompute", "optimizer_state", "in_flight"} and "recompute" in stage
 
     est = cli("estimate", "--plan", str(out_file), "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--json")
     assert est.returncode == 0, est.stderr
@@ -111,5 +111,5 @@ def test_help_and_the_plan_table_fit_80_columns_whole(tmp_path):
         assert option in helped
     table = run("plan", "--cluster", str(EXAMPLES / "clusters/paper-3types.yaml"), "--model",
                 str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "64", "--compare", "--time-limit", "5")
-    for cell in ("RTX3090", "rtx/{0,1}", "32.4/80", "131.6", "vs", "megatron", "pipelines=2"):
+    for cell in ("RTX3090", "rtx/{0,1}", "26.3/80", "131.6", "sharded", "vs", "megatron", "pipelines=2"):
         assert cell in table

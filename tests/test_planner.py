@@ -8,7 +8,7 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.assemble import allocate_microbatches, assemble, score
+from solver.assemble import allocate_microbatches, assemble, score, shard_if_faster
 from solver.planner import make_plan
 from solver.space import build_space, split_layers, split_layers_modes
 
@@ -155,8 +155,10 @@ def random_results():
 def test_milp_matches_exhaustive_on_random_small_clusters(random_results):
     assert len(random_results) >= 30
     ratios = {seed: h.estimate.iteration_time_s / e.estimate.iteration_time_s for seed, _, _, h, e in random_results}
-    # the exhaustive optimum is a true lower bound over the same space
-    assert min(ratios.values()) >= 1 - 1e-9
+    # the exhaustive optimum is a lower bound over the same space before schedules are chosen; both planners choose
+    # them for their best candidate (of each optimizer-state family: solver.milp_planner.plan_milp), and a plan
+    # behind can gain more from them (seed 22: a sharded plan with ZB-H1, 0.75 % ahead of the referee's)
+    assert min(ratios.values()) >= 1 - 0.01, {s: round(r, 4) for s, r in ratios.items() if r < 1 - 1e-9}
     # the criterion: every cluster within 1 % of the exhaustive optimum
     assert max(ratios.values()) <= 1.01, {s: round(r, 4) for s, r in ratios.items() if r > 1.01}
 
@@ -198,8 +200,8 @@ def test_never_worse_than_baselines_on_random_clusters(random_results):
 def test_no_plan_says_why():
     cluster = load_cluster(EXAMPLES / "clusters/paper-12gpu.yaml")
     model = load_model(EXAMPLES / "models/gpt-30b.yaml").model_copy(update={"num_layers": 480, "name": "gpt-300b"})
-    with pytest.raises(NoPlanError, match=r"gpt-300b needs at least [\d,]+ GB for weights and optimizer state; "
-                                          r"cluster 'paper-12gpu' has 544 GB"):
+    with pytest.raises(NoPlanError, match=r"gpt-300b needs at least [\d,]+ GB for weights and optimizer state \(its "
+                                          r"AdamW moments offloaded to host memory\); cluster 'paper-12gpu' has 544 GB"):
         make_plan("hetrain", cluster, model, TrainingSettings(global_batch_size=64))
 
 
@@ -332,13 +334,15 @@ def test_copies_of_a_template_are_placed_stage_major_when_that_keeps_gradient_ri
         assert len({node(p.stages[k].devices[0]) for p in by_stage.pipelines}) == 1
     slow, fast = cost.estimate(by_pipeline), cost.estimate(by_stage)
     assert max(fast.sync_s.values()) < max(slow.sync_s.values()) / 10
+    # score shards the optimizer state where that is faster (shard_if_faster): compare like with like
+    slow, fast = shard_if_faster(by_pipeline, cost, slow)[1], shard_if_faster(by_stage, cost, fast)[1]
     plan, est = score(cluster, cost, space, [tpl, tpl])
     assert est.iteration_time_s == pytest.approx(min(slow.iteration_time_s, fast.iteration_time_s))
     assert est.iteration_time_s == pytest.approx(fast.iteration_time_s)
     # a caller whose best already beats what these pipelines could compute, sends and sync aside,
-    # gets the pipeline-major plan without stage-major being tried
+    # gets the pipeline-major plan without stage-major (or sharding) being tried
     _, skipped = score(cluster, cost, space, [tpl, tpl], must_beat_s=fast.pipeline_s / 10)
-    assert skipped.iteration_time_s == pytest.approx(slow.iteration_time_s)
+    assert skipped.iteration_time_s == pytest.approx(cost.estimate(by_pipeline).iteration_time_s)
 
 
 def test_pipelines_that_cut_the_model_alike_are_placed_stage_major_even_as_different_templates():

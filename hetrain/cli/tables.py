@@ -24,21 +24,29 @@ SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb"}
 
 
 def plan_table(plan, est, title: str) -> Table:
-    """One row a stage; numbers never wrap, and long names of GPUs and devices wrap instead of being cut."""
-    table, names = _compact_table(title, [
-        ("pipeline", "pipe-\nline"), ("stage", "stage"), ("gpu", "gpu"), ("devices", "devices"), ("blocks", "blocks"),
-        ("recompute", "recompute"), ("micro-batches", "micro\nbatches"), ("in flight", "in\nflight"),
-        ("stage ms", "stage\nms"), ("memory GB", "memory\nGB")])
+    """One row a stage; numbers never wrap, and long names of GPUs and devices wrap instead of being cut. Each
+    stage's optimizer state in a column of its own, or in a narrow terminal (where one more column does not fit)
+    under its recompute, where it keeps less than the whole (sharded, offloaded)."""
+    headers = [("pipeline", "pipe-\nline"), ("stage", "stage"), ("gpu", "gpu"), ("devices", "devices"),
+               ("blocks", "blocks"), ("recompute", "recompute"), ("optimizer state", None),
+               ("micro-batches", "micro\nbatches"), ("in flight", "in\nflight"), ("stage ms", "stage\nms"),
+               ("memory GB", "memory\nGB")]
+    table, names = _compact_table(title, headers)
+    own_column = names[6] is not None
     for i, col in enumerate(names):
-        table.add_column(col, justify="left" if i in (2, 3, 5) else "right", no_wrap=i not in (2, 3, 4, 5),
-                         overflow="fold")
+        if col is not None:
+            table.add_column(col, justify="left" if i in (2, 3, 5, 6) else "right", no_wrap=i not in (2, 3, 4, 5),
+                             overflow="fold")
     from hetrain.cost.report import plan_rows
 
     rows = plan_rows(plan, est)
     for i, r in enumerate(rows):
         first, last = r["stage"] == 0, i + 1 == len(rows) or rows[i + 1]["stage"] == 0
+        state = r["optimizer state"]
+        kept = [state] if own_column else []
+        recompute = r["recompute"] if own_column or state == "replicated" else f"{r['recompute']}\n{state}"
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
-                      f"{r['blocks']} ({r['num_blocks']})", r["recompute"],
+                      f"{r['blocks']} ({r['num_blocks']})", recompute, *kept,
                       (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}"))
                       if first else "",
                       str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""),

@@ -31,6 +31,16 @@ Data parallelism across pipelines of different shapes. D = number of pipelines. 
 
 Optimizer step: opt_d, per parameter the GPU holds (``hetrain.cost.stage``).
 
+Sharded optimizer state (ZeRO-1: a bucket whose every holder's ``optimizer_state`` is sharded or
+    offloaded, D > 1): its all-reduce becomes a reduce-scatter of the gradients, where the
+    all-reduce ran (overlapping the drain as above), each replica steps its 1/D share (opt_d / D),
+    and then an all-gather of the updated parameters (fp32, ``PARAM_GATHER_BYTES``):
+        rs(bucket) = (D-1)/D * P_bucket B_grad / t / (bw_min / share) + lat ceil(log2 D),
+        ag(bucket) = (D-1)/D * P_bucket 4 / t / (bw_min / share) + lat ceil(log2 D),
+    the same bytes as the all-reduce where gradients are fp32. The all-gather waits for the step
+    and the next forward waits for it: it overlaps nothing. Every GPU runs its all-gathers in the
+    bucket order, each when all its GPUs have stepped (played as the reduce-scatters are).
+
 Iteration time. Each GPU starts its gradient all-reduces when it leaves its schedule, without
     waiting for the rest of its pipeline: in 1F1B's drain stage k ends its last backward at least
     ahead_k = sum_{j<k} bwd_j before its pipeline's end (the last micro-batch's backward still
@@ -40,7 +50,8 @@ Iteration time. Each GPU starts its gradient all-reduces when it leaves its sche
         end(ring) = max over its GPUs g of free_g + sync(ring),  free_g := end(ring) for each g,
     from free_g = T_pipe(p_g) - ahead_g; then every GPU waits for the step's one world all-reduce
     (loss, gradient norm for clipping, timings) and only then steps its optimizer:
-        T_iter = max_d free_d + max_d opt_d + o_step + lat_W;   tokens/s = global_batch * s / T_iter,
+        T_iter = max_d free_d + max_d opt_d + gather + o_step + lat_W;   tokens/s = global_batch * s / T_iter,
+    gather: the sharded buckets' all-gathers after the step (0 where none shards),
     o_step: the runtime's fixed work per step (measured; 0 without a profile), lat_W: that
     all-reduce over all W GPUs, lat ceil(log2 max(W, 2)).
 
@@ -52,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hetrain.cost.collectives import collective_steps, ring_allreduce_s, send_s
+from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s, send_s
 from hetrain.cost.pipeline import Op, drain_ahead_s, eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
 from hetrain.cost.stage import UnitCosts
 from hetrain.cost.stage import unit_costs as stage_unit_costs
@@ -60,7 +71,12 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.spec.arithmetic import block_params, embed_params, head_params, train_flops_per_sequence
-from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, RecomputeMode, TrainingSettings
+from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
+
+# bytes per parameter a sharded bucket all-gathers after the step: the runtime's parameters are fp32
+# (hetrain.runtime.precision), each replica's updated share of them
+PARAM_GATHER_BYTES = 4
+SHARDS_STATE = ("sharded", "offloaded")  # the optimizer states that keep 1/D of a layer's state per replica
 
 
 @dataclass
@@ -127,15 +143,19 @@ class CostModel:
     # ------------------------------------------------------------------ building blocks
 
     def unit_costs(self, gpu: str, intra_bw_gbps: float, tp: int, micro_batch_size: int,
-                   recompute: RecomputeMode | None = None) -> UnitCosts:
-        """Costs of one TP group's blocks under ``recompute`` (None: the settings' one mode for every stage)."""
+                   recompute: RecomputeMode | None = None, optimizer_state: OptimizerStateMode | None = None,
+                   replicas: int = 1) -> UnitCosts:
+        """Costs of one TP group's blocks under ``recompute`` (None: the settings' one mode for every stage)
+        with its ``optimizer_state`` (None: replicated) among ``replicas`` replicas of its layers."""
         recompute = self.settings.stage_recompute(recompute)
-        key = (gpu, intra_bw_gbps, tp, micro_batch_size, recompute)
+        state = optimizer_state or "replicated"
+        replicas = 1 if state == "replicated" else replicas  # the replicas matter only where the state shards
+        key = (gpu, intra_bw_gbps, tp, micro_batch_size, recompute, state, replicas)
         if key not in self._unit_cache:
             self._unit_cache[key] = stage_unit_costs(
                 self.model, self.settings, self.profile, self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp,
                 micro_batch_size, recompute, latency_s=self.latency_s, overheads=self.overheads(gpu),
-                cpu_ranks=gpu in self._cpu_types)
+                cpu_ranks=gpu in self._cpu_types, optimizer_state=state, replicas=replicas)
         return self._unit_cache[key]
 
     def overheads(self, gpu: str) -> RuntimeOverheads | None:
@@ -197,6 +217,7 @@ class CostModel:
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
+        sharded = self.sharded_stages(plan)
         stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
         finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
         for pipe in plan.pipelines:
@@ -207,9 +228,11 @@ class CostModel:
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
                 in_flight, pending = pipe.in_flight(k), pipe.weight_pending(k)
-                key = (stage.gpu, bw, stage.recompute, n_blocks, k == 0, k == S - 1, in_flight, pending)
+                replicas = len(plan.pipelines) if id(stage) in sharded else 1
+                key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
+                       in_flight, pending)
                 if key not in stages_seen:
-                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute)
+                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas)
                     first, last = k == 0, k == S - 1
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
                                         u.stage_memory_bytes(n_blocks, first, last, in_flight, pending) / GB,
@@ -238,13 +261,23 @@ class CostModel:
                 finish.update(dict.fromkeys(stage.devices, end))
 
         pipeline_s = max(p.time_s for p in pipes)
-        sync, free = self._sync_ends(plan, node_of, finish)
-        # every GPU waits for the step's one world all-reduce (the gradient norm), then steps its optimizer
-        post = max(free.values()) - pipeline_s + max(opt.values())
+        sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
         fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt))
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    def _post_s(self, rings: list, finish: dict[str, float], opt: dict[str, float],
+                pipeline_s: float) -> tuple[dict[str, float], float]:
+        """(per GPU its sync seconds, the seconds after the slowest pipeline): the syncs the drain does not
+        hide, then, after the step's one world all-reduce (the gradient norm), the optimizer step, then the
+        sharded buckets' all-gathers of the updated parameters (module doc)."""
+        sync, free = self._sync_ends(rings, finish)
+        gathers = [(devs, after) for devs, _, after in rings if after]
+        gathered, gather_ends = self._sync_ends(gathers, {})
+        for d, seconds in gathered.items():
+            sync[d] += seconds
+        return sync, max(free.values()) - pipeline_s + max(opt.values()) + max(gather_ends.values(), default=0.0)
 
     def timeline(self, plan: Plan, est: Estimate, pipeline: int) -> list[Op]:
         """The ops of one pipeline of ``plan`` as ``estimate`` played it (``est``): each stage's forwards, backwards.
@@ -272,14 +305,15 @@ class CostModel:
         return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
                                 weight_s=weight_s if schedule == "zb-h1" else None, trace=trace)
 
-    def _sync_ends(self, plan: Plan, node_of: dict[str, str],
-                   finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-        """Per GPU: the seconds of its gradient all-reduces, and when it is done with them, from
-        ``finish``, when it ends its part of its pipeline's schedule (see the module doc)."""
+    @staticmethod
+    def _sync_ends(rings: list, finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """Per GPU: the seconds of its collectives among ``rings`` ((devices, seconds, ...) in the order each
+        GPU runs them), and when it is done with them, from ``finish``, when it reaches the first (see the
+        module doc); a GPU not in ``finish`` starts at 0."""
         sync: dict[str, float] = {}
         free = dict(finish)  # when each GPU is done with its backward and its all-reduces so far
-        for devs, seconds in self._sync_rings(plan, node_of):  # each GPU runs its rings in this order
-            ends = max(free[d] for d in devs) + seconds  # a ring starts when all its GPUs reach it
+        for devs, seconds, *_ in rings:  # each GPU runs its rings in this order
+            ends = max(free.get(d, 0.0) for d in devs) + seconds  # a ring starts when all its GPUs reach it
             for d in devs:
                 sync[d] = sync.get(d, 0.0) + seconds
                 free[d] = ends
@@ -306,17 +340,23 @@ class CostModel:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
-    def _sync_rings(self, plan: Plan, node_of: dict[str, str]) -> list[tuple[list[str], float]]:
-        """The data-parallel gradient all-reduces after backward, (the GPUs of one ring, its seconds),
-        in an order every GPU runs its own in (the runtime's)."""
-        D, t = len(plan.pipelines), plan.tp
-        if D == 1:
-            return []
-        m = self.model
+    def sharded_stages(self, plan: Plan) -> set[int]:
+        """``id`` of each stage that keeps 1/D of its optimizer state: sharded or offloaded, in a plan of D > 1
+        pipelines, and every other holder of each of its layers (its buckets') too. A stage whose layers
+        some replica keeps whole keeps them whole as well (an offloaded one: all of its state on the host)."""
+        if len(plan.pipelines) == 1:
+            return set()
+        whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
+                 if not all(st.optimizer_state in SHARDS_STATE for st in stages) for st in stages}
+        return {id(st) for p in plan.pipelines for st in p.stages
+                if st.optimizer_state in SHARDS_STATE and id(st) not in whole}
+
+    def _sync_buckets(self, plan: Plan) -> list[tuple[tuple[int, ...], list, float]]:
+        """The gradient sync's buckets, (key, the stages holding them, one per pipeline; bytes per TP rank),
+        in the order every rank runs them (``hetrain.plan.layout``): the embedding, the blocks, the head,
+        with neighbours of the same holders merged."""
+        D, t, m = len(plan.pipelines), plan.tp, self.model
         act = self.grad_wire_bytes
-        # buckets (the stages, one per pipeline, holding some layers; bytes per TP rank) in the order
-        # every rank runs them (``hetrain.plan.layout``): the embedding, the blocks, the head, with
-        # neighbours of the same holders merged
         buckets: list[tuple[tuple[int, ...], list, float]] = []
 
         def add(stages, num_bytes):
@@ -337,14 +377,29 @@ class CostModel:
                 holders.append(pipe.stages[at[p]])
             add(holders, (hi - lo) * block_params(m) * act / t)
         add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
+        return buckets
+
+    def _sync_rings(self, plan: Plan, node_of: dict[str, str]) -> list[tuple[list[str], float, float]]:
+        """The data-parallel gradient syncs, (the GPUs of one ring, its seconds after backward, its seconds
+        after the optimizer step), in an order every GPU runs its own in (the runtime's): an all-reduce
+        after backward, or where the ring's stages shard their optimizer state a reduce-scatter then and
+        an all-gather of the parameters after the step (module doc)."""
+        D, t = len(plan.pipelines), plan.tp
+        if D == 1:
+            return []
+        act = self.grad_wire_bytes
+        buckets = self._sync_buckets(plan)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
         # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).
         crossing_gpus: dict[str, set[str]] = {}
         crossing_rings: dict[str, set[tuple]] = {}
         rings = []  # (devices, their nodes, bytes) per bucket and TP rank
+        ring_sharded = []
         for key, stages, num_bytes in buckets:
+            sharded = all(st.optimizer_state in SHARDS_STATE for st in stages)
             for r in range(t):
+                ring_sharded.append(sharded)
                 devs = [st.devices[r] for st in stages]
                 ring_nodes = frozenset(node_of[d] for d in devs)
                 rings.append((devs, ring_nodes, num_bytes))
@@ -357,13 +412,17 @@ class CostModel:
                  for n in crossing_gpus}
         slowest: dict[frozenset, float] = {}
         out = []
-        for devs, ring_nodes, num_bytes in rings:
+        for (devs, ring_nodes, num_bytes), sharded in zip(rings, ring_sharded):
             if ring_nodes not in slowest:
                 slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
             bw = slowest[ring_nodes]
             if len(ring_nodes) > 1:
                 bw /= max(share[n] for n in ring_nodes)
-            out.append((devs, ring_allreduce_s(num_bytes, D, bw, self.latency_s)))
+            if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
+                out.append((devs, ring_allgather_s(num_bytes, D, bw, self.latency_s),
+                            ring_allgather_s(num_bytes / act * PARAM_GATHER_BYTES, D, bw, self.latency_s)))
+            else:
+                out.append((devs, ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0))
         return out
 
     def check_memory(self, est: Estimate) -> None:

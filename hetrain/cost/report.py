@@ -8,8 +8,8 @@ from hetrain.spec.arithmetic import block_forward_flops, head_forward_flops
 
 
 def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
-    """pipeline, stage, gpu, devices, blocks, recompute, micro-batches, in flight, stage ms, peak GB (and the device's
-    capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k); ``weight
+    """pipeline, stage, gpu, devices, blocks, recompute, optimizer state, micro-batches, in flight, stage ms, peak GB
+    (and the device's capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k); ``weight
     pending``: those ZB-H1 keeps waiting for their weight gradient; ``schedule``: the pipeline's."""
     settings = plan.settings()
     rows = []
@@ -18,7 +18,9 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
             lo, hi = stage.layers
             rows.append({"pipeline": p, "stage": k, "gpu": stage.gpu, "devices": list(stage.devices),
                          "blocks": f"{lo}-{hi}", "num_blocks": hi - lo,
-                         "recompute": settings.stage_recompute(stage.recompute), "micro-batches": pipe.num_microbatches,
+                         "recompute": settings.stage_recompute(stage.recompute),
+                         "optimizer state": stage.optimizer_state or "replicated",
+                         "micro-batches": pipe.num_microbatches,
                          "in flight": pipe.in_flight(k), "weight pending": pipe.weight_pending(k),
                          "schedule": pipe.schedule_name,
                          "stage ms": round(stage_s * 1e3, 2),

@@ -27,6 +27,19 @@ Optimizer step: every byte of weight, gradient and optimizer state is read and w
     opt_d = 2 * bytes_per_param * P_d / memory_bandwidth_g.
     Optimizer step measured by the profiler (``Profile.runtime``) replaces this where present.
 
+Optimizer state (a stage's ``optimizer_state``; D = the replicas of its layers, the plan's pipelines):
+    of bytes_per_param, the share z = ``OPTIMIZER_STATE_SHARE`` (AdamW's two fp32 moments: 8 of 16) is
+    state only the optimizer step reads;
+    replicated: all of it on every replica, the step over all P_d;
+    sharded (ZeRO-1): z/D of it, bytes_per_param (1 - z (1 - 1/D)) per parameter; the step over P_d / D
+        (opt_d / D); the gradient all-reduce becomes a reduce-scatter and, after the step, an
+        all-gather of the parameters (``hetrain.cost.costmodel``);
+    offloaded: none of it on the GPU, bytes_per_param (1 - z); the step on the host over its share
+        P_d / D: the gradients down and the parameters up over PCIe (``PCIE_BANDWIDTH_GBPS``, fp32
+        each way) and torch's fused AdamW on the CPU (``CPU_ADAMW_BYTES_PER_S``), one after the
+        other and after backward: nothing overlaps it. D > 1 only where every replica of its layers
+        shards or offloads (``CostModel.sharded_stages``); else its whole state, D = 1.
+
 Memory of GPU d in stage k of a pipeline of S stages (1F1B keeps n_k = min(S - k, m_p)
 micro-batches in flight on stage k, k = 0 first; eager 1F1B min(in_flight_k, m_p)), counted as the runtime holds it (bf16/fp16
 run under autocast over fp32 parameters, see hetrain.runtime.precision):
@@ -38,8 +51,9 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
         micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
         on the last stage;
     peak = reserve + states + max(activations, optimizer temporaries), the temporaries being
-        half the states for foreach AdamW on CPU ranks (emulated GPU types) and none for the
-        fused AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
+        half the bytes of the parameters the step updates on the device (all, 1/D sharded, none
+        offloaded) for foreach AdamW on CPU ranks (emulated GPU types) and none for the fused
+        AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
         ``torch.cuda.max_memory_allocated`` (or ``AllocationTracker`` on CPU) measures.
 """
 
@@ -54,9 +68,45 @@ from hetrain.spec.arithmetic import (RESIDUAL_BYTES, block_activation_bytes, blo
                                      embed_params, head_forward_flops, head_params, selective_activation_bytes,
                                      selective_recompute_bytes)
 from hetrain.spec.catalog import GPUType
-from hetrain.spec.specs import GB, ModelSpec, RecomputeMode, TrainingSettings
+from hetrain.spec.specs import GB, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
 FOREACH_TEMP_RATIO = 0.5  # foreach AdamW's temporaries: about two fp32 copies of the parameters = half of 16 B/param
+# Of bytes_per_param, the share only the optimizer step reads, what sharding divides by the replicas and offload
+# moves to the host: AdamW's two fp32 moments (exp_avg, exp_avg_sq), 8 of the 16 bytes the runtime keeps per
+# parameter. The other 8, the fp32 parameter (its own master copy: hetrain.runtime.precision) and its fp32
+# gradient, forward and backward read whole on every replica.
+OPTIMIZER_STATE_SHARE = 0.5
+# Host <-> GPU copies of an offloaded stage, GB/s one way: what a pinned copy reaches on PCIe 3.0 x16 (V100s,
+# many cloud hosts; PCIe 4.0 doubles it), taken for every GPU type: the catalog has no per-type field, and
+# a node's GPUs often share a PCIe switch two by two, which halves PCIe 4.0's share again.
+PCIE_BANDWIDTH_GBPS = 12.0
+# torch's fused AdamW on the host, bytes it moves per second (ADAMW_BYTES_PER_PARAM per parameter): measured by
+# bench/cpu_adamw.py on this project's development machine (AMD EPYC), one thread (a rank's share under torchrun's
+# OMP_NUM_THREADS=1), the machine otherwise idle (load 1.3): 1.41 G parameters/s = 39 GB/s, twice alike (foreach
+# 6.3 GB/s, for-loop 4.5). Under load 11 on its 2 cores the same step ran at 6.3 GB/s: a rank that shares its core
+# gets its share. A server's 8 ranks on two sockets' memory channels each keep about this.
+CPU_ADAMW_BYTES_PER_S = 39.0e9
+# one AdamW update in fp32: reads parameter, gradient, exp_avg, exp_avg_sq; writes parameter, exp_avg, exp_avg_sq
+ADAMW_BYTES_PER_PARAM = 28
+# what an offloaded step copies per parameter of its share over PCIe: the fp32 gradient down, the parameter up
+OFFLOAD_COPY_BYTES_PER_PARAM = 4 + 4
+
+
+def device_state_bytes_per_param(settings: TrainingSettings, optimizer_state: OptimizerStateMode,
+                                 replicas: int) -> float:
+    """Bytes per parameter a stage keeps on its GPU: weights, gradients and its part of the optimizer state."""
+    full = settings.bytes_per_param
+    state = OPTIMIZER_STATE_SHARE * full
+    if optimizer_state == "offloaded":
+        return full - state
+    if optimizer_state == "sharded":
+        return full - state * (1 - 1 / replicas)
+    return full
+
+
+def offload_step_s_per_param() -> float:
+    """Seconds per parameter of an offloaded stage's share: its PCIe copies and the CPU's AdamW, in turn."""
+    return OFFLOAD_COPY_BYTES_PER_PARAM / (PCIE_BANDWIDTH_GBPS * GB) + ADAMW_BYTES_PER_PARAM / CPU_ADAMW_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -83,6 +133,8 @@ class UnitCosts:
     head_out_bytes: float = 0.0  # the logits in the compute dtype
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
+    optimizer_state: OptimizerStateMode = "replicated"  # where the stage keeps its optimizer state
+    replicas: int = 1  # D: the replicas of its layers (the plan's pipelines) sharing a sharded state
     microbatch_s: float = 0.0  # the runtime's own work per micro-batch on a stage (measured)
     # the backward part of block_s and head_s (with recompute and the backward's TP all-reduces;
     # not the dispatch), what the stages before a stage still run after its last backward
@@ -247,10 +299,12 @@ def _split_costs(model: ModelSpec, settings: TrainingSettings, entry: ProfileEnt
 
 def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
                bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
-               overheads: RuntimeOverheads | None, cpu_ranks: bool) -> UnitCosts:
+               overheads: RuntimeOverheads | None, cpu_ranks: bool,
+               optimizer_state: OptimizerStateMode = "replicated", replicas: int = 1) -> UnitCosts:
     """Costs of one TP group of GPU type ``gpu`` (``g``) whose node links its GPUs at ``bw`` GB/s, for
-    (t, b) and one recompute mode. ``overheads``: the runtime's measured costs on it (None: not
-    measured); ``cpu_ranks``: it is emulated on CPU ranks (foreach AdamW's temporaries)."""
+    (t, b), one recompute mode and one optimizer state among ``replicas`` replicas of its layers.
+    ``overheads``: the runtime's measured costs on it (None: not measured); ``cpu_ranks``: it is
+    emulated on CPU ranks (foreach AdamW's temporaries)."""
     m, st = model, settings
     h, s, V, f = m.hidden_size, m.seq_length, m.vocab_size, m.ffn_size
     act = st.activation_bytes
@@ -282,10 +336,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
         **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd),
-        block_param_bytes=st.bytes_per_param * block_params(m) / t,
-        # the runtime splits the token embedding and the head by vocabulary
-        embed_param_bytes=st.bytes_per_param * embed_params(m, t),
-        head_param_bytes=st.bytes_per_param * head_params(m) / t,
+        **_state_costs(m, st, g, t, overheads, cpu_ranks, optimizer_state, replicas),
         block_act_bytes=blk_act,
         boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
         head_work_bytes=head_work,
@@ -297,10 +348,36 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
                           max(no_recompute_act - blk_act, 0.0) + s * b * h * RESIDUAL_BYTES) + widest_grad,
         reserve_bytes=st.framework_reserve_gb * GB,
         capacity_bytes=g.memory_gb * GB,
-        opt_s_per_param=(overheads.optimizer_s_per_param
-                         if overheads is not None and overheads.optimizer_s_per_param is not None
-                         else 2 * st.bytes_per_param / (g.memory_bandwidth_gbps * GB)),
         microbatch_s=overheads.microbatch_s if overheads is not None else 0.0,
-        opt_temp_ratio=FOREACH_TEMP_RATIO if cpu_ranks else 0.0,
         recompute=recompute,
     )
+
+
+def _state_costs(m: ModelSpec, st: TrainingSettings, g: GPUType, t: int, overheads: RuntimeOverheads | None,
+                 cpu_ranks: bool, optimizer_state: OptimizerStateMode, replicas: int) -> dict:
+    """The ``UnitCosts`` fields of the stage's parameters and optimizer: bytes kept, step seconds, temporaries."""
+    per_param = device_state_bytes_per_param(st, optimizer_state, replicas)
+    # the share of its parameters the stage steps on the device
+    stepped = 0.0 if optimizer_state == "offloaded" else 1 / replicas if optimizer_state == "sharded" else 1.0
+    return {
+        "block_param_bytes": per_param * block_params(m) / t,
+        # the runtime splits the token embedding and the head by vocabulary
+        "embed_param_bytes": per_param * embed_params(m, t),
+        "head_param_bytes": per_param * head_params(m) / t,
+        "opt_s_per_param": _optimizer_s_per_param(st, g, overheads, optimizer_state, replicas),
+        # foreach AdamW's temporaries scale with the parameters it steps on the device, per byte of the states kept
+        "opt_temp_ratio": FOREACH_TEMP_RATIO * st.bytes_per_param * stepped / per_param if cpu_ranks else 0.0,
+        "optimizer_state": optimizer_state, "replicas": replicas,
+    }
+
+
+def _optimizer_s_per_param(settings: TrainingSettings, g: GPUType, overheads: RuntimeOverheads | None,
+                           optimizer_state: OptimizerStateMode, replicas: int) -> float:
+    """The optimizer step's seconds per parameter a stage holds: on the GPU over all of them (replicated) or
+    its 1/D share (sharded), measured where the profile has it; on the host over its share (offloaded)."""
+    if optimizer_state == "offloaded":
+        return offload_step_s_per_param() / replicas
+    per_param = (overheads.optimizer_s_per_param
+                 if overheads is not None and overheads.optimizer_s_per_param is not None
+                 else 2 * settings.bytes_per_param / (g.memory_bandwidth_gbps * GB))
+    return per_param / (replicas if optimizer_state == "sharded" else 1)
