@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hetrain.cli.plan import plan_table
+from hetrain.cli.tables import plan_table
 from hetrain.cost.collectives import ring_allgather_s, ring_allreduce_s
 from hetrain.cost.costmodel import SHARDS_STATE, CostModel
 from hetrain.cost.stage import ADAMW_BYTES_PER_PARAM, CPU_ADAMW_BYTES_PER_S, PCIE_BANDWIDTH_GBPS
@@ -155,10 +155,10 @@ def test_optimizer_state_round_trips_through_the_plan_file(tmp_path):
 @pytest.mark.parametrize("width", [120, 80])
 def test_the_estimate_table_shows_each_stages_optimizer_state(width, monkeypatch):
     """A column of its own in a wide terminal; at 80 columns under the stage's recompute where it is not replicated."""
-    import hetrain.cli.plan as cli_plan
+    import hetrain.cli.tables as cli_tables
 
     terminal = Console(file=io.StringIO(), width=width, no_color=True)
-    monkeypatch.setattr(cli_plan, "out", terminal)
+    monkeypatch.setattr(cli_tables, "out", terminal)  # the table fits the terminal hetrain prints to
     cost = CostModel(CLUSTER, MODEL, SETTINGS)
     plan = _plan("sharded", pipelines=2)
     plan.pipelines[1].stages[1].optimizer_state = "offloaded"
