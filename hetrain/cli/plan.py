@@ -102,11 +102,8 @@ def plan(
 
     request = offers_request(cluster, compare, offers, objective, budget_per_hour, tokens, deadline, cluster_out,
                              on_demand_only)
-    from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import load_profile
-    from hetrain.spec.hf import load_any_model as load_model
-    from hetrain.spec.specs import load_cluster
-    from solver.planner import PLANNERS, make_plan
+    from solver.planner import PLANNERS
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
@@ -114,6 +111,17 @@ def plan(
     prof = load_profile(profile) if profile else None
     if request is not None:
         return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json)
+    _plan_cluster(cluster, model, settings, prof, profile, planner, time_limit, out_file, compare, as_json)
+
+
+def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | None, planner: str, time_limit: float,
+                  out_file: Path | None, compare: bool, as_json: bool) -> None:
+    """``hetrain plan --cluster``: plan (and with ``compare`` the baselines), write, print the table and claim."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.hf import load_any_model as load_model
+    from hetrain.spec.specs import load_cluster
+    from solver.planner import make_plan
+
     cl, md = load_cluster(cluster), load_model(model)
     if out_file:
         check_output_file(out_file, "--out", {"--cluster": cluster, "--model": model, "--profile": profile})
@@ -143,7 +151,7 @@ def plan(
         if rows is None:
             out.print(summary_line(main.plan, main.estimate), highlight=False)
         else:
-            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {global_batch_size}"))
+            out.print(comparison_table(rows, f"{md.name} on {cl.name}, global batch {settings.global_batch_size}"))
         out.print(capacity_line(cost, main.plan, main.estimate), highlight=False)
         claim = claim_line(main.plan)
         if claim:
