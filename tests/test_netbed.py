@@ -49,7 +49,7 @@ def test_link_runs_at_its_rate_and_the_bed_is_removed():
     with netbed.NetBed(["a", "b"], rate_mbit=200) as bed:
         assert {n.namespace for n in bed.nodes.values()} <= _ours()
         mb_s = netbed.measure_link_mb_s(bed, "a", "b", 8 << 20)
-    assert 0.6 * 25 < mb_s < 1.1 * 25  # 200 Mbit/s = 25 MB/s, less TCP's and the processes' start
+    assert 0.6 * 25 < mb_s < 1.1 * 25  # 200 Mbit/s = 25 MB/s, less TCP's slow start
     assert _ours() == before
 
 
