@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from hetrain.cost.costmodel import CostModel
-from hetrain.cost.recovery_costs import RecoveryCosts, load_recovery_costs
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR, RecoveryCosts, load_recovery_costs
 from hetrain.cost.spot import PreemptionLoss, preemption_loss
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.profiling.profile import Profile
@@ -62,7 +62,6 @@ DEADLINE_MARGINS = (0.8, 1.0, 1.05, 1.15)
 # over a slow link; small models whose all-reduce hides behind the backward)
 ESTIMATE_SLACK = 0.15
 REFERENCE_PLANNER = "megatron"  # one GPU type: its grid is the exact search there, and fast
-SECONDS_PER_HOUR = 3600.0
 
 
 @dataclass(frozen=True)

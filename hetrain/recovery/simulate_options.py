@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-SECONDS_PER_HOUR = 3600.0
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR  # the one owner of the hour
 
 # Spot capacity that went away comes back after about this long unless --return-after-s says
 # otherwise: an assumption (the clouds publish how often they interrupt, not how soon capacity
