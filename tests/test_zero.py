@@ -142,7 +142,7 @@ def test_sharded_tp2_plan_matches_one_process_and_its_checkpoints_reshard(tmp_pa
 
 
 def test_holders_of_a_block_must_agree_on_sharding():
-    """Blocks 2-5 are held by pipelines[0].stages[1] (sharded) and pipelines[1].stages[0] (replicated)."""
+    """Blocks 0-1 are held by pipelines[0].stages[0] (sharded) and pipelines[1].stages[0] (replicated)."""
     p = with_modes(ASYM_TP2, [["sharded", "sharded"], [None]])
     with pytest.raises(HetrainError, match=r"^pipelines\[0\]\.stages\[0\] has optimizer_state sharded but "
                                            r"pipelines\[1\]\.stages\[0\], which also holds block 0, keeps it "

@@ -98,7 +98,7 @@ class StageMeter:
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         # while a step is recorded (``record_timeline``): [kind, micro-batch, start, end] per op, wall-clock s
         self._events: list[list] | None = None
-        self._ops_seen = dict.fromkeys(OP_KINDS, 0)
+        self._ops_seen: dict[str, int] = {}  # ops of each kind so far in the recorded step (``record_timeline``)
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
         embedding = getattr(module, "tok_embedding", None)

@@ -171,7 +171,8 @@ class ShardBucket:
             for rows, master in zip(self._mine(local), self.master):
                 rows.copy_(master)
         self.grads = None
-        self.gather(local, [t.detach() for t in self._mine(local)])
+        if self.group is not None:  # the only share is the whole parameter, updated in place (or copied out above)
+            self.gather(local, [t.detach() for t in self._mine(local)])
 
     @torch.no_grad()
     def gather(self, whole: list[torch.Tensor], mine: list[torch.Tensor]) -> None:
