@@ -28,6 +28,8 @@ from hetrain.cost.recovery_costs import (MAX_CHECKPOINT_INTERVAL_S, SECONDS_PER_
                                          young_daly_interval_s)
 from hetrain.spec.specs import ClusterSpec
 
+MIN_CHECKPOINT_INTERVAL_S = 1.0  # checkpoints no closer than this however cheap: a step takes about that long
+
 
 @dataclass(frozen=True)
 class PreemptionLoss:
@@ -53,8 +55,12 @@ def preemption_loss(rates_per_hour: list[tuple[float, float]], costs: RecoveryCo
     in_time = [notice_s > 0 and notice_s >= warn_s for _, notice_s in rates_per_hour]
     warned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if ok)
     unwarned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if not ok)
-    tau = young_daly_interval_s(costs.checkpoint_stall_s, unwarned) or MAX_CHECKPOINT_INTERVAL_S
+    tau = young_daly_interval_s(costs.checkpoint_stall_s, unwarned)
+    if tau is None:  # nothing a notice cannot cover: checkpoints only against the rest (an hour apart)
+        tau = MAX_CHECKPOINT_INTERVAL_S
     per_s = 1.0 / SECONDS_PER_HOUR
+    # a stall measured as zero makes checkpoints free: as often as one a second (not "never", which `or` made it)
+    tau = max(tau, MIN_CHECKPOINT_INTERVAL_S)
     lost = (costs.checkpoint_stall_s / tau + unwarned * per_s * (costs.restart_peers_s + tau / 2)
             + warned * per_s * costs.switch_downtime_s)
     return PreemptionLoss(tau, min(1.0, lost), unwarned, warned, costs)
@@ -64,8 +70,3 @@ def cluster_preemption_loss(cluster: ClusterSpec, costs: RecoveryCosts) -> Preem
     """The loss of a run on ``cluster``: its spot nodes' ``preemptions_per_hour`` and ``notice_s``."""
     return preemption_loss([(n.preemptions_per_hour or 0.0, n.notice_s or 0.0) for n in cluster.nodes if n.spot],
                            costs)
-
-
-def price_per_hour(cluster: ClusterSpec) -> float:
-    """Dollars per hour of the cluster's GPUs (a node without a price costs nothing)."""
-    return sum(n.count * (n.price_per_gpu_hour or 0.0) for n in cluster.nodes)
