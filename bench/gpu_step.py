@@ -73,7 +73,7 @@ def plain_loop(spec_json: str, steps: int, global_batch: int, micro_batch: int, 
     if trace_memory:
         from hetrain.runtime.instrument import AllocationTracker
 
-        tracker = AllocationTracker(sum(p.numel() * p.element_size() for p in model.parameters()))
+        tracker = AllocationTracker(list(model.parameters()))
     times = []
     for step in range(steps):
         seq = source.sequences(step * global_batch, global_batch).to(device)

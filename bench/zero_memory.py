@@ -5,7 +5,8 @@ One small asymmetric plan on CPU processes (gloo), each rank's every allocation 
 weights outweigh its activations (wide blocks, short sequences), so the optimizer state shows;
 beside each traced peak, the cost model's prediction for the same plan (``Estimate.peak_memory_gb``
 less the framework reserve, which the tracer does not see) and their ratio: the issue's target is
-within 10 %. Prints a table (MB per rank, the ratios) and writes bench/results/zero_memory.json.
+within 10 %; and each phase's peak (forward-backward, the gradient sync, the optimizer step), the
+cost model's alternatives beyond the states. Prints a table (MB per rank, the ratios) and writes bench/results/zero_memory.json.
 
     python bench/zero_memory.py [--steps 2]
 """
@@ -22,6 +23,7 @@ from hetrain.config import RunConfig
 from hetrain.cost.costmodel import CostModel
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
+from hetrain.runtime.instrument import TRACED_PHASES
 from hetrain.runtime.launch import launch
 from hetrain.spec.specs import ClusterSpec, load_model
 
@@ -78,7 +80,8 @@ def traced_peaks(mode: str, steps: int, work: Path) -> list[dict]:
     last = launch(config, build_layout(plan), work / "run")[-1]
     return [{"device": r["device"], "pipeline": r["pipeline"], "stage": r["stage"],
              "layers": plan.pipelines[r["pipeline"]].stages[r["stage"]].layers,
-             "peak_mb": r["peak_memory_gb"] * 1e9 / MB}
+             "peak_mb": r["peak_memory_gb"] * 1e9 / MB,
+             **{f"{phase}_mb": gb * 1e9 / MB for phase, gb in r["peak_memory_by_phase_gb"].items()}}
             for r in last["ranks"]]
 
 
@@ -96,6 +99,7 @@ def main() -> None:
         row["params_mb"] = param_mb(the_plan("replicated"), base["layers"])
         for mode in MODES:
             row[f"{mode}_mb"] = peaks[mode][i]["peak_mb"]
+            row.update({f"{mode}_{phase}_mb": peaks[mode][i][f"{phase}_mb"] for phase in TRACED_PHASES})
             row[f"{mode}_predicted_mb"] = predicted[mode][base["device"]]
             row[f"{mode}_fit"] = row[f"{mode}_predicted_mb"] / row[f"{mode}_mb"]
         row["sharded_ratio"] = row["sharded_mb"] / row["replicated_mb"]
@@ -107,6 +111,9 @@ def main() -> None:
         ("replicated MB", "{replicated_mb:.1f}"), ("sharded MB", "{sharded_mb:.1f}"),
         ("offloaded MB", "{offloaded_mb:.1f}"), ("sharded / replicated", "{sharded_ratio:.3f}"),
         ("offloaded / replicated", "{offloaded_ratio:.3f}")])
+    print_table("Traced peak per phase of a step, MB (what each holds beyond the states: activations, the sync's "
+                "chunk, the step's temporaries)", rows, [("device", "device"), ("blocks", "layers")] + [
+                    (f"{mode} {phase}", f"{{{mode}_{phase}_mb:.1f}}") for mode in MODES for phase in TRACED_PHASES])
     print_table("Predicted (cost model) against traced peak per rank, MB; target: predicted / traced within 0.9-1.1",
                 rows, [("device", "device"), ("blocks", "layers")] + [
                     (f"{mode} {what}", f"{{{mode}_{key}:{fmt}}}") for mode in MODES

@@ -177,3 +177,20 @@ def test_row_shares_partition_each_parameter():
             ranges = [row_range(rows, shares, s) for s in range(shares)]
             assert [r for lo, hi in ranges for r in range(lo, hi)] == list(range(rows))
             assert max(hi - lo for lo, hi in ranges) == -(-rows // shares)
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded", "offloaded"])
+def test_memory_estimate_vs_traced_peak_per_optimizer_state(tmp_path: Path, mode: str):
+    """The cost model's peak per rank against every allocation it makes (``--trace-memory``), within 10 %, on
+    ``bench/zero_memory.py``'s plan (two pipelines of different cuts, so buckets of two replicas; weights
+    outweigh activations, so the state and the sync's chunk show). Measured: 0.99-1.00 in every mode."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        import zero_memory
+    finally:
+        sys.path.pop(0)
+    predicted = zero_memory.predicted_mb(mode)
+    for rank in zero_memory.traced_peaks(mode, 2, tmp_path):
+        assert abs(predicted[rank["device"]] / rank["peak_mb"] - 1) < 0.10, (mode, rank, predicted)

@@ -218,6 +218,7 @@ class CostModel:
         opt: dict[str, float] = {}
         crossing = self._crossing_sends(plan, node_of)
         sharded = self.sharded_stages(plan)
+        bucket_numel = self.largest_bucket_numel(plan)
         stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
         finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
         for pipe in plan.pipelines:
@@ -230,12 +231,13 @@ class CostModel:
                 in_flight, pending = pipe.in_flight(k), pipe.weight_pending(k)
                 replicas = len(plan.pipelines) if id(stage) in sharded else 1
                 key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
-                       in_flight, pending)
+                       in_flight, pending, bucket_numel.get(id(stage), 0.0))
                 if key not in stages_seen:
                     u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas)
                     first, last = k == 0, k == S - 1
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
-                                        u.stage_memory_bytes(n_blocks, first, last, in_flight, pending) / GB,
+                                        u.stage_memory_bytes(n_blocks, first, last, in_flight, pending,
+                                                             bucket_numel.get(id(stage), 0.0)) / GB,
                                         u.capacity_bytes / GB,
                                         self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
                                         u.stage_backward_s(n_blocks, last),
@@ -350,6 +352,16 @@ class CostModel:
                  if not all(st.optimizer_state in SHARDS_STATE for st in stages) for st in stages}
         return {id(st) for p in plan.pipelines for st in p.stages
                 if st.optimizer_state in SHARDS_STATE and id(st) not in whole}
+
+    def largest_bucket_numel(self, plan: Plan) -> dict[int, float]:
+        """Per stage (``id``), the elements per TP rank of its largest gradient bucket (none in a plan of one
+        pipeline: nothing syncs), what bounds the sync's chunk (``UnitCosts.sync_chunk_numel``)."""
+        out: dict[int, float] = {}
+        if len(plan.pipelines) > 1:
+            for _, stages, num_bytes in self._sync_buckets(plan):
+                for st in stages:
+                    out[id(st)] = max(out.get(id(st), 0.0), num_bytes / self.grad_wire_bytes)
+        return out
 
     def _sync_buckets(self, plan: Plan) -> list[tuple[tuple[int, ...], list, float]]:
         """The gradient sync's buckets, (key, the stages holding them, one per pipeline; bytes per TP rank),

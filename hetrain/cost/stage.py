@@ -50,10 +50,13 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
     stage boundaries: the received input and the sent output, s b h B_act each, per
         micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
         on the last stage;
-    peak = reserve + states + max(activations, optimizer temporaries), the temporaries being
-        half the bytes of the parameters the step updates on the device (all, 1/D sharded, none
-        offloaded) for foreach AdamW on CPU ranks (emulated GPU types) and none for the fused
-        AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
+    peak = reserve + states + max(activations, sync chunk, optimizer temporaries): each phase of
+        a step holds one of them beyond the states (backward; the gradient sync; the step). The
+        sync's chunk: its fp32 flat copy (+ the bf16 wire copy where the plan reduces in bf16) of at
+        most ``GRAD_SYNC_CHUNK_NUMEL`` elements (a sharded bucket's: one larger parameter), in plans
+        of several pipelines. The temporaries: a quarter of the bytes of the parameters the step
+        updates on the device (all, 1/D sharded, none offloaded) for foreach AdamW on CPU ranks
+        (emulated GPU types) and none for the fused AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
         ``torch.cuda.max_memory_allocated`` (or ``AllocationTracker`` on CPU) measures.
 """
 
@@ -63,14 +66,22 @@ from dataclasses import dataclass
 
 from hetrain.cost.collectives import ring_allreduce_s
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
-from hetrain.spec.arithmetic import (RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
+from hetrain.spec.arithmetic import (GRAD_SYNC_CHUNK_NUMEL, RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
                                      block_weight_grad_bytes, block_weight_grad_fraction,
                                      embed_params, head_forward_flops, head_params, selective_activation_bytes,
                                      selective_recompute_bytes)
 from hetrain.spec.catalog import GPUType
 from hetrain.spec.specs import GB, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
-FOREACH_TEMP_RATIO = 0.5  # foreach AdamW's temporaries: about two fp32 copies of the parameters = half of 16 B/param
+# foreach AdamW's temporaries: one fp32 copy of the parameters it steps (the square root of exp_avg_sq it divides
+# by), 4 of the 16 bytes per parameter; measured by bench/zero_memory.py's tracer, step phase (replicated: states
+# + 4.0 B/param)
+FOREACH_TEMP_RATIO = 0.25
+# The gradient sync's copy per element of the chunk it reduces (``GRAD_SYNC_CHUNK_NUMEL``): the fp32 flat copy,
+# and the bf16 wire copy of it where the plan reduces in bf16 (a sharded bucket makes its bf16 pieces first,
+# 2 + 2); measured by bench/zero_memory.py's tracer, sync phase: states + 4.0 B/param of the bucket
+SYNC_FLAT_BYTES = 4
+SYNC_WIRE_COPY_BYTES = 2
 # Of bytes_per_param, the share only the optimizer step reads, what sharding divides by the replicas and offload
 # moves to the host: AdamW's two fp32 moments (exp_avg, exp_avg_sq), 8 of the 16 bytes the runtime keeps per
 # parameter. The other 8, the fp32 parameter (its own master copy: hetrain.runtime.precision) and its fp32
@@ -132,6 +143,15 @@ class UnitCosts:
     opt_s_per_param: float  # optimizer step seconds per parameter held
     head_out_bytes: float = 0.0  # the logits in the compute dtype
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
+    # the gradient sync's transient (``sync_work_bytes``): bytes per element of its largest chunk; elements per
+    # rank of a block, the embedding and the head, and of the largest tensor of each (a sharded bucket's chunks
+    # are runs of whole parameters)
+    sync_bytes_per_numel: float = 0.0
+    block_numel: float = 0.0
+    embed_numel: float = 0.0
+    head_numel: float = 0.0
+    block_max_numel: float = 0.0
+    end_max_numel: float = 0.0
     recompute: RecomputeMode = "full"  # the blocks' activation recompute these costs are for
     optimizer_state: OptimizerStateMode = "replicated"  # where the stage keeps its optimizer state
     replicas: int = 1  # D: the replicas of its layers (the plan's pipelines) sharing a sharded state
@@ -202,14 +222,30 @@ class UnitCosts:
         # backward's transients come one after another: the loss's fp32 tensors first, then block by block
         return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
 
+    def sync_chunk_numel(self, num_blocks: int, first: bool, last: bool, bucket_numel: float | None = None) -> float:
+        """Elements of the largest chunk the gradient sync copies at once, at most (``sync_chunks``): the largest
+        bucket's (``bucket_numel``; None: the whole stage as one) up to ``GRAD_SYNC_CHUNK_NUMEL``; a sharded
+        bucket's chunk may be one larger parameter."""
+        limit = GRAD_SYNC_CHUNK_NUMEL
+        if self.optimizer_state != "replicated":
+            limit = max(limit, self.block_max_numel if num_blocks else 0.0, self.end_max_numel if first or last else 0.0)
+        if bucket_numel is None:
+            bucket_numel = num_blocks * self.block_numel + (self.embed_numel if first else 0.0) \
+                + (self.head_numel if last else 0.0)
+        return min(bucket_numel, limit)
+
     def stage_memory_bytes(self, num_blocks: int, first: bool, last: bool, in_flight: int,
-                           weight_pending: int = 0) -> float:
-        """Peak bytes: the larger of backward (states + activations) and the optimizer step (states + temporaries).
+                           weight_pending: int = 0, bucket_numel: float | None = None) -> float:
+        """Peak bytes: the states and the largest of what each phase of a step holds beyond them: backward's
+        activations, the gradient sync's chunk (``bucket_numel``: the elements of the stage's largest bucket,
+        0 in a plan of one pipeline; None, as the planner has it: the whole stage), the optimizer step's
+        temporaries (``bench/zero_memory.py`` traces each phase).
 
         ``weight_pending``: micro-batches whose weight gradient ZB-H1 has not run yet (``schedule_held``)."""
         states = self._states(num_blocks, first, last)
+        sync = self.sync_bytes_per_numel * self.sync_chunk_numel(num_blocks, first, last, bucket_numel)
         return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight, weight_pending),
-                                                 self.opt_temp_ratio * states)
+                                                 self.opt_temp_ratio * states, sync)
 
     def max_blocks(self, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> int:
         """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
@@ -220,9 +256,12 @@ class UnitCosts:
             + pending * (self.block_act_bytes + self.block_wgrad_bytes)
         free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
         per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
-        if free_bwd < 0 or free_opt < 0:
+        # the sync's chunk at its most (a constant: the chunk limit, or one large parameter)
+        free_sync = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
+            - self.sync_bytes_per_numel * self.sync_chunk_numel(1 << 40, first, last)
+        if free_bwd < 0 or free_opt < 0 or free_sync < 0:
             return -1
-        return int(min(free_bwd // per_bwd, free_opt // per_opt))
+        return int(min(free_bwd // per_bwd, free_opt // per_opt, free_sync // self.block_param_bytes))
 
 
 
@@ -367,6 +406,11 @@ def _state_costs(m: ModelSpec, st: TrainingSettings, g: GPUType, t: int, overhea
         "opt_s_per_param": _optimizer_s_per_param(st, g, overheads, optimizer_state, replicas),
         # foreach AdamW's temporaries scale with the parameters it steps on the device, per byte of the states kept
         "opt_temp_ratio": FOREACH_TEMP_RATIO * st.bytes_per_param * stepped / per_param if cpu_ranks else 0.0,
+        "sync_bytes_per_numel": SYNC_FLAT_BYTES + (SYNC_WIRE_COPY_BYTES if st.grad_reduce == "bf16"
+                                                   and optimizer_state == "replicated" else 0),
+        "block_numel": block_params(m) / t, "embed_numel": embed_params(m, t), "head_numel": head_params(m) / t,
+        "block_max_numel": m.hidden_size * m.ffn_size / t,  # the MLP's matrices, the largest of a block
+        "end_max_numel": m.vocab_size * m.hidden_size / t,  # the embedding's and the head's vocabulary shard
         "optimizer_state": optimizer_state, "replicas": replicas,
     }
 

@@ -32,6 +32,9 @@ from torch.utils._pytree import tree_leaves
 from hetrain.errors import HetrainError
 from hetrain.spec.specs import GB
 
+# The phases of a step a traced rank reports a peak for, in order (``AllocationTracker.enter_phase``)
+TRACED_PHASES = ("forward-backward", "sync", "step")
+
 
 OP_KINDS = ("F", "B", "W")  # forward, backward (its input-gradient part under ZB-H1), weight gradient
 
@@ -270,19 +273,32 @@ class AllocationTracker:
     their local shard) and forgets it when the storage is freed (storages keep their Python
     object, so a weak reference follows the C++ lifetime). It counts what the meter above
     cannot see: gradients being formed, activations recomputed in backward, logits, pipeline
-    buffers, optimizer temporaries. ``baseline_bytes`` (the parameters, allocated before
-    tracking starts) is added to every reading. Opt-in (``RunConfig.trace_memory``): a Python
-    call per op slows a CPU rank down.
+    buffers, optimizer temporaries. ``baseline`` (the parameters and whatever state exists before
+    tracking starts) is counted once in every reading, by storage: a view of a parameter that an
+    op returns (the transpose a linear layer takes of its weight) is not a new allocation, and
+    counting it as one added a second copy of every weight. Opt-in (``RunConfig.trace_memory``):
+    a Python call per op slows a CPU rank down.
+
+    Each step's phases (``TRACED_PHASES``: forward and backward, the gradient sync, the optimizer
+    step) keep their own peak (``phase_peak_bytes``), because each holds different transients on
+    top of the model states (activations; the sync's flat bucket; the step's temporaries) and the
+    cost model prices them as alternatives, not a sum.
     """
 
-    def __init__(self, baseline_bytes: int) -> None:
+    def __init__(self, baseline: list[torch.Tensor]) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
-        self.baseline_bytes = baseline_bytes
-        self.live_bytes = 0
-        self.peak_bytes = baseline_bytes
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        for t in baseline:  # never freed while the rank trains: no finalizer
+            storage = _storage(t)
+            if storage is not None:
+                self._seen[storage] = storage.nbytes()
+        self.baseline_bytes = sum(self._seen.values())
+        self.live_bytes = 0
+        self.peak_bytes = self.baseline_bytes
+        self.phase: str | None = None
+        self.phase_peak_bytes: dict[str, int] = {}
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -301,10 +317,18 @@ class AllocationTracker:
             self._seen[storage] = nbytes
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.baseline_bytes + self.live_bytes)
+            if self.phase is not None:
+                self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase],
+                                                        self.baseline_bytes + self.live_bytes)
             weakref.finalize(storage, self._free, nbytes)
 
     def _free(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
+
+    def enter_phase(self, phase: str) -> None:
+        """Count what follows toward ``phase``'s peak (starting from what is live now)."""
+        self.phase = phase
+        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.baseline_bytes + self.live_bytes)
 
     def __enter__(self) -> AllocationTracker:
         self.mode.__enter__()

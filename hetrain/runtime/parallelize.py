@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from hetrain.plan.layout import SyncBucket
 from hetrain.runtime.loss import vocab_shard
 from hetrain.runtime.model import GPT
+from hetrain.spec.arithmetic import GRAD_SYNC_CHUNK_NUMEL, sync_chunks
 
 TP_PLAN = {
     "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
@@ -179,8 +180,10 @@ def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
 
 @torch.no_grad()
 def sync_gradients(buckets: list[tuple[dist.ProcessGroup, list[nn.Parameter]]], reduce_dtype: torch.dtype,
-                   grads_of: list[torch.Tensor] | None = None) -> None:
-    """All-reduce each bucket's gradients among the ranks holding those layers, one collective per bucket.
+                   grads_of: list[torch.Tensor] | None = None, chunk_numel: int = GRAD_SYNC_CHUNK_NUMEL) -> None:
+    """All-reduce each bucket's gradients among the ranks holding those layers, in chunks of at most
+    ``GRAD_SYNC_CHUNK_NUMEL`` elements (``sync_chunks``: the flat copy is one chunk, not the bucket;
+    ``hetrain.cost.stage`` prices it).
 
     ``grads_of``: the (one) bucket's gradient tensors to reduce in place instead of its parameters' ``.grad``.
     """
@@ -192,10 +195,33 @@ def sync_gradients(buckets: list[tuple[dist.ProcessGroup, list[nn.Parameter]]], 
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(local_tensor(p.grad))
-        flat = _flatten_dense_tensors(grads)
-        wire = flat.to(reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
-        dist.all_reduce(wire, group=group)
-        if wire is not flat:
-            flat.copy_(wire)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        pieces = _sync_pieces(grads, chunk_numel)
+        for lo, hi in sync_chunks([g.numel() for g in pieces], chunk_numel):
+            _all_reduce_chunk(pieces[lo:hi], reduce_dtype, group)
+
+
+def _sync_pieces(grads: list[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """The gradients as flat views of at most ``limit`` elements each (a contiguous tensor longer than that
+    in slices, reduced in place), so no chunk's copy is longer than the limit."""
+    out = []
+    for g in grads:
+        if not g.is_contiguous() or g.numel() <= limit:
+            out.append(g)
+            continue
+        flat = g.view(-1)
+        out += [flat[at:at + limit] for at in range(0, flat.numel(), limit)]
+    return out
+
+
+def _all_reduce_chunk(grads: list[torch.Tensor], reduce_dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+    """One collective over ``grads``: a lone contiguous gradient already in the wire dtype in place, else flat."""
+    if len(grads) == 1 and grads[0].dtype == reduce_dtype and grads[0].is_contiguous():
+        dist.all_reduce(grads[0], group=group)
+        return
+    flat = _flatten_dense_tensors(grads)
+    wire = flat.to(reduce_dtype)  # fp32 grads: a no-op unless the plan reduces in bf16
+    dist.all_reduce(wire, group=group)
+    if wire is not flat:
+        flat.copy_(wire)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

@@ -32,7 +32,7 @@ from hetrain.plan.schema import Plan, check_optimizer_state, load_plan
 from hetrain.rundir import answer_request, live_offer_file, ready_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
-from hetrain.runtime.instrument import AllocationTracker, StageMeter
+from hetrain.runtime.instrument import TRACED_PHASES, AllocationTracker, StageMeter
 from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
@@ -74,11 +74,12 @@ class StepTotals:
     """The one float64 vector every rank all-reduces per step (SUM): what the step's record needs from all.
 
     ``[grad norm squared (pipeline 0's ranks), loss (last stages), per rank: schedule s, sync s,
-    compute s, peak GB, ..., serve it live, stop after the checkpoint, checkpoint requested]``.
+    compute s, peak GB, the traced peak GB of each of ``TRACED_PHASES`` (0 untraced), ..., serve it
+    live, stop after the checkpoint, checkpoint requested]``.
     """
 
     GRAD_NORM_SQ, LOSS = 0, 1
-    PER_RANK = 4  # schedule_s, sync_s, compute_s, peak_gb
+    PER_RANK = 4 + len(TRACED_PHASES)  # schedule_s, sync_s, compute_s, peak_gb, a peak GB per traced phase
     REQUEST, STOP, LIVE = -1, -2, -3
 
     @classmethod
@@ -138,10 +139,9 @@ class Trainer:
         self.scaler = LossScaler(enabled=self.precision == "fp16")
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
-            local = [local_tensor(p) for p in model.parameters()]
             # a sharded stage made its state before tracking starts (a replicated one makes it in the first step)
-            state_bytes = self.zero.device_state_bytes() if self.zero is not None else 0
-            self.tracker = AllocationTracker(sum(t.numel() * t.element_size() for t in local) + state_bytes)
+            state = self.zero.device_state_tensors() if self.zero is not None else []
+            self.tracker = AllocationTracker([local_tensor(p) for p in model.parameters()] + state)
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
         self.schedule_extended: dict | None = None  # from_steps, to_steps, lr_before, lr_now (at the first step)
@@ -264,8 +264,13 @@ class Trainer:
         with self.tracker if self.tracker is not None else contextlib.nullcontext():
             return self._train_step(step)
 
+    def _phase(self, phase: str) -> None:
+        if self.tracker is not None:
+            self.tracker.enter_phase(phase)
+
     def _train_step(self, step: int) -> dict:
         started = time.perf_counter()
+        self._phase("forward-backward")
         inputs, targets = self.sampler.batch(step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         losses: list[torch.Tensor] = []
@@ -280,6 +285,7 @@ class Trainer:
         else:
             self.schedule.step(**kw)
         compute_done = time.perf_counter()
+        self._phase("sync")
         if self.zero is not None:
             self.zero.reduce_scatter(self.reduce_dtype)
         else:
@@ -306,8 +312,10 @@ class Trainer:
             totals[StepTotals.LOSS] = sum(float(x.detach()) for x in losses)
         mine = StepTotals.rank_slice(role.rank)
         peak_gb = self.tracker.peak_bytes / 1e9 if self.tracker is not None else stats["peak_memory_gb"]
+        phase_gb = [self.tracker.phase_peak_bytes.get(p, 0) / 1e9 if self.tracker is not None else 0.0
+                    for p in TRACED_PHASES]
         totals[mine] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
-                                              peak_gb], dtype=torch.float64)
+                                     peak_gb, *phase_gb], dtype=torch.float64)
         dist.all_reduce(totals)
         scale = self.scaler.scale
         grad_norm = float(totals[StepTotals.GRAD_NORM_SQ].sqrt()) / scale
@@ -321,11 +329,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         ranks = []
         for r, other in enumerate(self.layout.roles):
-            schedule_s, sync_s, compute_s, peak_gb = totals[StepTotals.rank_slice(r)].tolist()
+            schedule_s, sync_s, compute_s, peak_gb, *phase_gb = totals[StepTotals.rank_slice(r)].tolist()
             ranks.append({"rank": r, "device": other.device, "pipeline": other.pipeline, "stage": other.stage,
                           "tp_rank": other.tp_rank, "compute_s": compute_s,
                           "idle_s": max(0.0, schedule_s + sync_s - compute_s), "sync_s": sync_s,
                           "peak_memory_gb": peak_gb})
+            if self.tracker is not None:  # every rank traces or none (the run's --trace-memory)
+                ranks[-1]["peak_memory_by_phase_gb"] = dict(zip(TRACED_PHASES, phase_gb))
         record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
                   "step_time_s": time.perf_counter() - started, "ranks": ranks,
                   "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
@@ -339,6 +349,7 @@ class Trainer:
 
     def _apply(self, step: int, coef: float, lr: float) -> None:
         """The optimizer step on gradients scaled by ``coef`` (unscale and clip), at ``lr``."""
+        self._phase("step")
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.zero is not None:  # scales its gradient rows, steps them, all-gathers the parameters

@@ -37,6 +37,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, SyncBucket
 from hetrain.runtime.groups import ProcessGroups
 from hetrain.runtime.parallelize import _all_gather_flat, bucket_params, local_tensor, sync_gradients
+from hetrain.spec.arithmetic import GRAD_SYNC_CHUNK_NUMEL, sync_chunks
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments; ``step`` is a scalar per parameter
 
@@ -65,7 +66,8 @@ class ShardBucket:
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None, share: int,
                  group_shares: list[int], mesh: DeviceMesh | None, *, offload: bool, fused: bool,
-                 sum_group: dist.ProcessGroup | None = None, counts_norm: bool = True) -> None:
+                 sum_group: dist.ProcessGroup | None = None, counts_norm: bool = True,
+                 chunk_numel: int = GRAD_SYNC_CHUNK_NUMEL) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.group, self.share, self.group_shares = group, share, group_shares
@@ -83,7 +85,10 @@ class ShardBucket:
         # rows[s][i]: share s's rows of parameter i
         self.rows = [[row_range(t.shape[0], self.shares, s) for t in local] for s in range(self.shares)]
         self.counts = [sum((hi - lo) * n for (lo, hi), n in zip(r, self.row_numel)) for r in self.rows]
-        self.chunk = max(self.counts)  # elements per group rank in the collectives (shorter shares padded)
+        # the collectives go by runs of whole parameters (``sync_chunks``), each padded to its longest share
+        self.param_chunks = sync_chunks([t.numel() for t in local], chunk_numel)
+        self.chunk_numel = chunk_numel
+        self.chunk_len = [max(self._count(s, lo, hi) for s in range(self.shares)) for lo, hi in self.param_chunks]
         mine = self._mine(local)
         state_device = torch.device("cpu") if offload else local[0].device
         # the fp32 master of this rank's rows: the parameters themselves unless offloaded
@@ -98,16 +103,23 @@ class ShardBucket:
     def _mine(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [t[lo:hi] for t, (lo, hi) in zip(tensors, self.rows[self.share])]
 
-    def _flat(self, tensors: list[torch.Tensor], share: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Share ``share``'s rows of ``tensors`` (whole local tensors), flat, padded to the chunk."""
-        pieces = [t[lo:hi].reshape(-1).to(dtype) for t, (lo, hi) in zip(tensors, self.rows[share])]
-        pad = self.chunk - self.counts[share]
-        return pieces + ([tensors[0].new_zeros(pad, dtype=dtype)] if pad else [])
+    def _count(self, share: int, first: int, end: int) -> int:
+        """Elements of share ``share``'s rows of parameters ``first`` to ``end`` (exclusive)."""
+        return sum((hi - lo) * n for (lo, hi), n in zip(self.rows[share][first:end], self.row_numel[first:end]))
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` (this rank's share, contiguous) as one tensor per parameter, shaped like its rows."""
+    def _flat(self, tensors: list[torch.Tensor], share: int, chunk: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Share ``share``'s rows of the parameters of chunk ``chunk`` (``tensors``: whole local tensors, one per
+        parameter of the bucket), flat, padded to the chunk's length."""
+        first, end = self.param_chunks[chunk]
+        pieces = [t[lo:hi].reshape(-1).to(dtype)
+                  for t, (lo, hi) in zip(tensors[first:end], self.rows[share][first:end])]
+        pad = self.chunk_len[chunk] - self._count(share, first, end)
+        return pieces + ([tensors[first].new_zeros(pad, dtype=dtype)] if pad else [])
+
+    def _views(self, flat: torch.Tensor, first: int, end: int) -> list[torch.Tensor]:
+        """``flat`` (this rank's rows of parameters ``first`` to ``end``, contiguous) as one tensor per parameter."""
         out, offset = [], 0
-        for t, (lo, hi), n in zip(self.params, self.rows[self.share], self.row_numel):
+        for t, (lo, hi), n in zip(self.params[first:end], self.rows[self.share][first:end], self.row_numel[first:end]):
             size = (hi - lo) * n
             out.append(flat[offset:offset + size].view(hi - lo, *local_tensor(t).shape[1:]))
             offset += size
@@ -115,32 +127,40 @@ class ShardBucket:
 
     @torch.no_grad()
     def reduce_scatter(self, reduce_dtype: torch.dtype) -> None:
-        """Sum the bucket's gradients over its replicas, keeping this rank's rows; the whole gradients go."""
-        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
-                 for p in self.params]
+        """Sum the bucket's gradients over its replicas, keeping this rank's rows; the whole gradients go, a
+        chunk at a time (``sync_chunks``), so the sync holds one chunk's flat copy beyond the gradients."""
+        grads: list[torch.Tensor | None] = [local_tensor(p.grad) if p.grad is not None
+                                            else torch.zeros_like(local_tensor(p)) for p in self.params]
         for p in self.params:
             p.grad = None  # ZeRO: past the reduce-scatter only this rank's rows of the gradients are read
-        if self.group is None:
+        if self.group is None:  # the only share: this rank's rows are the whole gradients
             if self.sum_group is not None:  # the replicated holders' all-reduce, joined as they call it
-                sync_gradients([(self.sum_group, self.params)], reduce_dtype, grads)
-            mine = torch.cat([g.reshape(-1) for g in self._mine(grads)]).float()
-        else:
-            flat = torch.cat([x for s in self.group_shares for x in self._flat(grads, s, reduce_dtype)])
-            del grads
-            at = self.group.rank()
-            if dist.get_backend(self.group) == "gloo":
-                # gloo has no reduce_scatter: all-reduce the whole bucket and keep this rank's chunk (the
-                # same sum, twice the traffic; NCCL below sends what ZeRO-1 prices)
-                dist.all_reduce(flat, group=self.group)
-                mine = flat[at * self.chunk:at * self.chunk + self.counts[self.share]].float().clone()
-            else:
-                out = flat.new_empty(self.chunk)
-                dist.reduce_scatter_tensor(out, flat, group=self.group)
-                mine = out[:self.counts[self.share]].float()
-            del flat
-        if self.offload:
-            mine = mine.to("cpu", copy=True)  # the gradient rows copied in to the host, where the step runs
-        self.grads = self._views(mine)
+                sync_gradients([(self.sum_group, self.params)], reduce_dtype, grads, self.chunk_numel)
+            self.grads = [g.float().to("cpu", copy=True) if self.offload else g.float() for g in grads]
+            return
+        self.grads = []
+        for c, (first, end) in enumerate(self.param_chunks):
+            mine = self._reduce_chunk(grads, c, reduce_dtype)
+            if self.offload:
+                mine = mine.to("cpu", copy=True)  # the gradient rows copied in to the host, where the step runs
+            self.grads += self._views(mine, first, end)
+
+    def _reduce_chunk(self, grads: list, chunk: int, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """This rank's rows of chunk ``chunk``'s gradients summed over the replicas, fp32, flat; the chunk's
+        whole gradients (in ``grads``) are let go once copied into the collective's buffer."""
+        flat = torch.cat([x for s in self.group_shares for x in self._flat(grads, s, chunk, reduce_dtype)])
+        first, end = self.param_chunks[chunk]
+        grads[first:end] = [None] * (end - first)
+        length, at = self.chunk_len[chunk], self.group.rank()
+        count = self._count(self.share, first, end)
+        if dist.get_backend(self.group) == "gloo":
+            # gloo has no reduce_scatter: all-reduce the whole chunk and keep this rank's part (the same
+            # sum, twice the traffic; NCCL below sends what ZeRO-1 prices)
+            dist.all_reduce(flat, group=self.group)
+            return flat[at * length:at * length + count].float().clone()
+        out = flat.new_empty(length)
+        dist.reduce_scatter_tensor(out, flat, group=self.group)
+        return out[:count].float()
 
     def grad_norm_sq(self, counted: list[bool]) -> torch.Tensor:
         """Sum of squares of this rank's gradient rows of the ``counted`` parameters (float64).
@@ -176,22 +196,28 @@ class ShardBucket:
 
     @torch.no_grad()
     def gather(self, whole: list[torch.Tensor], mine: list[torch.Tensor]) -> None:
-        """Fill every share's rows of ``whole`` (one tensor per parameter) from the replica owning it;
-        ``mine``: this rank's rows (of ``whole`` or from elsewhere, e.g. its optimizer state)."""
+        """Fill every share's rows of ``whole`` (one tensor per parameter) from the replica owning it, a chunk
+        at a time; ``mine``: this rank's rows (of ``whole`` or from elsewhere, e.g. its optimizer state)."""
         if self.group is None:
             for rows, src in zip(self._mine(whole), mine):
                 rows.copy_(src)
             return
-        dtype = whole[0].dtype
-        own = torch.cat([t.reshape(-1).to(whole[0].device, dtype) for t in mine]
-                        + ([whole[0].new_zeros(self.chunk - self.counts[self.share])]
-                           if self.chunk > self.counts[self.share] else []))
-        out = own.new_empty(self.chunk * self.shares)
+        for c, (first, end) in enumerate(self.param_chunks):
+            self._gather_chunk(whole, mine, c, first, end)
+
+    def _gather_chunk(self, whole: list[torch.Tensor], mine: list[torch.Tensor], chunk: int, first: int,
+                      end: int) -> None:
+        dtype, length = whole[0].dtype, self.chunk_len[chunk]
+        pad = length - self._count(self.share, first, end)
+        own = torch.cat([t.reshape(-1).to(whole[0].device, dtype) for t in mine[first:end]]
+                        + ([whole[0].new_zeros(pad)] if pad else []))
+        out = own.new_empty(length * self.shares)
         _all_gather_flat(out, own, group=self.group)
+        del own
         for at, s in enumerate(self.group_shares):
-            chunk, offset = out[at * self.chunk:(at + 1) * self.chunk], 0
-            for t, (lo, hi), n in zip(whole, self.rows[s], self.row_numel):
-                t[lo:hi].copy_(chunk[offset:offset + (hi - lo) * n].view(hi - lo, *t.shape[1:]))
+            part, offset = out[at * length:(at + 1) * length], 0
+            for t, (lo, hi), n in zip(whole[first:end], self.rows[s][first:end], self.row_numel[first:end]):
+                t[lo:hi].copy_(part[offset:offset + (hi - lo) * n].view(hi - lo, *t.shape[1:]))
                 offset += (hi - lo) * n
 
     def as_checkpoint(self, i: int, value: torch.Tensor) -> torch.Tensor:
@@ -221,10 +247,9 @@ class ShardedAdamW:
         counted_ids = {id(p) for p in counted}
         self._counted = [[id(p) in counted_ids for p in b.params] for b in buckets]
 
-    def device_state_bytes(self) -> int:
-        """Bytes of AdamW state this rank keeps on its device (none when offloaded; the step counts aside)."""
-        return sum(t.numel() * t.element_size() for b in self.buckets if not b.offload
-                   for key in STATE_KEYS for t in b.state[key])
+    def device_state_tensors(self) -> list[torch.Tensor]:
+        """The AdamW state this rank keeps on its device (none when offloaded; the step counts aside)."""
+        return [t for b in self.buckets if not b.offload for key in STATE_KEYS for t in b.state[key]]
 
     def reduce_scatter(self, reduce_dtype: torch.dtype) -> None:
         for b in self.buckets:

@@ -100,6 +100,28 @@ def train_flops_per_sequence(model: ModelSpec, activation_recompute: bool) -> fl
 
 
 RESIDUAL_BYTES = 4  # the residual stream stays fp32 under autocast (hetrain.runtime.precision)
+# The gradient sync moves a bucket in collectives of at most this many elements (its parameters
+# packed in order; one larger than this alone), so the flat copy it reduces, and a sharded
+# bucket's all-gather buffer, is one chunk, not the whole bucket: a whole bucket's fp32 copy is
+# 4 bytes per parameter on top of the 16 a stage keeps, half of what sharding the moments between
+# two replicas saves. 16 M elements (64 MB in fp32) are messages long enough for a ring to run
+# at its bandwidth (NCCL's reach it from a few MB) and a fraction of a percent of a GPU's memory.
+GRAD_SYNC_CHUNK_NUMEL = 16 * 2**20
+
+
+def sync_chunks(numels: list[int], limit: int) -> list[tuple[int, int]]:
+    """Index ranges ``[lo, hi)`` of consecutive tensors of ``numels`` elements, each range at most ``limit``
+    elements (a tensor larger than ``limit`` alone): the collectives a bucket's sync runs."""
+    out: list[tuple[int, int]] = []
+    lo, total = 0, 0
+    for i, n in enumerate(numels):
+        if i > lo and total + n > limit:
+            out.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if lo < len(numels):
+        out.append((lo, len(numels)))
+    return out
 
 
 def block_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int, micro_batch_size: int) -> float:
