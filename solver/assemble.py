@@ -7,7 +7,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from hetrain.cost.costmodel import SHARDS_STATE, CostModel, Estimate
+from hetrain.cost.costmodel import CostModel, Estimate
+from hetrain.plan.schema import SHARDS_STATE
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec

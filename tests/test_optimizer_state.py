@@ -11,7 +11,8 @@ from rich.console import Console
 
 from hetrain.cli.tables import plan_table
 from hetrain.cost.collectives import ring_allgather_s, ring_allreduce_s
-from hetrain.cost.costmodel import SHARDS_STATE, CostModel
+from hetrain.cost.costmodel import CostModel
+from hetrain.plan.schema import SHARDS_STATE
 from hetrain.cost.stage import ADAMW_BYTES_PER_PARAM, CPU_ADAMW_BYTES_PER_S, PCIE_BANDWIDTH_GBPS
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, load_plan, validate_plan

@@ -68,7 +68,7 @@ from hetrain.cost.pipeline import Op, drain_ahead_s, eager_pipeline_s, one_f_one
 from hetrain.cost.stage import UnitCosts
 from hetrain.cost.stage import unit_costs as stage_unit_costs
 from hetrain.errors import HetrainError
-from hetrain.plan.schema import Plan
+from hetrain.plan.schema import SHARDS_STATE, Plan, holders_shard_state
 from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.spec.arithmetic import block_params, embed_params, head_params, train_flops_per_sequence
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
@@ -76,7 +76,6 @@ from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, R
 # bytes per parameter a sharded bucket all-gathers after the step: the runtime's parameters are fp32
 # (hetrain.runtime.precision), each replica's updated share of them
 PARAM_GATHER_BYTES = 4
-SHARDS_STATE = ("sharded", "offloaded")  # the optimizer states that keep 1/D of a layer's state per replica
 
 
 @dataclass
@@ -349,7 +348,7 @@ class CostModel:
         if len(plan.pipelines) == 1:
             return set()
         whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
-                 if not all(st.optimizer_state in SHARDS_STATE for st in stages) for st in stages}
+                 if not holders_shard_state(stages) for st in stages}
         return {id(st) for p in plan.pipelines for st in p.stages
                 if st.optimizer_state in SHARDS_STATE and id(st) not in whole}
 
@@ -409,7 +408,7 @@ class CostModel:
         rings = []  # (devices, their nodes, bytes) per bucket and TP rank
         ring_sharded = []
         for key, stages, num_bytes in buckets:
-            sharded = all(st.optimizer_state in SHARDS_STATE for st in stages)
+            sharded = holders_shard_state(stages)
             for r in range(t):
                 ring_sharded.append(sharded)
                 devs = [st.devices[r] for st in stages]

@@ -8,6 +8,7 @@ a cluster and says in one sentence what is wrong.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -197,9 +198,14 @@ def check_optimizer_state(plan: Plan, optimizer: str) -> None:
                                    f"adamw optimizer (the one with state to shard), not {optimizer}")
 
 
-def _keeps_whole(stage: StagePlan) -> bool:
-    """Whether a stage keeps its layers' optimizer state replicated (whole, on its GPU)."""
-    return stage.optimizer_state in (None, "replicated")
+# the optimizer states that keep 1/D of a layer's state per replica (where every holder of the layer does)
+SHARDS_STATE = ("sharded", "offloaded")
+
+
+def holders_shard_state(holders: Iterable[StagePlan]) -> bool:
+    """Whether the stages holding a layer (a gradient bucket's) shard its optimizer state: every one sharded or
+    offloaded. The one rule the plan check, the cost model and the runtime (``hetrain.runtime.zero``) follow."""
+    return all(st.optimizer_state in SHARDS_STATE for st in holders)
 
 
 def _check_optimizer_state(plan: Plan) -> None:
@@ -218,7 +224,7 @@ def _check_optimizer_state(plan: Plan) -> None:
         holders = [(pi, next(si for si, st in enumerate(p.stages) if st.layers[0] <= lo < st.layers[1]))
                    for pi, p in enumerate(plan.pipelines)]
         sharded = [h for h in holders if plan.pipelines[h[0]].stages[h[1]].optimizer_state == "sharded"]
-        whole = [h for h in holders if _keeps_whole(plan.pipelines[h[0]].stages[h[1]])]
+        whole = [h for h in holders if not holders_shard_state([plan.pipelines[h[0]].stages[h[1]]])]
         if sharded and whole:
             (a, b), (c, d) = sharded[0], whole[0]
             raise HetrainError(

@@ -35,6 +35,7 @@ from torch.optim.adamw import adamw
 
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role, SyncBucket
+from hetrain.plan.schema import holders_shard_state
 from hetrain.runtime.groups import ProcessGroups
 from hetrain.runtime.parallelize import _all_gather_flat, bucket_params, local_tensor, sync_gradients
 from hetrain.spec.arithmetic import GRAD_SYNC_CHUNK_NUMEL, sync_chunks
@@ -337,8 +338,8 @@ def bucket_shards(layout: Layout, bucket: SyncBucket) -> bool:
     """Whether a bucket's holders shard its optimizer state: none keeps it replicated (``validate_plan``:
     a sharded stage has no replicated co-holder; an offloaded one beside replicated ones keeps it whole)."""
     plan = layout.plan
-    modes = [plan.pipelines[layout.roles[r].pipeline].stages[layout.roles[r].stage].optimizer_state for r in bucket.ranks]
-    return all(m in ("sharded", "offloaded") for m in modes)
+    return holders_shard_state(plan.pipelines[layout.roles[r].pipeline].stages[layout.roles[r].stage]
+                               for r in bucket.ranks)
 
 
 def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessGroups, *, offload: bool,
