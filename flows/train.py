@@ -28,7 +28,8 @@ from hetrain.errors import HetrainError, TransientError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
-from hetrain.recovery.preemption import SOURCES, SWITCH_NOTICE_S
+from hetrain.cost.notice import SWITCH_NOTICE_S
+from hetrain.recovery.preemption import SOURCES
 from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
 from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir

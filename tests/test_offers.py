@@ -22,6 +22,7 @@ from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_offers, rental_of_cluster
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.offers import Objective, choose_rental
+from hetrain.cost.notice import notice_action
 from solver.planner import make_plan
 
 MODEL = EXAMPLES / "models" / "gpt-small.yaml"
@@ -30,7 +31,8 @@ STALL_S, RESTART_S = 36.0, 360.0
 
 
 def costs() -> RecoveryCosts:
-    """Test figures: a 36 s stall per checkpoint, 360 s per restart; a notice of 10 s allows a 60 s switch."""
+    """Test figures: a 36 s stall per checkpoint, 360 s per restart; a notice of 60 s allows a 60 s switch
+    (``hetrain.cost.notice``: the warm start 30 s + the 20 s reserve is less than 60)."""
     return RecoveryCosts(switch_downtime_s=60.0, live_switch_downtime_s=None, switch_warm_start_s=30.0,
                          restart_notice_peers_s=RESTART_S, restart_notice_bucket_s=RESTART_S, restart_peers_s=RESTART_S,
                          restart_bucket_s=RESTART_S, checkpoint_stall_s=STALL_S, emergency_checkpoint_s=10.0,
@@ -175,6 +177,11 @@ def test_young_daly_interval_and_lost_fraction_by_hand():
     assert warned.lost_fraction == pytest.approx(36 / 3600 + 60 / 3600) and warned.warned_per_hour == 1.0
     short = preemption_loss([(1.0, 5.0)], costs())  # too short a notice: a restart, as without one
     assert short.lost_fraction == pytest.approx(lost_by_hand(1.0)) and short.unwarned_per_hour == 1.0
+    # a notice too short to switch in but long enough for an emergency checkpoint: nothing redone, the restart's
+    # downtime, as hetrain simulate replays it (the one rule, hetrain.cost.notice)
+    checkpointed = preemption_loss([(1.0, 30.0)], costs())
+    assert notice_action(30.0, costs()) == "restart-notice"
+    assert checkpointed.lost_fraction == pytest.approx(36 / 3600 + 360 / 3600) and checkpointed.warned_per_hour == 1.0
 
 
 def test_the_objectives_price_with_the_committed_measurements():

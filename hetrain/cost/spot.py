@@ -4,9 +4,12 @@ A run of synchronous data parallelism stops whenever any of its nodes goes away.
 preempted at rates lambda_i per hour, the run is interrupted at Lambda = sum_i lambda_i. Per
 interruption it loses the recovery downtime D and, unless the notice was long enough to take an
 emergency checkpoint, the work since the last periodic checkpoint (tau / 2 on average); each
-periodic checkpoint stalls training C seconds. The expected lost fraction of wall time is
+periodic checkpoint stalls training C seconds. What a notice allows is ``hetrain.cost.notice``'s
+rule, the one the watchers act on and ``hetrain simulate`` replays. The expected lost fraction of
+wall time is
 
-    C / tau + Lambda_unwarned * (D_restart + tau / 2) + Lambda_warned * D_switch
+    C / tau + Lambda_unwarned * (D_restart + tau / 2) + Lambda_checkpointed * D_restart_after_checkpoint
+      + Lambda_switched * D_switch
 
 minimised by Young/Daly's tau = sqrt(2 C / Lambda_unwarned) = sqrt(2 x stall x MTBF); the
 replaced node (or the re-planned run on the others) is assumed back within D. Expected goodput
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetrain.cost.notice import notice_action
 from hetrain.cost.recovery_costs import (MAX_CHECKPOINT_INTERVAL_S, SECONDS_PER_HOUR, RecoveryCosts,
                                          young_daly_interval_s)
 from hetrain.spec.specs import ClusterSpec
@@ -38,7 +42,7 @@ class PreemptionLoss:
     checkpoint_interval_s: float
     lost_fraction: float  # of wall time: stalls, downtime and work redone
     unwarned_per_hour: float  # interruptions whose notice is too short for an emergency checkpoint
-    warned_per_hour: float
+    warned_per_hour: float  # the others: a switch or an emergency checkpoint and a restart
     costs: RecoveryCosts
 
     def goodput(self, tokens_per_s: float) -> float:
@@ -46,15 +50,15 @@ class PreemptionLoss:
 
 
 def preemption_loss(rates_per_hour: list[tuple[float, float]], costs: RecoveryCosts) -> PreemptionLoss:
-    """The loss for nodes preempted at ``(rate per hour, notice s)`` each.
-
-    A notice at least as long as the emergency checkpoint lets the run switch in the notice window
-    (nothing redone, the switch's downtime); a shorter one is a restart from the last checkpoint.
+    """The loss for nodes preempted at ``(rate per hour, notice s)`` each, each notice priced by what it lets
+    hetrain do (``hetrain.cost.notice.notice_action``, as ``hetrain simulate`` replays it): a switch (its
+    downtime), an emergency checkpoint and a restart (nothing redone, the restart's downtime), or a restart
+    from the last periodic checkpoint (half an interval redone); periodic checkpoints only against the last.
     """
-    warn_s = costs.emergency_checkpoint_s
-    in_time = [notice_s > 0 and notice_s >= warn_s for _, notice_s in rates_per_hour]
-    warned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if ok)
-    unwarned = sum(rate for (rate, _), ok in zip(rates_per_hour, in_time) if not ok)
+    by_action = {"switch": 0.0, "restart-notice": 0.0, "restart": 0.0}
+    for rate, notice_s in rates_per_hour:
+        by_action[notice_action(notice_s, costs)] += rate
+    unwarned = by_action["restart"]
     tau = young_daly_interval_s(costs.checkpoint_stall_s, unwarned)
     if tau is None:  # nothing a notice cannot cover: checkpoints only against the rest (an hour apart)
         tau = MAX_CHECKPOINT_INTERVAL_S
@@ -62,8 +66,9 @@ def preemption_loss(rates_per_hour: list[tuple[float, float]], costs: RecoveryCo
     # a stall measured as zero makes checkpoints free: as often as one a second (not "never", which `or` made it)
     tau = max(tau, MIN_CHECKPOINT_INTERVAL_S)
     lost = (costs.checkpoint_stall_s / tau + unwarned * per_s * (costs.restart_peers_s + tau / 2)
-            + warned * per_s * costs.switch_downtime_s)
-    return PreemptionLoss(tau, min(1.0, lost), unwarned, warned, costs)
+            + by_action["restart-notice"] * per_s * costs.restart_notice_peers_s
+            + by_action["switch"] * per_s * costs.switch_downtime_s)
+    return PreemptionLoss(tau, min(1.0, lost), unwarned, by_action["switch"] + by_action["restart-notice"], costs)
 
 
 def cluster_preemption_loss(cluster: ClusterSpec, costs: RecoveryCosts) -> PreemptionLoss:

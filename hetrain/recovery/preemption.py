@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from hetrain.cost.notice import MIN_CHECKPOINT_S
 from hetrain.errors import HetrainError
 from hetrain.files import parse_json
 from hetrain.rundir import ACTIVE_MARKER, RunDir, done_files, done_step
@@ -58,15 +59,6 @@ DEFAULT_BASE = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.
 GCP_SPOT_NOTICE_S = 30.0
 SIGTERM_GRACE_S = 30.0
 MIN_POLL_S = 0.5  # the metadata endpoint is shared by everything on the VM and rate-limited (AWS: ~10 req/s)
-# A notice at least this long leaves time for a switch inside it (the recovery flow's start, a
-# warm start of the new plan, the switch's reserve): AWS's two minutes do, GCP's and Azure's 30 s not.
-SWITCH_NOTICE_S = 60.0
-# A notice at least this long leaves time for an emergency checkpoint (a step, a snapshot, a
-# commit: a few seconds) before the node goes; a shorter one loses the work since the last one.
-MIN_CHECKPOINT_S = 10.0
-# Kept free before the deadline for what follows a switch's warm start (``hetrain.recovery.proactive``):
-# the emergency checkpoint (a step, a snapshot and a commit) and the fetch of the leaving nodes' shards.
-DEFAULT_SWITCH_RESERVE_S = 20.0
 STOP_CHECK_S = 0.1  # how often a watcher waiting for a poll looks whether it was stopped (a SIGTERM's notice)
 
 

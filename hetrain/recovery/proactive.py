@@ -53,7 +53,8 @@ from hetrain.checkpoint.reassemble import FetchReport, FileFetch, Source, reasse
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.schema import load_plan, validate_plan
-from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, wait_for_checkpoint
+from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S
+from hetrain.recovery.preemption import wait_for_checkpoint
 from hetrain.recovery.recover import Planner, RecoveryResult, recover, surviving_cluster, write_report
 from hetrain.recovery.runs import load_run, sources_for
 from hetrain.rundir import (RunDir, done_files, done_step, live_offer_file, live_release_file, live_result_file,

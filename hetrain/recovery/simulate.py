@@ -7,7 +7,8 @@ way, every pause priced by the measured costs of ``hetrain.cost.recovery_costs``
 named in the output) and every re-plan made by the real planner on the nodes that are left
 (cached by node set: a replay of a day asks it a handful of times).
 
-At a preemption of a node in the plan (notice ``n``, gone at ``t``):
+At a preemption of a node in the plan (notice ``n``, gone at ``t``), what the notice allows is
+``hetrain.cost.notice.notice_action``'s, the rule the spot objectives price a rental by:
 
 * **switch** (hetrain, ``n`` at least what the notice-window switch needs: ``SWITCH_NOTICE_S``
   and no less than the measured warm start plus ``DEFAULT_SWITCH_RESERVE_S``): the old plan
@@ -48,7 +49,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.cost.recovery_costs import RecoveryCosts, young_daly_interval_s
 from hetrain.recovery.market import MarketEvent
-from hetrain.recovery.preemption import DEFAULT_SWITCH_RESERVE_S, MIN_CHECKPOINT_S, SWITCH_NOTICE_S
+from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S, SWITCH_NOTICE_S, notice_action
 from hetrain.recovery.recover import Planner, surviving_cluster
 from hetrain.recovery.simulate_options import SECONDS_PER_HOUR, SimulateOptions
 from hetrain.spec.specs import ClusterSpec
@@ -77,7 +78,7 @@ class Downtimes:
     """The seconds one strategy pauses for each kind of recovery (from ``RecoveryCosts``)."""
 
     switch_s: float | None  # None: never switches
-    switch_notice_s: float  # the notice a switch needs
+    costs: RecoveryCosts  # what a notice allows is decided from them (``hetrain.cost.notice``)
     warm_start_s: float
     restart_notice_s: float  # emergency checkpoint, then a restart
     restart_s: float  # no notice: a restart from the last committed checkpoint
@@ -95,7 +96,7 @@ class Downtimes:
                                    f"--notice without skipping it)")
         restart_s = costs.restart_peers_s if strategy.peers else costs.restart_bucket_s
         return cls(switch_s=switch_s,
-                   switch_notice_s=max(SWITCH_NOTICE_S, costs.switch_warm_start_s + DEFAULT_SWITCH_RESERVE_S),
+                   costs=costs,
                    warm_start_s=costs.switch_warm_start_s,
                    restart_notice_s=costs.restart_notice_peers_s if strategy.peers else costs.restart_notice_bucket_s,
                    restart_s=restart_s, cold_restart_s=costs.restart_bucket_s,
@@ -193,9 +194,10 @@ def actions_for(events: list[MarketEvent], d: Downtimes, strategy: Strategy) -> 
             continue
         out.append(_Action(e.notice_at_s, 0, "notice", e.node))
         notice_s = e.time_s - e.notice_at_s  # shorter than the cloud's for a preemption right after the start
-        if strategy.switch and notice_s >= d.switch_notice_s:
+        action = notice_action(notice_s, d.costs, switch=strategy.switch)
+        if action == "switch":
             out.append(_Action(e.notice_at_s + d.warm_start_s, 1, "recover", e.node, "switch"))
-        elif notice_s >= MIN_CHECKPOINT_S:
+        elif action == "restart-notice":
             deferred = strategy.switch and notice_s >= SWITCH_NOTICE_S  # a switch tried: its guard checkpoints
             at = e.time_s - DEFAULT_SWITCH_RESERVE_S if deferred else e.notice_at_s
             out.append(_Action(at, 1, "recover", e.node, "restart-notice"))

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from hetrain.recovery.preemption import MIN_CHECKPOINT_S, Notice, PreemptionWatcher, wait_for_checkpoint
+from hetrain.cost.notice import MIN_CHECKPOINT_S
+from hetrain.recovery.preemption import Notice, PreemptionWatcher, wait_for_checkpoint
 
 
 class LocalSpotRun:

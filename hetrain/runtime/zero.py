@@ -172,7 +172,7 @@ class ShardBucket:
         grads = [g for g, c in zip(self.grads or [], counted) if c and g.numel()]
         if not grads or not self.counts_norm:
             return torch.zeros((), dtype=torch.float64)
-        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().cpu()
+        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
 
     @torch.no_grad()
     def step(self, coef: float, group_values: dict) -> None:
@@ -258,8 +258,9 @@ class ShardedAdamW:
 
     def grad_norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (every replica contributes its rows)."""
-        return sum((b.grad_norm_sq(c) for b, c in zip(self.buckets, self._counted)),
-                   torch.zeros((), dtype=torch.float64))
+        device = next(self.model.parameters()).device  # summed where the parameters live: one copy, not one a bucket
+        return sum((b.grad_norm_sq(c).to(device) for b, c in zip(self.buckets, self._counted)),
+                   torch.zeros((), dtype=torch.float64, device=device))
 
     def step(self, coef: float) -> None:
         for b in self.buckets:
