@@ -47,7 +47,7 @@ import numpy as np
 from hetrain.config import DEFAULT_CHECKPOINT_EVERY
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.cost.recovery_costs import RecoveryCosts, young_daly_interval_s
+from hetrain.cost.recovery_costs import RecoveryCosts
 from hetrain.recovery.market import MarketEvent
 from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S, SWITCH_NOTICE_S, notice_action
 from hetrain.recovery.recover import Planner, surviving_cluster
@@ -152,12 +152,14 @@ class PlanCache:
 
 
 def checkpoint_interval_s(candidate: Candidate, costs: RecoveryCosts, every_s: float | None) -> float:
-    """``every_s``, else Young's interval for the cluster's spot rates, else hetrain's default checkpoint
-    steps at the plan's iteration time; never shorter than one iteration."""
+    """``every_s``, else the interval ``hetrain plan --offers`` chose for the cluster (Young/Daly over the
+    preemptions a notice cannot cover: ``hetrain.cost.spot``), else, with no spot rate, hetrain's default
+    checkpoint steps at the plan's iteration time; never shorter than one iteration."""
+    from hetrain.cost.spot import cluster_preemption_loss
+
     iteration_s = candidate.plan.predicted.iteration_time_s if candidate.plan.predicted else 0.0
-    if every_s is None:
-        rate = sum(n.preemptions_per_hour or 0.0 for n in candidate.cluster.nodes if n.spot)
-        every_s = young_daly_interval_s(costs.checkpoint_stall_s, rate)
+    if every_s is None and any(n.spot and n.preemptions_per_hour for n in candidate.cluster.nodes):
+        every_s = cluster_preemption_loss(candidate.cluster, costs).checkpoint_interval_s
     if every_s is None:
         every_s = DEFAULT_CHECKPOINT_EVERY * iteration_s
     return max(every_s, iteration_s)

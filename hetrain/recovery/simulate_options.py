@@ -37,8 +37,8 @@ class SimulateOptions(BaseModel):
     deadline_hours: float | None = Field(
         default=None, gt=0, le=MAX_HOURS, description="report the share of replays that train --tokens by then")
     checkpoint_every_s: float | None = Field(
-        default=None, gt=0, description="seconds between checkpoints (default: Young's interval from the measured "
-        "stall and the preemption rates)")
+        default=None, gt=0, description="seconds between checkpoints (default: the interval hetrain plan --offers "
+        "chooses: Young/Daly from the measured stall and the preemptions a notice cannot cover)")
     return_after_s: float = Field(default=DEFAULT_RETURN_AFTER_S, ge=0.0, le=MAX_HOURS * SECONDS_PER_HOUR,
                                   description="drawn markets: seconds until a preempted node can be rented again")
     on_demand_price_factor: float = Field(
