@@ -26,7 +26,7 @@ import time
 
 from _common import ROOT, print_table, write_results
 
-from hetrain.cost.recovery_costs import load_recovery_costs
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR, load_recovery_costs
 from hetrain.recovery.simulate import BUCKET_RESTART, HETRAIN, Candidate, SimulateOptions, simulate
 from hetrain.spec.offers import load_offers
 from hetrain.spec.specs import TrainingSettings, load_model
@@ -80,7 +80,7 @@ def replay(name: str, replays: int) -> tuple[list[dict], dict]:
                      "spot": sum(n.count for n in c.cluster.nodes if n.spot),
                      "goodput": s["goodput_tokens_per_s"]["mean"], "usd_per_mtok": s["usd_per_million_tokens"]["mean"],
                      "preemptions": s["preemptions"]["mean"], "by_deadline": s.get("share_by_deadline", 0.0),
-                     "hours_to_tokens": (s["time_to_tokens_s"]["p50"] or float("nan")) / 3600})
+                     "hours_to_tokens": (s["time_to_tokens_s"]["p50"] or float("nan")) / SECONDS_PER_HOUR})
     four = rows[:4]
     # ties go to the first row, hetrain's cost rental: bucket restarts cost the same where no preemption came
     check = {"offers": name,

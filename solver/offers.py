@@ -505,13 +505,14 @@ def economics(choice, objective) -> dict:
         "lost_fraction": loss.lost_fraction, "checkpoint_interval_s": loss.checkpoint_interval_s,
         "preemptions_per_hour": loss.unwarned_per_hour + loss.warned_per_hour,
         "dollars_per_hour": best.price_per_hour,
-        "dollars_per_million_tokens": best.price_per_hour / (best.goodput * 3600) * 1e6 if best.goodput else None,
+        "dollars_per_million_tokens": (best.price_per_hour / (best.goodput * SECONDS_PER_HOUR) * 1e6
+                                       if best.goodput else None),
         "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_peers_s,
         "switch_downtime_s": loss.costs.switch_downtime_s, "recovery_costs_from": choice.costs.source,
         "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
         "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
     if objective.kind == "deadline":
-        hours = objective.tokens / best.goodput / 3600
+        hours = objective.tokens / best.goodput / SECONDS_PER_HOUR
         report |= {"tokens": objective.tokens, "deadline_h": objective.deadline_h, "expected_finish_h": hours,
                    "expected_cost_dollars": hours * best.price_per_hour}
     return report

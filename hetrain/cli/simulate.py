@@ -11,11 +11,12 @@ from rich.table import Table
 
 from hetrain.cli.common import MAX_TIME_LIMIT_S, out, say_note, user_errors
 from hetrain.cli.options import model_options
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR
 from hetrain.recovery.simulate_options import SimulateOptions
 
 
 def _hours(x: float | None) -> str:
-    return "not reached" if x is None else f"{x / 3600:.2f}"
+    return "not reached" if x is None else f"{x / SECONDS_PER_HOUR:.2f}"
 
 
 def _mean(s: dict, key: str, fmt: str) -> str:

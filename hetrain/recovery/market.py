@@ -29,8 +29,8 @@ from typing import Literal
 
 import numpy as np
 
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR
 from hetrain.errors import HetrainError
-from hetrain.recovery.simulate_options import SECONDS_PER_HOUR
 from hetrain.files import read_text, write_text_atomic
 from hetrain.spec.specs import ClusterSpec
 

@@ -45,13 +45,14 @@ from pathlib import Path
 import numpy as np
 
 from hetrain.config import DEFAULT_CHECKPOINT_EVERY
+from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S, SWITCH_NOTICE_S, notice_action
+from hetrain.cost.recovery_costs import SECONDS_PER_HOUR, RecoveryCosts
+from hetrain.cost.spot import cluster_preemption_loss
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.cost.recovery_costs import RecoveryCosts
 from hetrain.recovery.market import MarketEvent
-from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S, SWITCH_NOTICE_S, notice_action
 from hetrain.recovery.recover import Planner, surviving_cluster
-from hetrain.recovery.simulate_options import SECONDS_PER_HOUR, SimulateOptions
+from hetrain.recovery.simulate_options import SimulateOptions
 from hetrain.spec.specs import ClusterSpec
 
 PERCENTILES = (5, 50, 95)
@@ -155,8 +156,6 @@ def checkpoint_interval_s(candidate: Candidate, costs: RecoveryCosts, every_s: f
     """``every_s``, else the interval ``hetrain plan --offers`` chose for the cluster (Young/Daly over the
     preemptions a notice cannot cover: ``hetrain.cost.spot``), else, with no spot rate, hetrain's default
     checkpoint steps at the plan's iteration time; never shorter than one iteration."""
-    from hetrain.cost.spot import cluster_preemption_loss
-
     iteration_s = candidate.plan.predicted.iteration_time_s if candidate.plan.predicted else 0.0
     if every_s is None and any(n.spot and n.preemptions_per_hour for n in candidate.cluster.nodes):
         every_s = cluster_preemption_loss(candidate.cluster, costs).checkpoint_interval_s
