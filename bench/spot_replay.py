@@ -31,7 +31,7 @@ from hetrain.recovery.simulate import BUCKET_RESTART, HETRAIN, Candidate, Simula
 from hetrain.spec.offers import load_offers
 from hetrain.spec.specs import TrainingSettings, load_model
 from solver.offers import Objective, choose_rental
-from solver.planner import make_plan
+from solver.planner import replanner
 
 EXAMPLE_SETS = ("aws-us-east-1", "gcp-us-central1", "gpu-clouds")
 # about two days of the cheapest rental that holds gpt-6.7b (bench/offers.py's deadline rows)
@@ -63,10 +63,7 @@ def replay(name: str, replays: int) -> tuple[list[dict], dict]:
     candidates = rentals(name, model, settings)
     options = SimulateOptions(replays=replays, hours=DEADLINE_H, tokens=DEADLINE_TOKENS, deadline_hours=DEADLINE_H)
 
-    def survivors(cluster, m, s):
-        return make_plan(SURVIVOR_PLANNER, cluster, m, s).plan
-
-    report = simulate(list(candidates.values()), options, survivors, load_recovery_costs())
+    report = simulate(list(candidates.values()), options, replanner(SURVIVOR_PLANNER), load_recovery_costs())
     by = {(r["candidate"], r["strategy"]): r for r in report["results"]}
     rows = []
     for (label, strategy), why in ((("cost", HETRAIN.name), "cost objective, hetrain's recovery"),

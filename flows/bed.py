@@ -27,10 +27,10 @@ from pathlib import Path
 
 import yaml
 
+from flows import ROOT
 from hetrain.testing import netbed
 from hetrain.testing.fakecloud import FakeCloudMetadata
 
-ROOT = Path(__file__).resolve().parent.parent
 API_PORT = 4200
 S3_PORT = 5000
 BUCKET = "bed"

@@ -34,10 +34,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from flows import ROOT
 from hetrain.rundir import RunDir
 from hetrain.runtime.launch import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 console = Console()
 
 

@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
+from flows import repo_path
 from flows.report import Progress, artifact_key, publish_json, publish_profile
 from hetrain.checkpoint.backup import probe_remote
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps
@@ -38,7 +39,6 @@ from hetrain.recovery.runs import check_run_paths, load_run, run_dir_of
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
 
-ROOT = Path(__file__).resolve().parent.parent
 NODE_ENV = "HETRAIN_NODE"  # the node a worker's machine is (set where the worker starts)
 RUNS_ROOT_ENV = "HETRAIN_RUNS_ROOT"  # the node's own disk for runs
 
@@ -46,7 +46,7 @@ RUNS_ROOT_ENV = "HETRAIN_RUNS_ROOT"  # the node's own disk for runs
 def node_runs_root(runs_root: str) -> Path:
     """The runs root on this node: its worker's ``HETRAIN_RUNS_ROOT``, else ``runs_root`` (relative to the checkout)."""
     root = Path(os.environ.get(RUNS_ROOT_ENV) or runs_root)
-    return root if root.is_absolute() else ROOT / root
+    return repo_path(root)
 
 
 def check_node(node: str) -> None:

@@ -16,8 +16,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
+from flows import repo_path
 from flows.report import artifact_key, publish_plan
-from flows.train import _path, worth_retrying
+from flows.train import worth_retrying
 from hetrain.cost.costmodel import CostModel
 from hetrain.files import write_text_atomic
 from hetrain.profiling.profile import ANALYTIC_NOTE
@@ -30,18 +31,18 @@ from solver.offers import Objective, choose_rental, economics, rental_rows
 def choose_gpus(offers: str, model: str, settings: dict, objective: dict, planner: str, on_demand_only: bool,
                 plan_out: str, cluster_out: str) -> dict:
     """Choose the rental and plan it; write the plan and the cluster file; the rental and its economics."""
-    spec, md = load_offers(_path(offers)), load_model(_path(model))
+    spec, md = load_offers(repo_path(offers)), load_model(repo_path(model))
     goal = Objective(**objective)
     train = TrainingSettings.model_validate(settings)
     markets = ("on_demand",) if on_demand_only else ("spot", "on_demand")
     choice = choose_rental(spec, md, train, goal, planner=planner, markets=markets)
-    best, cluster_path = choice.best, _path(cluster_out)
+    best, cluster_path = choice.best, repo_path(cluster_out)
     cluster = best.cluster.model_copy(update={"name": cluster_path.stem})
     plan = best.planned.plan.model_copy(update={"cluster": cluster.name})
-    plan.write(_path(plan_out))
+    plan.write(repo_path(plan_out))
     write_text_atomic(cluster_path, cluster_yaml(cluster, f"Rented from offers '{spec.name}' ({offers}) by the "
                                                           f"hetrain-plan flow, objective {goal.kind}."), "cluster_out")
-    return {"rental": rental_rows(spec, best), "economics": economics(choice, goal), "plan": str(_path(plan_out)),
+    return {"rental": rental_rows(spec, best), "economics": economics(choice, goal), "plan": str(repo_path(plan_out)),
             "cluster": str(cluster_path), "estimate": best.planned.estimate, "plan_model": plan,
             "cluster_model": cluster}
 
@@ -71,7 +72,7 @@ def plan(
     Objective(**goal)  # a deadline without tokens fails here, before any work
     settings = TrainingSettings(global_batch_size=global_batch_size)
     for path in (plan_out, cluster_out):
-        _path(path).parent.mkdir(parents=True, exist_ok=True)
+        repo_path(path).parent.mkdir(parents=True, exist_ok=True)
     result = choose_gpus(offers, model, settings.model_dump(), goal, planner, on_demand_only, plan_out, cluster_out)
     publish(result, settings, model)
     econ = result["economics"]
@@ -89,5 +90,5 @@ def publish(result: dict, settings: TrainingSettings, model: str) -> None:
     create_table_artifact([{"quantity": k, "value": v} for k, v in result["economics"].items()],
                           key=artifact_key(run, "economics"),
                           description=f"expected goodput and cost; {ANALYTIC_NOTE}")
-    cost = CostModel(result["cluster_model"], load_model(_path(model)), settings)
+    cost = CostModel(result["cluster_model"], load_model(repo_path(model)), settings)
     publish_plan(result["plan_model"], result["estimate"], run, "rental", measured=False, cost=cost)

@@ -26,6 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import Artifact, create_table_artifact
 from pydantic import Field
 
+from flows import repo_path
 from flows.fanout import RESTORE_DEPLOYMENT, first_row, node_run_parameters, run_on_nodes, run_tag, stop_run
 from flows.report import Progress, artifact_key, model_from_markdown, publish_picture, publish_plan
 from hetrain.config import RUN_ID_PATTERN
@@ -40,7 +41,6 @@ from hetrain.recovery.runs import existing_run
 from hetrain.runtime.launch import worker_pids
 from hetrain.spec.specs import load_cluster
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 RECOVERY_LEASE_S = 300.0  # the slot's lease, renewed while the flow run lives; a crashed one frees it then
@@ -239,7 +239,7 @@ def recover(
     lost = [n.strip() for n in lost_node.split(",") if n.strip()]
     cluster_file = None
     if cluster:
-        cluster_file = Path(cluster) if Path(cluster).is_absolute() else ROOT / cluster
+        cluster_file = repo_path(cluster)
     try:
         until = parse_utc(lost_until) if lost_until else None
     except ValueError:
@@ -247,7 +247,7 @@ def recover(
     if launch == "per-node" and cluster_file is None:
         raise HetrainError("cluster: a run started per node is recovered with its cluster file (the run "
                            "directories are on the nodes)")
-    root = Path(runs_root) if Path(runs_root).is_absolute() else ROOT / runs_root
+    root = repo_path(runs_root)
     if launch == "local":
         existing_run(root, run_id)  # an unknown run fails before it waits for anything
     with one_recovery_at_a_time(run_id) as hand_over:
@@ -274,7 +274,7 @@ def recover(
 def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path | None, steps: int | None,
                   timeout_s: float, until: datetime | None, hand_over: Callable[[], None]) -> dict:
     """Recover a run whose ranks all run on this machine: a switch inside the notice if it still trains, else a restart."""
-    from solver.planner import make_plan
+    from solver.planner import replanner
 
     logger = get_run_logger()
     run_dir, config = existing_run(root, run_id)
@@ -290,9 +290,7 @@ def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path |
         if r["step"] % 10 == 0:
             logger.info("step %d loss %.4f %.0f tokens/s", r["step"], r["loss"], r["tokens_per_s"])
 
-    def planner(cl, m, s):
-        return make_plan("hetrain", cl, m, s).plan
-
+    planner = replanner("hetrain")
     if until is not None and worker_pids(run_dir, None):  # it still trains: switch, or checkpoint and restart
         logger.info("switching run %s to a plan without %s before %s", run_id, ", ".join(lost), f"{until:%H:%M:%S}")
         result = recover_in_notice_window(run_dir, lost, planner, until.timestamp(), cluster_file=cluster_file,

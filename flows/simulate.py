@@ -17,36 +17,20 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
+from flows import repo_path
 from flows.report import artifact_key, publish_picture
 from hetrain.config import RUN_ID_PATTERN
 from hetrain.errors import HetrainError
 from hetrain.recovery.simulate_options import SimulateOptions
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _path(p: str) -> Path:
-    """Paths in parameters are relative to the repository, where deployments run."""
-    path = Path(p)
-    return path if path.is_absolute() else ROOT / path
-
-
-def _planner(name: str, time_limit_s: float):
-    from solver.planner import make_plan
-
-    def replan(cluster, model, settings):
-        return make_plan(name, cluster, model, settings, time_limit_s=time_limit_s).plan
-
-    return replan
-
 
 @task
 def plan_cluster(cluster: str, model: str, global_batch_size: int, planner: str, time_limit_s: float,
                  out: str) -> str:
     """The plan for one cluster (as ``hetrain plan`` makes it), written to ``out``; its path."""
     from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+    from solver.planner import replanner
 
-    plan = _planner(planner, time_limit_s)(load_cluster(_path(cluster)), load_model(_path(model)),
+    plan = replanner(planner, time_limit_s)(load_cluster(repo_path(cluster)), load_model(repo_path(model)),
                                            TrainingSettings(global_batch_size=global_batch_size))
     plan.write(out)
     return out
@@ -58,13 +42,14 @@ def run_simulation(clusters: list[str], plans: list[str], options: SimulateOptio
     """Simulate every cluster and plan under every strategy; the report and the picture's path (None: none)."""
     from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import load_candidates, simulate, write_outputs
+    from solver.planner import replanner
 
     if options.market:
-        options = options.model_copy(update={"market": str(_path(options.market))})
+        options = options.model_copy(update={"market": str(repo_path(options.market))})
     if options.bench_results:
-        options = options.model_copy(update={"bench_results": str(_path(options.bench_results))})
-    candidates = load_candidates([_path(c) for c in clusters], [_path(p) for p in plans])
-    report = simulate(candidates, options, _planner(planner, time_limit_s), load_recovery_costs(options.bench_results))
+        options = options.model_copy(update={"bench_results": str(repo_path(options.bench_results))})
+    candidates = load_candidates([repo_path(c) for c in clusters], [repo_path(p) for p in plans])
+    report = simulate(candidates, options, replanner(planner, time_limit_s), load_recovery_costs(options.bench_results))
     _, png, why_not = write_outputs(report, out_dir)
     if why_not:
         print(why_not)
@@ -105,7 +90,7 @@ def simulate(
     ``model`` at ``global_batch_size``. ``options``: those of ``hetrain simulate`` (the market CSV
     or the seed, hours, replays, tokens, deadline...). Returns the table's rows.
     """
-    out_dir = _path(runs_root) / "simulations" / name
+    out_dir = repo_path(runs_root) / "simulations" / name
     out_dir.mkdir(parents=True, exist_ok=True)
     if plans is None:
         plans = [plan_cluster(c, model, global_batch_size, planner, time_limit_s, str(out_dir / f"plan-{i}.json"))

@@ -18,6 +18,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS
 from pydantic import Field
 
+from flows import repo_path
 from flows.events import emit_preempted
 from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes, run_tag
 from flows.report import (Progress, artifact_key, profile_from_markdown, publish_plan, publish_run_pictures,
@@ -37,17 +38,10 @@ from hetrain.runtime.launch import RunStopped, launch
 from hetrain.spec.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
-ROOT = Path(__file__).resolve().parent.parent
 # The run's pictures are redrawn and published at each quarter of the run, not at each logged step: each is a
 # matplotlib draw (about half a second of a CPU core) and a new version of two artifacts, which the flow run's
 # graph shows one by one.
 PICTURE_UPDATES = 4
-
-
-def _path(p: str) -> Path:
-    """Paths in parameters are relative to the repository, where deployments run."""
-    path = Path(p)
-    return path if path.is_absolute() else ROOT / path
 
 
 def worth_retrying(_task, _task_run, state) -> bool:
@@ -80,7 +74,7 @@ def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[in
 def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, planner: str, run_id: str) -> dict:
     from solver.planner import make_plan
 
-    cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
+    cl, spec = load_cluster(repo_path(cluster)), load_model(repo_path(model))
     prof = Profile.from_dict(profile_json) if profile_json else None
     result = make_plan(planner, cl, spec, TrainingSettings.model_validate(settings), prof)
     get_run_logger().info("%s plan: %d pipelines, tp %d, predicted %.3f s/iteration (%s)", planner,
@@ -110,7 +104,7 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
     run_dir.mkdir(parents=True, exist_ok=True)
     the_plan = Plan.model_validate(plan_json)
     plan_path = RunDir(run_dir).plan
-    base = build_run_config(run_dir, plan_path, options, run_id=run_id, cluster=_path(cluster))
+    base = build_run_config(run_dir, plan_path, options, run_id=run_id, cluster=repo_path(cluster))
     # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
     prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),
                            more_steps=options.more_steps, start_over_without_checkpoint=True,
@@ -121,7 +115,7 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
         logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id, resumed, config.steps)
     metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
     on_record = _on_record(run_id, config, options, metrics, run_dir, logger)
-    spot = _spot_sources(load_cluster(_path(cluster)), the_plan, spot_metadata_url, cloud)
+    spot = _spot_sources(load_cluster(repo_path(cluster)), the_plan, spot_metadata_url, cloud)
 
     def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
         emit_preempted(run_id, node, notice.to_dict(), checkpoint_step, str(run_dir.parent))
@@ -298,12 +292,12 @@ def train(
     devices, bf16 on GPUs.
     """
     if options.data:
-        if not _path(options.data).is_file():
+        if not repo_path(options.data).is_file():
             raise FileNotFoundError(f"options.data: {options.data}: file not found")
-        options = options.model_copy(update={"data": str(_path(options.data))})
+        options = options.model_copy(update={"data": str(repo_path(options.data))})
     from hetrain.profiling.profiler import gpus_from_cluster
 
-    cl, spec = load_cluster(_path(cluster)), load_model(_path(model))
+    cl, spec = load_cluster(repo_path(cluster)), load_model(repo_path(model))
     precision = options.precision or ("fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16")
     settings = TrainingSettings(global_batch_size=global_batch_size, precision=precision)
     prof = None
@@ -325,6 +319,6 @@ def train(
         peers = {}
         if peer_port:  # each node's peer server serves its runs root: run/checkpoints/<node> below it
             peers = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
-        return train_on_nodes(run_id, the_plan, cl, str(_path(cluster)), options, peers, rendezvous_port, runs_root,
+        return train_on_nodes(run_id, the_plan, cl, str(repo_path(cluster)), options, peers, rendezvous_port, runs_root,
                               predicted)
     return train_run(run_id, runs_root, plan_json, cluster, options, spot_metadata_url, cloud, predicted)

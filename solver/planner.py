@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, NoPlanError
-from hetrain.plan.schema import SolverInfo
+from hetrain.plan.schema import Plan, SolverInfo
 from hetrain.profiling.profile import Profile
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 from solver.assemble import choose_schedules, finish
@@ -121,3 +121,15 @@ def make_plan(
 ) -> PlanResult:
     planner_fn = REGISTRY[canonical(planner)]
     return planner_fn(cluster, CostModel(cluster, model, settings, profile), time_limit_s, progress)
+
+
+def replanner(planner: str, time_limit_s: float = 10.0) -> Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]:
+    """``planner`` as the function recovery and the market replay take (``hetrain.recovery.recover.Planner``):
+    a cluster, model and settings in, the plan out. Checks the name at once (a bad one is a user error before
+    any work, not at the first preemption)."""
+    canonical(planner)
+
+    def plan_for(cluster: ClusterSpec, model: ModelSpec, settings: TrainingSettings) -> Plan:
+        return make_plan(planner, cluster, model, settings, time_limit_s=time_limit_s).plan
+
+    return plan_for

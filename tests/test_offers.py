@@ -13,8 +13,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, ROOT
 from hetrain.cli import app
+from hetrain.cost.notice import notice_action
 from hetrain.cost.recovery_costs import RecoveryCosts, load_recovery_costs, young_daly_interval_s
 from hetrain.cost.spot import cluster_preemption_loss, preemption_loss
 from hetrain.errors import HetrainError
@@ -22,7 +23,6 @@ from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_offers, rental_of_cluster
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.offers import Objective, choose_rental
-from hetrain.cost.notice import notice_action
 from solver.planner import make_plan
 
 MODEL = EXAMPLES / "models" / "gpt-small.yaml"
@@ -185,11 +185,25 @@ def test_young_daly_interval_and_lost_fraction_by_hand():
 
 
 def test_the_objectives_price_with_the_committed_measurements():
-    """The spot objectives and ``hetrain simulate`` read the same measured figures (one loader)."""
-    measured = load_recovery_costs()
-    assert "bench/measured" in measured.source
-    loss = preemption_loss([(1.0, 0.0)], measured)
-    assert loss.costs == measured and 0 < loss.lost_fraction < 1
+    """The spot objectives price a preemption with the benches' committed rows (read here straight from the
+    files): the background checkpoint's stall and the peers-first restart without notice, the switch's downtime
+    for a notice a switch fits in, the restart after an emergency checkpoint for a shorter one."""
+    measured_dir = ROOT / "bench" / "measured"
+
+    def row(name: str, mode: str) -> dict:
+        return next(r for r in json.loads((measured_dir / name).read_text()) if r["mode"] == mode)
+
+    stall_s = row("checkpoint_cost.json", "background")["stall_s"]
+    restart_s = row("recovery.json", "peers first")["total_s"]
+    switch_s = row("recovery_notice.json", "notice-window switch")["downtime_s"]
+    after_checkpoint_s = row("recovery_notice.json", "peers-first restart")["downtime_s"]
+    tau = math.sqrt(2 * stall_s * 3600)
+    unwarned = preemption_loss([(1.0, 0.0)], load_recovery_costs())
+    assert unwarned.lost_fraction == pytest.approx(stall_s / tau + (restart_s + tau / 2) / 3600)
+    switched = preemption_loss([(1.0, 600.0)], load_recovery_costs())
+    assert switched.lost_fraction == pytest.approx(stall_s / 3600 + switch_s / 3600)
+    checkpointed = preemption_loss([(1.0, 30.0)], load_recovery_costs())
+    assert checkpointed.lost_fraction == pytest.approx(stall_s / 3600 + after_checkpoint_s / 3600)
 
 
 # ---------------------------------------------------------------- the objectives

@@ -32,15 +32,13 @@ def recover(
     from rich.progress import BarColumn, Progress, TextColumn
 
     from hetrain.recovery.recover import recover as do_recover
-    from solver.planner import make_plan
+    from solver.planner import replanner
 
     lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
     if not lost:
         raise HetrainError("--lost-nodes: expected at least one node name")
 
-    def plan_for(cl, model, settings):
-        return make_plan(planner, cl, model, settings).plan
-
+    plan_for = replanner(planner)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   console=err, transient=True) as bar:
         task = bar.add_task("recover", total=1.0, info="")
@@ -92,7 +90,7 @@ def switch(
 
     from hetrain.recovery.preemption import parse_utc
     from hetrain.recovery.proactive import recover_in_notice_window
-    from solver.planner import make_plan
+    from solver.planner import replanner
 
     leaving = [n.strip() for n in leaving_nodes.split(",") if n.strip()]
     if not leaving:
@@ -105,9 +103,7 @@ def switch(
         except ValueError:
             raise HetrainError(f"--deadline '{deadline}': expected an ISO 8601 time or seconds from now") from None
 
-    def plan_for(cl, model, settings):
-        return make_plan(planner, cl, model, settings).plan
-
+    plan_for = replanner(planner)
     result = recover_in_notice_window(run, leaving, plan_for, when, cluster_file=cluster, steps=steps,
                                       timeout_s=timeout_s, switch_reserve_s=switch_reserve_s,
                                       on_progress=lambda line: err.print(line, highlight=False),

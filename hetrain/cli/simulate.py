@@ -103,16 +103,12 @@ def simulate(
     from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import STRATEGIES, load_candidates, write_outputs
     from hetrain.recovery.simulate import simulate as run
-    from solver.planner import canonical, make_plan
+    from solver.planner import replanner
 
-    canonical(planner)
+    replan = replanner(planner, time_limit_s)
     check_output_dir(out_dir, "--out")
     candidates = load_candidates(cluster, plan)
     costs = load_recovery_costs(options.bench_results)
-
-    def replan(survivors, model, settings):
-        return make_plan(planner, survivors, model, settings, time_limit_s=time_limit_s).plan
-
     report = run(candidates, options, replan, costs)
     out.print(result_table(report))
     if options.replays > 1:
