@@ -508,7 +508,8 @@ def economics(choice, objective) -> dict:
         "dollars_per_million_tokens": (best.price_per_hour / (best.goodput * SECONDS_PER_HOUR) * 1e6
                                        if best.goodput else None),
         "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_peers_s,
-        "switch_downtime_s": loss.costs.switch_downtime_s, "recovery_costs_from": choice.costs.source,
+        "switch_downtime_s": loss.costs.switch_downtime_s,
+        "restart_after_checkpoint_s": loss.costs.restart_notice_peers_s, "recovery_costs_from": choice.costs.source,
         "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
         "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
     if objective.kind == "deadline":

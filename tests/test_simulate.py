@@ -88,13 +88,13 @@ def test_a_preemption_without_notice_loses_the_work_since_the_checkpoint(two, tm
     r1, r2 = two["r1"], two["r2"]
     runs = replay(two, tmp_path, notice_s=0.0)
     # hetrain: train 0-100, stall to 101, train to 201, stall to 202, train to 250 (48 s lost), restart
-    # peers first 15 s; od alone 265-365, 366-466, 467-567, 568-668 (400 s); sp back at 600 joins at the
-    # checkpoint at 668: stall to 669, switch 5 s; both 674-774, 775-875, 876-976, 977-1000 (323 s)
+    # peers first 15 s; od alone 265-365, 366-466, 467-567, 568-630 (362 s); sp back at 600 warm-starts
+    # 30 s and switches in at 630 (5 s, no checkpoint waited); both 635-735, 736-836, 837-937, 938-1000 (362 s)
     run = runs[HETRAIN.name]
-    check(run, 200 * r2 + 400 * r1 + 323 * r2, SPOT_DOLLARS)
+    check(run, 200 * r2 + 362 * r1 + 362 * r2, SPOT_DOLLARS)
     assert run["lost_tokens"] == pytest.approx(48 * r2)
     assert (run["restarts"], run["switches"], run["joins"], run["preemptions"]) == (1, 0, 1, 1)
-    assert run["recovery_s"] == pytest.approx(15 + 1 + 5)  # the restart; the join's stall and switch
+    assert run["recovery_s"] == pytest.approx(15 + 5)  # the restart; the join's switch
     # bucket restarts: the same with 25 s restarts (od alone 275-375, 376-476, 477-577, 578-678, joins
     # at 678: 679 + 25 = 704; both 704-804, 805-905, 906-1000 = 294 s)
     check(runs[BUCKET_RESTART.name], 200 * r2 + 400 * r1 + 294 * r2, SPOT_DOLLARS)
@@ -104,10 +104,10 @@ def test_a_notice_long_enough_switches_and_loses_nothing(two, tmp_path):
     r1, r2 = two["r1"], two["r2"]
     runs = replay(two, tmp_path, notice_s=60.0)
     # hetrain: the notice at 190 s, the new ranks ready at 220 (30 s warm start): 0-100, 101-201,
-    # 202-220 trained (218 s), switch 5 s; od alone 225-325, 326-426, 427-527, 528-628 (400 s); the
-    # join at 628: 629 + 5; both 634-734, 735-835, 836-936, 937-1000 (363 s)
+    # 202-220 trained (218 s), switch 5 s; od alone 225-325, 326-426, 427-527, 528-628, 629-630 (401 s);
+    # sp back at 600, its ranks warm by 630: switch 5 s; both 635-735, 736-836, 837-937, 938-1000 (362 s)
     run = runs[HETRAIN.name]
-    check(run, 218 * r2 + 400 * r1 + 363 * r2, SPOT_DOLLARS)
+    check(run, 218 * r2 + 401 * r1 + 362 * r2, SPOT_DOLLARS)
     assert (run["switches"], run["restarts"], run["lost_tokens"]) == (1, 0, 0.0)
     # bucket restarts: an emergency checkpoint at the notice (190 s: 189 s trained), restart 20 s;
     # od alone 210-610 (with stalls: 210-310, 311-411, 412-512, 513-613), join at 613: 614 + 25 = 639;

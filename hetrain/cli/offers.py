@@ -132,8 +132,9 @@ def economics_lines(r: dict) -> list[str]:
         f"{r['lost_fraction']:.2%} lost to checkpoints and preemptions at {r['preemptions_per_hour']:.3g} "
         f"preemptions/h); ${r['dollars_per_hour']:,.2f}/h, ${r['dollars_per_million_tokens']:,.3f} per million tokens",
         f"checkpoint every {r['checkpoint_interval_s']:,.0f} s (Young/Daly: sqrt(2 x stall x MTBF), at most an "
-        f"hour); stall {r['checkpoint_stall_s']:.2f} s, restart {r['restart_downtime_s']:.1f} s, notice-window "
-        f"switch {r['switch_downtime_s']:.1f} s, measured: {r['recovery_costs_from']}",
+        f"hour); stall {r['checkpoint_stall_s']:.2f} s, restart {r['restart_downtime_s']:.1f} s (after an "
+        f"emergency checkpoint {r['restart_after_checkpoint_s']:.1f} s), notice-window switch "
+        f"{r['switch_downtime_s']:.1f} s, measured: {r['recovery_costs_from']}",
     ]
     if "expected_finish_h" in r:
         lines.append(f"{r['tokens']:,.0f} tokens expected in {r['expected_finish_h']:,.1f} h (deadline "

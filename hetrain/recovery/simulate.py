@@ -21,9 +21,10 @@ At a preemption of a node in the plan (notice ``n``, gone at ``t``), what the no
 * **restart** (shorter notice): at ``t`` the work since the last committed checkpoint is lost,
   then the measured restart without notice (re-plan, fetch, start, load, first step).
 
-A node that comes back is rented at once and joins at the run's next periodic checkpoint (the
-policy: its new plan starts from a checkpoint that is already there, so nothing is lost): a
-switch for hetrain (the new ranks warm-start beside the old plan), a restart for the baseline.
+A node that comes back is rented at once and joins: for hetrain by a switch once its ranks have
+warm-started beside the running plan (the measured warm start, then the switch's downtime; the
+switch's own checkpoint loses nothing), for the baseline by a restart at the run's next periodic
+checkpoint (its new plan starts from a checkpoint that is already there).
 A run with no node left (or none its model fits on) pauses, paying for what it still rents,
 and restarts from the bucket when a node comes back. Every rented GPU is paid for, idle or not,
 at its node's ``price_per_gpu_hour``; the on-demand baseline pays ``on_demand_price_factor``
@@ -84,7 +85,7 @@ class Downtimes:
     restart_notice_s: float  # emergency checkpoint, then a restart
     restart_s: float  # no notice: a restart from the last committed checkpoint
     cold_restart_s: float  # from nothing: no node holds the checkpoint, all from the bucket
-    join_s: float  # returning nodes join at a checkpoint
+    join_s: float  # a returning node's join: a switch (hetrain) or a restart at a periodic checkpoint
     checkpoint_stall_s: float
 
     @classmethod
@@ -224,6 +225,7 @@ class _Replay:
         self.tokens = self.committed = 0.0
         self.paused_until, self.pause_kind, self.next_ckpt_s = 0.0, "stall", every_s
         self.join_pending, self.finished_s = False, None
+        self.join_at_s = math.inf  # hetrain: when a returning node's warm start is done and it switches in
         self.n = dict.fromkeys(("preemptions", "switch", "restart-notice", "restart", "joins", "checkpoints"), 0)
         self.lost_tokens = self.recovery_s = self.stall_s = self.dollars = self.gpu_s = 0.0
         self.timeline: list[tuple[float, int, int, float]] = []
@@ -268,7 +270,7 @@ class _Replay:
                     self._mark()
                 continue
             self._fast_forward(until_s)
-            end = min(until_s, self.next_ckpt_s)
+            end = min(until_s, self.next_ckpt_s, self.join_at_s)
             gain = self.rate * (end - self.t)
             if self.goal is not None and self.tokens + gain >= self.goal:
                 self.t += (self.goal - self.tokens) / self.rate
@@ -277,13 +279,15 @@ class _Replay:
                 break
             self.tokens += gain
             self.t = end
-            if self.t == self.next_ckpt_s:
+            if self.t == self.join_at_s:
+                self._switch_in()
+            elif self.t == self.next_ckpt_s:
                 self._checkpoint()
 
     def _fast_forward(self, until_s: float) -> None:
         """Whole train-and-checkpoint cycles before ``until_s`` at once (nothing else can happen in them)."""
         period_s = self.every_s + self.d.checkpoint_stall_s
-        if self.join_pending or self.next_ckpt_s >= until_s:
+        if self.join_pending or self.join_at_s < until_s or self.next_ckpt_s >= until_s:
             return
         cycles = int((until_s - self.next_ckpt_s) // period_s)
         gain = self.rate * (self.next_ckpt_s - self.t + cycles * self.every_s)
@@ -305,6 +309,16 @@ class _Replay:
             if nodes != self.training and self.cache.tokens_per_s(nodes) is not None:
                 self.n["joins"] += 1
                 self._replan(self.paused_until, self.d.join_s)
+
+    def _switch_in(self) -> None:
+        """hetrain: the returning nodes' ranks have warm-started beside the running plan; the switch (its own
+        emergency checkpoint: nothing lost) moves the run onto every node rented."""
+        self.join_at_s = math.inf
+        nodes = frozenset(self.up - self.leaving)
+        if nodes != self.training and self.cache.tokens_per_s(nodes) is not None:
+            self.committed = self.tokens
+            self.n["joins"] += 1
+            self._replan(self.t, self.d.join_s)
 
     def _replan(self, at_s: float, downtime_s: float) -> None:
         """Train on every node rented and staying, at the re-plan's speed, after a pause of ``downtime_s``."""
@@ -344,7 +358,10 @@ class _Replay:
         self.rented_since[a.node] = self.t
         if self.rate is None:  # the run was waiting for nodes: a restart, from the bucket (no node holds a shard)
             self._replan(self.t, self.d.cold_restart_s)
-        else:
+        elif self.d.switch_s is not None:  # hetrain: warm-start the node's ranks, then switch (no checkpoint waited)
+            self.join_at_s = min(self.join_at_s, self.t + self.d.warm_start_s)
+            self._mark()
+        else:  # a restart onto it starts from a checkpoint: the run's next periodic one
             self.join_pending = True
             self._mark()
 
