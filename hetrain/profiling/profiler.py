@@ -556,23 +556,7 @@ def profile_model(
     With ``overheads``, the runtime's own costs are measured too (``hetrain.profiling.overheads``,
     a few seconds) and filed under every type: they are the host's, which emulation does not slow.
     """
-    if not gpus:
-        raise HetrainError("expected at least one GPU type to profile")
-    for name, slowdown in gpus.items():
-        if not slowdown > 0:
-            raise HetrainError(f"GPU type '{name}': slowdown: expected a positive number, got {slowdown}")
-    mbs = sorted(set(micro_batch_sizes))
-    if not mbs or mbs[0] < 1:
-        raise HetrainError(f"micro-batch sizes: expected integers >= 1, got {mbs}")
-    requested = sorted(set(tp_degrees))
-    tps = [t for t in requested if tp_valid(spec, t)]
-    if not tps:
-        raise HetrainError(
-            f"no TP degree among {', '.join(map(str, requested)) or '(none)'} divides {spec.split_sizes()} of "
-            f"{spec.name}"
-        )
-    if warmup < 0 or repeats < 1:
-        raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")
+    mbs, tps = _check_request(spec, gpus, micro_batch_sizes, tp_degrees, warmup, repeats)
     dev = _check_device(device)
     prec = _check_precision(precision)
     _check_fits(spec, mbs, dev)
@@ -593,18 +577,44 @@ def profile_model(
                 progress(done, total)
     for entries in devices.values():
         entries.sort(key=lambda e: (e.tp, e.micro_batch_size))
-    runtime = {}
-    if overheads:
-        measured = _overheads(dev, prec)
-        # DTensor's dispatch runs inside the stage's forward and backward, which emulation stretches,
-        # and so does the optimizer step (the device's own work, ``StageMeter.device_work``)
-        runtime = {name: measured.model_copy(update={
-            "tp_block_s": measured.tp_block_s * slowdown,
-            "optimizer_s_per_param": (measured.optimizer_s_per_param * slowdown
-                                      if measured.optimizer_s_per_param is not None else None)})
-            for name, slowdown in gpus.items()}
+    runtime = _runtime_overheads(gpus, dev, prec) if overheads else {}
     return Profile(model=spec, precision=prec, activation_recompute=activation_recompute, devices=devices,
                    runtime=runtime, head_split=True)
+
+
+def _check_request(spec: ModelSpec, gpus: dict[str, float], micro_batch_sizes: Iterable[int],
+                   tp_degrees: Iterable[int], warmup: int, repeats: int) -> tuple[list[int], list[int]]:
+    """The micro-batch sizes and the TP degrees the runtime can run, sorted; HetrainError naming what is wrong."""
+    if not gpus:
+        raise HetrainError("expected at least one GPU type to profile")
+    for name, slowdown in gpus.items():
+        if not slowdown > 0:
+            raise HetrainError(f"GPU type '{name}': slowdown: expected a positive number, got {slowdown}")
+    mbs = sorted(set(micro_batch_sizes))
+    if not mbs or mbs[0] < 1:
+        raise HetrainError(f"micro-batch sizes: expected integers >= 1, got {mbs}")
+    requested = sorted(set(tp_degrees))
+    tps = [t for t in requested if tp_valid(spec, t)]
+    if not tps:
+        raise HetrainError(
+            f"no TP degree among {', '.join(map(str, requested)) or '(none)'} divides {spec.split_sizes()} of "
+            f"{spec.name}"
+        )
+    if warmup < 0 or repeats < 1:
+        raise HetrainError(f"expected warmup >= 0 and repeats >= 1, got warmup {warmup}, repeats {repeats}")
+    return mbs, tps
+
+
+def _runtime_overheads(gpus: dict[str, float], dev: torch.device, prec: Precision) -> dict[str, RuntimeOverheads]:
+    """The runtime's own costs, measured once and filed under every type. DTensor's dispatch runs inside the stage's
+    forward and backward, which emulation stretches, and so does the optimizer step (the device's own work,
+    ``StageMeter.device_work``): those two scale by the type's slowdown."""
+    measured = _overheads(dev, prec)
+    return {name: measured.model_copy(update={
+        "tp_block_s": measured.tp_block_s * slowdown,
+        "optimizer_s_per_param": (measured.optimizer_s_per_param * slowdown
+                                  if measured.optimizer_s_per_param is not None else None)})
+        for name, slowdown in gpus.items()}
 
 
 def gpus_from_cluster(cluster: ClusterSpec) -> dict[str, float]:
