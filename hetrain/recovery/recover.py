@@ -107,20 +107,11 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
 
     ``use_peers=False`` reads everything from the remote store (the spot baseline AutoHet compares with).
     """
-    from hetrain.plan.layout import build_layout
-    from hetrain.runtime.launch import launch, wait_for_workers_to_exit, write_config
+    from hetrain.runtime.launch import write_config
 
     run_dir = run_dir.resolve()
     config = load_run(run_dir)
-    if config.cluster is None and cluster_file is None:
-        raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
-    old_cluster_file = Path(config.cluster) if config.cluster else cluster_file
-    old_nodes = {n.name for n in load_cluster(old_cluster_file).nodes}
-    for node in lost_nodes:
-        if node not in old_nodes:
-            raise HetrainError(f"lost node '{node}' is not a node of cluster {old_cluster_file} "
-                               f"(nodes: {', '.join(sorted(old_nodes))})")
-    cluster_path = cluster_file or old_cluster_file
+    cluster_path = _cluster_path(run_dir, config, lost_nodes, cluster_file)
     new_cluster = surviving_cluster(load_cluster(cluster_path), lost_nodes, str(cluster_path))
     old_plan = load_plan(config.plan)
     timings: dict[str, float] = {}
@@ -150,8 +141,33 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
     if new_config.start_step >= new_config.steps or not launch_training:
         write_config(new_config, run_dir)
         return result
+    _resume(result, new_config, on_record)
+    write_report(result, old_plan)
+    return result
+
+
+def _cluster_path(run_dir: Path, config: RunConfig, lost_nodes: list[str], cluster_file: Path | None) -> Path:
+    """The cluster file to re-plan on (``cluster_file``, else the run's own), once every lost node is one of the
+    run's cluster."""
+    if config.cluster is None and cluster_file is None:
+        raise HetrainError(f"--run {run_dir}: the run has no cluster file; pass --cluster")
+    old_cluster_file = Path(config.cluster) if config.cluster else cluster_file
+    old_nodes = {n.name for n in load_cluster(old_cluster_file).nodes}
+    for node in lost_nodes:
+        if node not in old_nodes:
+            raise HetrainError(f"lost node '{node}' is not a node of cluster {old_cluster_file} "
+                               f"(nodes: {', '.join(sorted(old_nodes))})")
+    return cluster_file or old_cluster_file
+
+
+def _resume(result: RecoveryResult, config: RunConfig, on_record: Callable[[dict], None] | None) -> None:
+    """Launch the new plan from the reassembled step once the old run's processes are gone; the first record's
+    load, step and start-up seconds into ``result.timings_s``."""
+    from hetrain.plan.layout import build_layout
+    from hetrain.runtime.launch import launch, wait_for_workers_to_exit
+
     t0 = time.perf_counter()
-    wait_for_workers_to_exit(run_dir, timeout_s=120)  # the old run's processes end at the node's deadline
+    wait_for_workers_to_exit(result.run_dir, timeout_s=120)  # the old run's processes end at the node's deadline
     first: dict = {}
 
     def record(r: dict) -> None:
@@ -160,15 +176,14 @@ def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_f
         if on_record:
             on_record(r)
 
-    result.records = launch(new_config, build_layout(plan), run_dir, on_record=record)
+    result.records = launch(config, build_layout(result.plan), result.run_dir, on_record=record)
+    timings = result.timings_s
     if first:
         load_s = first.get("resume_load_s", 0.0)
         timings["load_s"] = load_s
         timings["first_step_s"] = first["step_time_s"]
         timings["startup_s"] = max(0.0, first["seen_s"] - first["step_time_s"] - load_s)
     timings["train_s"] = time.perf_counter() - t0
-    write_report(result, old_plan)
-    return result
 
 
 def write_report(result: RecoveryResult, old_plan: Plan) -> Path:
