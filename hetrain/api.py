@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S
 from hetrain.errors import HetrainError
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
 
 
 def export(run_dir: PathLike, out_dir: PathLike, *, step: int | None = None, dtype: str = "fp32",
-           timeout_s: float = 10.0) -> ExportResult:
+           timeout_s: float = PEER_SILENCE_S) -> ExportResult:
     """A run's committed checkpoint (the newest, or ``step``) as one ``model.safetensors`` (``hetrain export``).
 
     Whatever plan trained it; Llama-family models in transformers' names with a ``config.json``.

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S
 from hetrain.errors import HetrainError
 from hetrain.spec.hf import HF_CONFIG, SPEC_FILE, WEIGHTS, exported_name, hf_config  # their owner
 from hetrain.spec.specs import ModelSpec
@@ -97,7 +98,7 @@ def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]
 
 
 def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: str = "fp32",
-               timeout_s: float = 10.0) -> ExportResult:
+               timeout_s: float = PEER_SILENCE_S) -> ExportResult:
     """Export the run's newest committed step (or ``step``) into ``out_dir`` (see the module docstring)."""
     from safetensors.torch import save_file
 

@@ -33,6 +33,10 @@ from hetrain.spec.specs import ModelSpec
 
 CHUNK_BYTES = 8 << 20
 PEER_TOKEN_ENV = "HETRAIN_PEER_TOKEN"
+# Seconds without a byte before a peer counts as gone and its files are taken from another source: a live
+# peer answers within milliseconds on any link, and a timeout on silence, not on the whole transfer, lets a
+# multi-GB shard over a slow link finish.
+PEER_SILENCE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout
     raise HetrainError(f"manifest of step {step} unreadable on {', '.join(s.name for s in holders)} ({_why(last)})")
 
 
-def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s: float = 10.0) -> tuple[Manifest,
+def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s: float = PEER_SILENCE_S) -> tuple[Manifest,
                                                                                                      Source]:
     """The newest committed manifest any source has; a manifest for another model is an error."""
     holders, errors = committed_by_source(sources, timeout_s)
@@ -187,7 +191,7 @@ def find_latest(sources: list[Source], model: ModelSpec | None = None, timeout_s
 
 
 def reassemble_newest(peers: list[Source], remote: Source | None, dest_of: Callable[[int], str], *,
-                      model: ModelSpec | None = None, timeout_s: float = 10.0,
+                      model: ModelSpec | None = None, timeout_s: float = PEER_SILENCE_S,
                       progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
     """Reassemble the newest committed step that can be fetched whole, falling back to older ones.
 
@@ -282,7 +286,7 @@ def _check_room(dest_fs: fsspec.AbstractFileSystem, dest: str, manifest: Manifes
 
 
 def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
-               timeout_s: float = 10.0, workers: int = 8,
+               timeout_s: float = PEER_SILENCE_S, workers: int = 8,
                progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
     """Fetch every file of ``manifest`` into ``dest_url``, verified; peers first, the remote for the rest.
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S
 from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir
@@ -51,7 +52,7 @@ def export(
     step: Annotated[int | None, typer.Option(min=0, help="a committed step (default: the newest)")] = None,
     dtype: Annotated[str, typer.Option(help="fp32 (as trained: exact), bf16 or fp16")] = "fp32",
     timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
-                                             help="seconds before a silent peer counts as gone")] = 10.0,
+                                             help="seconds before a silent peer counts as gone")] = PEER_SILENCE_S,
 ):
     """Write a run's committed checkpoint as one model.safetensors (+ a transformers config.json for Llama)."""
     from hetrain.export import check_dtype, export_run

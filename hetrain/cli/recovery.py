@@ -10,7 +10,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S
 from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
+from hetrain.cost.notice import MIN_CHECKPOINT_S
 from hetrain.errors import HetrainError
 from hetrain.recovery.preemption import MIN_POLL_S
 from hetrain.rundir import CONFIG, RunDir
@@ -24,7 +26,7 @@ def recover(
     steps: Annotated[int | None, typer.Option(min=1, help="train until this step (default: as before)")] = None,
     planner: Annotated[str, typer.Option(help="planner for the survivors")] = "hetrain",
     timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
-                                             help="seconds before a silent peer counts as gone")] = 10.0,
+                                             help="seconds before a silent peer counts as gone")] = PEER_SILENCE_S,
     no_peers: Annotated[bool, typer.Option("--no-peers", help="fetch everything from the remote store")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ):
@@ -78,7 +80,7 @@ def switch(
     switch_reserve_s: Annotated[float, typer.Option(min=0.0, max=MAX_TIMEOUT_S, help=(
         "fall back to a restart unless the new ranks are ready this long before the deadline"))] = 20.0,
     timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
-                                             help="seconds before a silent peer counts as gone")] = 10.0,
+                                             help="seconds before a silent peer counts as gone")] = PEER_SILENCE_S,
     live: Annotated[bool, typer.Option(help=(
         "move the state from the old ranks' memory to the new ranks' (disk only as the fallback)"))] = False,
     live_timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S, help=(
@@ -140,7 +142,7 @@ def restore(
     still_up: Annotated[str, typer.Option(help="lost nodes still inside their notice window (asked after the "
                                                "survivors, before the remote store)")] = "",
     timeout_s: Annotated[float, typer.Option(min=0.1, max=MAX_TIMEOUT_S,
-                                             help="seconds before a silent peer counts as gone")] = 10.0,
+                                             help="seconds before a silent peer counts as gone")] = PEER_SILENCE_S,
     no_peers: Annotated[bool, typer.Option("--no-peers", help="fetch everything from the remote store")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ):
@@ -180,6 +182,30 @@ def restore(
     out.print(table)
 
 
+def _check_watch_options(cloud: str, run: Path | None, runs_root: Path | None, sources: dict) -> None:
+    if cloud not in sources:
+        raise HetrainError(f"--cloud: expected one of {', '.join(sources)}, got '{cloud}'")
+    if run is not None and runs_root is not None:
+        raise HetrainError("--run and --runs-root: give one (a run, or every run active on this node)")
+    if runs_root is not None and not runs_root.is_dir():
+        raise HetrainError(f"--runs-root {runs_root}: not a directory")
+
+
+def _run_hook(command: str, notice, node: str, run_dir: Path | None, info: dict, step: int | None) -> None:
+    """``hetrain watch --hook-command`` for one run (or the notice alone): its environment names the notice, the
+    node, the emergency checkpoint's step and the run; a failing hook is reported, not fatal."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HETRAIN_NOTICE": json.dumps(notice.to_dict()), "HETRAIN_NODE": node,
+           "HETRAIN_CHECKPOINT_STEP": "" if step is None else str(step),
+           "HETRAIN_RUN_DIR": str(run_dir or ""), "HETRAIN_RUN_ID": run_dir.name if run_dir else "",
+           "HETRAIN_RUN_INFO": json.dumps(info)}
+    done = subprocess.run(command, shell=True, env=env, check=False)
+    if done.returncode != 0:
+        err.print(f"hook for {run_dir.name if run_dir else 'the notice'} exited {done.returncode}", highlight=False)
+
+
 @user_errors
 def watch(
     node: Annotated[str, typer.Option(help="this node's name in the cluster file")],
@@ -191,7 +217,8 @@ def watch(
     metadata_url: Annotated[str | None, typer.Option(help="metadata endpoint base URL (default: the cloud's)")] = None,
     poll_s: Annotated[float, typer.Option(min=MIN_POLL_S, max=60.0, help="seconds between polls (at least "
                                                                          f"{MIN_POLL_S:g}: the endpoint is shared)")] = 5.0,
-    min_checkpoint_s: Annotated[float, typer.Option(min=0.0, help="skip the checkpoint when less time is left")] = 10.0,
+    min_checkpoint_s: Annotated[float, typer.Option(min=0.0, help="skip the checkpoint when less time is left")]
+    = MIN_CHECKPOINT_S,
     wait_checkpoint_s: Annotated[float, typer.Option(min=0.0, max=MAX_TIMEOUT_S,
                                                      help="after a request, wait this long for the checkpoint "
                                                           "(never past the notice's deadline)")] = 60.0,
@@ -208,17 +235,9 @@ def watch(
     = None,
 ):
     """Watch for a spot preemption notice (or SIGTERM); checkpoint and call a hook when one comes."""
-    import os
-    import subprocess
-
     from hetrain.recovery.preemption import SOURCES, PreemptionWatcher, active_runs, wait_for_checkpoint
 
-    if cloud not in SOURCES:
-        raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
-    if run is not None and runs_root is not None:
-        raise HetrainError("--run and --runs-root: give one (a run, or every run active on this node)")
-    if runs_root is not None and not runs_root.is_dir():
-        raise HetrainError(f"--runs-root {runs_root}: not a directory")
+    _check_watch_options(cloud, run, runs_root, SOURCES)
     # (run directory, what its node flow recorded) for each run the notice concerns
     runs: list[tuple[Path, dict]] = [(run.resolve(), {})] if run else []
 
@@ -238,14 +257,7 @@ def watch(
                           f"{'committed at step ' + str(step) if step is not None else 'not confirmed'}",
                           highlight=False)
             if hook_command:
-                env = {**os.environ, "HETRAIN_NOTICE": json.dumps(notice.to_dict()), "HETRAIN_NODE": node,
-                       "HETRAIN_CHECKPOINT_STEP": "" if step is None else str(step),
-                       "HETRAIN_RUN_DIR": str(run_dir or ""), "HETRAIN_RUN_ID": run_dir.name if run_dir else "",
-                       "HETRAIN_RUN_INFO": json.dumps(info)}
-                done = subprocess.run(hook_command, shell=True, env=env, check=False)
-                if done.returncode != 0:
-                    err.print(f"hook for {run_dir.name if run_dir else 'the notice'} exited {done.returncode}",
-                              highlight=False)
+                _run_hook(hook_command, notice, node, run_dir, info, step)
 
     watcher = PreemptionWatcher(SOURCES[cloud](metadata_url), node,
                                 request_file=request_files if runs_root is not None else

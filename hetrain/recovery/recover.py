@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetrain.rundir import RunDir
-from hetrain.checkpoint.reassemble import FetchReport, Source, reassemble_newest
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S, FetchReport, Source, reassemble_newest
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.pictures import RECOVERY_PNG_SUFFIX, write_recovery_png
@@ -61,7 +61,7 @@ def surviving_cluster(cluster: ClusterSpec, lost_nodes: list[str], source: str) 
 
 
 def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: list[str], dest_of: Callable[[int], str],
-                    *, timeout_s: float = 10.0, progress: Callable[[int, int], None] | None = None,
+                    *, timeout_s: float = PEER_SILENCE_S, progress: Callable[[int, int], None] | None = None,
                     still_up: list[str] = (), use_peers: bool = True) -> FetchReport:
     """On surviving node ``node``: the newest committed step into ``dest_of(step)``, its own disk first.
 
@@ -89,7 +89,7 @@ def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: li
                              timeout_s=timeout_s, progress=progress, local=node)
 
 
-def restore_run_on_node(run_dir: Path, node: str, lost_nodes: list[str], *, timeout_s: float = 10.0,
+def restore_run_on_node(run_dir: Path, node: str, lost_nodes: list[str], *, timeout_s: float = PEER_SILENCE_S,
                         still_up: list[str] = (), use_peers: bool = True) -> tuple[FetchReport, Plan, RunConfig]:
     """``restore_on_node`` for this node's copy of a run: into ``RUN/restore/step-N``; the report, old plan and config."""
     config = load_run(run_dir)
@@ -100,7 +100,8 @@ def restore_run_on_node(run_dir: Path, node: str, lost_nodes: list[str], *, time
 
 
 def recover(run_dir: Path, lost_nodes: list[str], planner: Planner, *, cluster_file: Path | None = None,
-            steps: int | None = None, timeout_s: float = 10.0, launch_training: bool = True, use_peers: bool = True,
+            steps: int | None = None, timeout_s: float = PEER_SILENCE_S, launch_training: bool = True,
+            use_peers: bool = True,
             on_progress: Callable[[str, float], None] | None = None,
             on_record: Callable[[dict], None] | None = None) -> RecoveryResult:
     """Re-plan without ``lost_nodes``, reassemble the newest checkpoint and resume training.
