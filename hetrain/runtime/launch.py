@@ -261,16 +261,8 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     if config.metrics is None:
         config = config.model_copy(update={"metrics": str(RunDir(run_dir).metrics)})
     metrics = Path(config.metrics)
-    metrics.parent.mkdir(parents=True, exist_ok=True)
     standby = Path(config.standby_file) if config.standby_file else None
-    if standby is not None:
-        pass  # the old plan's rank 0 still appends; the switch names the first step that is ours
-    elif config.resume_from is None:
-        if metrics.exists():  # a previous attempt's records: kept beside, never deleted
-            metrics.replace(metrics.with_name(f"{metrics.stem}-{time.strftime('%Y%m%dT%H%M%S')}{metrics.suffix}"))
-    elif metrics.exists():
-        _drop_records_from(metrics, config.start_step)  # steps after the checkpoint are trained again
-    start_pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run appends
+    start_pos = _prepare_metrics(metrics, config, standby)
     if config.backup_status_file:
         Path(config.backup_status_file).unlink(missing_ok=True)  # this launch's account, not the last one's
     config_path = write_config(config, run_dir, config_name)
@@ -308,20 +300,39 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     except BaseException:
         stop(procs, run_dir, config_name=config_name)
         raise
+    _end(procs, logs, run_dir, config_name)
+    return records
+
+
+def _prepare_metrics(metrics: Path, config: RunConfig, standby: Path | None) -> int:
+    """Where this launch's records start in the metrics file: a fresh run moves an earlier attempt's aside (never
+    deleted), a resumed one drops the records after its checkpoint (trained again) and appends, a warm start
+    (``standby``) reads on from the end while the old plan's rank 0 still appends."""
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    if standby is None and config.resume_from is None:
+        if metrics.exists():
+            metrics.replace(metrics.with_name(f"{metrics.stem}-{time.strftime('%Y%m%dT%H%M%S')}{metrics.suffix}"))
+    elif standby is None and metrics.exists():
+        _drop_records_from(metrics, config.start_step)
+    return metrics.stat().st_size if metrics.exists() else 0
+
+
+def _end(procs: list[subprocess.Popen], logs: list[Path], run_dir: Path, config_name: str) -> None:
+    """Wait for every process of a run that ended; if one node failed, stop the others (they would wait for it
+    forever) and raise the cause found in the logs (the failed nodes' first: the first launcher to exit may be a
+    peer noticing the loss), else a retryable error naming the log."""
     failed = [(p, log) for p, log in zip(procs, logs) if p.poll() is not None and p.returncode != 0]
     if not failed:
         for p in procs:
             p.wait()
-    else:  # one node failed: the others would wait for it forever
-        stop(procs, run_dir, config_name=config_name)
-        proc, log = failed[0]
-        # the cause may be in any node's log (the first launcher to exit may be a peer noticing the loss)
-        ordered = dict.fromkeys([lg for _, lg in failed] + logs)  # the failed nodes' logs first
-        reason = next((r for r in map(_worker_error, ordered) if r), None)
-        if reason:
-            raise HetrainError(reason)
-        raise TransientError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
-    return records
+        return
+    stop(procs, run_dir, config_name=config_name)
+    proc, log = failed[0]
+    ordered = dict.fromkeys([lg for _, lg in failed] + logs)
+    reason = next((r for r in map(_worker_error, ordered) if r), None)
+    if reason:
+        raise HetrainError(reason)
+    raise TransientError(f"training failed (exit {proc.returncode}); the workers' output is in {log}")
 
 
 def _switch_step(standby: Path) -> int:
