@@ -73,6 +73,9 @@ from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.spec.arithmetic import block_params, embed_params, head_params, train_flops_per_sequence
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
+# distinct pipelines whose played-out schedule a cost model keeps (``_schedule_s``): a planner's search estimates
+# thousands of plans made of a few pipeline shapes; a few MB at most
+PLAYED_CACHE_SIZE = 4096
 # bytes per parameter a sharded bucket all-gathers after the step: the runtime's parameters are fp32
 # (hetrain.runtime.precision), each replica's updated share of them
 PARAM_GATHER_BYTES = 4
@@ -132,6 +135,7 @@ class CostModel:
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
+        self._played: dict[tuple, tuple[float, float, list[float]]] = {}  # ``_schedule_s``: per pipeline shape
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
@@ -303,8 +307,19 @@ class CostModel:
             return tau, total, [total - ahead for ahead in drain_ahead_s(backward_s)]
         # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
         counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
-        return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
-                                weight_s=weight_s if schedule == "zb-h1" else None, trace=trace)
+        weights = weight_s if schedule == "zb-h1" else None
+        if trace is not None:
+            return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
+                                    weight_s=weights, trace=trace)
+        # copies of a pipeline (a plan of thousands of GPUs repeats a few shapes) are played once
+        key = (tuple(stage_s), tuple(backward_s), tuple(weights or ()), tuple(p2p), tuple(counts), pipe.num_microbatches)
+        if key not in self._played:
+            if len(self._played) >= PLAYED_CACHE_SIZE:
+                self._played.clear()
+            self._played[key] = eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches,
+                                                 duplex=self.p2p_duplex, weight_s=weights)
+        tau, total, ends = self._played[key]
+        return tau, total, list(ends)
 
     @staticmethod
     def _sync_ends(rings: list, finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
@@ -398,43 +413,47 @@ class CostModel:
         D, t = len(plan.pipelines), plan.tp
         if D == 1:
             return []
-        act = self.grad_wire_bytes
         buckets = self._sync_buckets(plan)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
         # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).
+        # (a TP group sits on one node, ``validate_plan``: each TP rank's ring of a bucket has the same nodes)
         crossing_gpus: dict[str, set[str]] = {}
-        crossing_rings: dict[str, set[tuple]] = {}
-        rings = []  # (devices, their nodes, bytes) per bucket and TP rank
-        ring_sharded = []
+        crossing_buckets: dict[str, set[tuple]] = {}
+        rings = []  # per bucket: (its TP ranks' device lists, their nodes, bytes, sharded)
         for key, stages, num_bytes in buckets:
-            sharded = holders_shard_state(stages)
-            for r in range(t):
-                ring_sharded.append(sharded)
-                devs = [st.devices[r] for st in stages]
-                ring_nodes = frozenset(node_of[d] for d in devs)
-                rings.append((devs, ring_nodes, num_bytes))
-                if len(ring_nodes) > 1:
-                    for d in devs:
-                        crossing_gpus.setdefault(node_of[d], set()).add(d)
-                        crossing_rings.setdefault(node_of[d], set()).add((key, r))
+            ring_nodes = frozenset(node_of[st.devices[0]] for st in stages)
+            rings.append(([[st.devices[r] for st in stages] for r in range(t)], ring_nodes, num_bytes,
+                          holders_shard_state(stages)))
+            if len(ring_nodes) > 1:
+                for st in stages:
+                    node = node_of[st.devices[0]]
+                    crossing_gpus.setdefault(node, set()).update(st.devices)
+                    crossing_buckets.setdefault(node, set()).add(key)
         nodes = self.cluster.node_by_name
-        share = {n: min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
+        # each crossing bucket is t rings (one per TP rank)
+        share = {n: min(len(crossing_gpus[n]), t * len(crossing_buckets[n])) if nodes[n].shares_nic else 1
                  for n in crossing_gpus}
         slowest: dict[frozenset, float] = {}
         out = []
-        for (devs, ring_nodes, num_bytes), sharded in zip(rings, ring_sharded):
-            if ring_nodes not in slowest:
-                slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
-            bw = slowest[ring_nodes]
-            if len(ring_nodes) > 1:
-                bw /= max(share[n] for n in ring_nodes)
-            if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
-                out.append((devs, ring_allgather_s(num_bytes, D, bw, self.latency_s),
-                            ring_allgather_s(num_bytes / act * PARAM_GATHER_BYTES, D, bw, self.latency_s)))
-            else:
-                out.append((devs, ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0))
+        for per_rank, ring_nodes, num_bytes, sharded in rings:
+            seconds = self._ring_s(ring_nodes, num_bytes, sharded, share, slowest, D)
+            out.extend((devs, *seconds) for devs in per_rank)
         return out
+
+    def _ring_s(self, ring_nodes: frozenset, num_bytes: float, sharded: bool, share: dict[str, int],
+                slowest: dict[frozenset, float], D: int) -> tuple[float, float]:
+        """One ring's (seconds after backward, seconds after the step) over ``ring_nodes``' slowest link, split
+        by the busiest node's ``share``; ``slowest`` caches the links' minimum per node set."""
+        if ring_nodes not in slowest:
+            slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
+        bw = slowest[ring_nodes]
+        if len(ring_nodes) > 1:
+            bw /= max(share[n] for n in ring_nodes)
+        if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
+            return (ring_allgather_s(num_bytes, D, bw, self.latency_s),
+                    ring_allgather_s(num_bytes / self.grad_wire_bytes * PARAM_GATHER_BYTES, D, bw, self.latency_s))
+        return ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0
 
     def check_memory(self, est: Estimate) -> None:
         over = est.over_capacity()
