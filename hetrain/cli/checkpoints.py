@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hetrain.checkpoint.reassemble import PEER_SILENCE_S
+from hetrain.checkpoint.reassemble import PEER_SILENCE_S, PEER_TOKEN_ENV
 from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir
@@ -21,7 +21,7 @@ def serve(
                                            "node's address)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port")] = 8470,
     token_env: Annotated[str, typer.Option(help="environment variable holding the bearer token (unset: no token)")]
-    = "HETRAIN_PEER_TOKEN",
+    = PEER_TOKEN_ENV,
     insecure: Annotated[bool, typer.Option("--insecure", help="serve beyond loopback without a token")] = False,
 ):
     """Serve this node's checkpoints read-only over HTTP for peers' recovery."""

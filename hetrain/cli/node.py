@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from hetrain.checkpoint.reassemble import PEER_TOKEN_ENV
 from hetrain.cli.common import err, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir
@@ -23,7 +24,7 @@ def node_start(
     peer_port: Annotated[int, typer.Option(min=0, max=65535, help="serve the runs' checkpoints to peers on this "
                                                                   "port (0: do not serve)")] = 8470,
     token_env: Annotated[str, typer.Option(help="environment variable holding the peers' bearer token")]
-    = "HETRAIN_PEER_TOKEN",
+    = PEER_TOKEN_ENV,
     insecure: Annotated[bool, typer.Option("--insecure", help="serve checkpoints without a token (trusted "
                                                               "networks only)")] = False,
     cloud: Annotated[str | None, typer.Option(help="a spot node: watch this cloud's preemption notices (aws, gcp, "
@@ -47,38 +48,17 @@ def node_start(
     command.
     """
     import os
-    import re
     import subprocess
 
-    from hetrain.spec.specs import NAME_PATTERN
-
-    if not re.match(NAME_PATTERN, name):
-        raise HetrainError(f"--name '{name}': expected a node name (letters, digits, '.', '_' or '-')")
-    if name == "default":
-        raise HetrainError("--name default: that is the pool's queue for the train and recover flows; "
-                           "name the node as the cluster file does")
-    from hetrain.recovery.preemption import SOURCES
-
-    if cloud is not None and cloud not in SOURCES:
-        raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
-    check_output_dir(runs_root, "--runs-root")
-    api_url = subprocess.run([sys.executable, "-c", "from prefect.settings import PREFECT_API_URL as u; "
-                              "print(u.value() or '')"], capture_output=True, text=True).stdout.strip()
-    if not api_url:  # Prefect would start a server of its own, and the worker would never get the cluster's runs
-        raise HetrainError("PREFECT_API_URL is not set: point it at the Prefect server's API (for example "
-                           "http://control:4200/api) so this node's worker gets its runs")
-    prefect = [sys.executable, "-m", "prefect"]
-    made = subprocess.run([*prefect, "work-queue", "create", name, "--pool", pool], capture_output=True, text=True)
-    said = (made.stdout + made.stderr).strip()
-    if made.returncode != 0 and "already exists" not in said:
-        raise HetrainError(f"work queue '{name}' in pool '{pool}': {said.splitlines()[-1] if said else 'failed'}")
+    _check_node_options(name, cloud, runs_root)
+    _ensure_work_queue(name, pool)
     if peer_port and not os.environ.get(token_env) and not insecure:
         raise HetrainError(f"--peer-port {peer_port}: checkpoints hold the model's weights; set a bearer token in "
                            f"${token_env} (the same on every node), or pass --insecure on a trusted network, or "
                            f"--peer-port 0")
     runs_root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HETRAIN_NODE": name, "HETRAIN_RUNS_ROOT": str(runs_root.resolve())}
-    children = []
+    children: list[subprocess.Popen] = []
     try:
         if peer_port:
             children.append(subprocess.Popen([sys.executable, "-m", "hetrain", "serve", "--root", str(runs_root),
@@ -93,19 +73,60 @@ def node_start(
         err.print(f"node {name}: worker on work queue '{name}' of pool '{pool}', runs under {runs_root.resolve()}"
                   + (f", peers served on port {peer_port}" if peer_port else "")
                   + (f", {cloud} preemption notices watched" if cloud else ""), highlight=False)
-        children.append(subprocess.Popen([*prefect, "worker", "start", "--pool", pool, "--work-queue", name,
-                                          "--name", name], env=env))
+        children.append(subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                                          "--work-queue", name, "--name", name], env=env))
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children below, as on Ctrl-C
         code = children[-1].wait()
     except KeyboardInterrupt:
         code = 130
     finally:
-        for child in children:
-            if child.poll() is None:  # the watcher takes SIGTERM for a notice: SIGINT stops it
-                child.send_signal(signal.SIGINT) if child.args[3:4] == ["watch"] else child.terminate()
-        for child in children:
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _stop_children(children)
     raise typer.Exit(code)
+
+
+def _check_node_options(name: str, cloud: str | None, runs_root: Path) -> None:
+    """``hetrain node start``'s name, cloud and runs root, and that a Prefect server is named: one line each."""
+    import re
+    import subprocess
+
+    from hetrain.recovery.preemption import SOURCES
+    from hetrain.spec.specs import NAME_PATTERN
+
+    if not re.match(NAME_PATTERN, name):
+        raise HetrainError(f"--name '{name}': expected a node name (letters, digits, '.', '_' or '-')")
+    if name == "default":
+        raise HetrainError("--name default: that is the pool's queue for the train and recover flows; "
+                           "name the node as the cluster file does")
+    if cloud is not None and cloud not in SOURCES:
+        raise HetrainError(f"--cloud: expected one of {', '.join(SOURCES)}, got '{cloud}'")
+    check_output_dir(runs_root, "--runs-root")
+    api_url = subprocess.run([sys.executable, "-c", "from prefect.settings import PREFECT_API_URL as u; "
+                              "print(u.value() or '')"], capture_output=True, text=True).stdout.strip()
+    if not api_url:  # Prefect would start a server of its own, and the worker would never get the cluster's runs
+        raise HetrainError("PREFECT_API_URL is not set: point it at the Prefect server's API (for example "
+                           "http://control:4200/api) so this node's worker gets its runs")
+
+
+def _ensure_work_queue(name: str, pool: str) -> None:
+    """The node's work queue in ``pool`` (made, or already there)."""
+    import subprocess
+
+    made = subprocess.run([sys.executable, "-m", "prefect", "work-queue", "create", name, "--pool", pool],
+                          capture_output=True, text=True)
+    said = (made.stdout + made.stderr).strip()
+    if made.returncode != 0 and "already exists" not in said:
+        raise HetrainError(f"work queue '{name}' in pool '{pool}': {said.splitlines()[-1] if said else 'failed'}")
+
+
+def _stop_children(children: list) -> None:
+    """Stop the node's processes (the watcher takes SIGTERM for a notice: SIGINT stops it), killing what lingers."""
+    import subprocess
+
+    for child in children:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT) if child.args[3:4] == ["watch"] else child.terminate()
+    for child in children:
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
