@@ -173,3 +173,93 @@ def test_the_planners_terms_per_stage_price_a_template_as_the_estimate_plays_it(
                                  pipelines=[PipelinePlan(num_microbatches=16, stages=stages, schedule=schedule)]))
         assert est.pipelines[0].stage_s == pytest.approx([c for c, _, _ in terms])
         assert 16 * tau + fill == pytest.approx(est.pipeline_s, rel=0.16)
+
+
+def _interleaved(chunks: list[tuple[str, tuple[int, int]]], v: int | None = 2, microbatches: int = 4,
+                 schedule: str | None = "interleaved-1f1b") -> Plan:
+    model = ModelSpec(name="m", num_layers=6, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
+    stages = [StagePlan(devices=[d], gpu="T4", layers=layers) for d, layers in chunks]
+    return Plan(model=model, cluster="c", global_batch_size=microbatches + 2, micro_batch_size=1, tp=1,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages, schedule=schedule,
+                                        virtual_stages=v),
+                           PipelinePlan(num_microbatches=2, stages=[StagePlan(devices=["m/0"], gpu="T4",
+                                                                              layers=(0, 6))])])
+
+
+CHUNKS = [("n/0", (0, 1)), ("n/1", (1, 3)), ("n/0", (3, 4)), ("n/1", (4, 6))]
+
+
+def test_interleaved_plans_are_checked_in_one_line():
+    plan = _interleaved(CHUNKS)
+    validate_plan_structure(plan)
+    assert plan.devices() == ["n/0", "n/1", "m/0"]
+    pipe = plan.pipelines[0]
+    assert pipe.depth == 2 and pipe.chunks_of(0) == [0, 2] and pipe.chunks_of(1) == [1, 3]
+    assert "virtual_stages" not in _plan(None).to_json()  # other plans keep their bytes
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    swapped = [CHUNKS[0], CHUNKS[1], ("n/1", (3, 4)), ("n/0", (4, 6))]
+    for p, message in (
+            (_interleaved(CHUNKS, v=None), r"pipelines\[0\]: schedule interleaved-1f1b needs virtual_stages of at "
+                                           r"least 2, got None"),
+            (_interleaved(CHUNKS, v=2, schedule=None), r"pipelines\[0\]: virtual_stages is for schedule "
+                                                       r"interleaved-1f1b, not 1f1b"),
+            (_interleaved(CHUNKS[:3], v=2), r"pipelines\[0\]: 3 stages do not make virtual_stages 2 chunks"),
+            (_interleaved(CHUNKS, v=4), r"pipelines\[0\]: 4 stages do not make virtual_stages 4 chunks"),
+            (_interleaved(swapped), r"pipelines\[0\]\.stages\[2\]: devices \['n/1'\] differs from stages\[0\]'s "
+                                    r"\['n/0'\]"),
+            (_interleaved(CHUNKS, microbatches=5), r"num_microbatches 5 is not a multiple of interleaved 1F1B's 2 "
+                                                   r"rounds")):
+        with pytest.raises(HetrainError, match=message) as err:
+            validate_plan_structure(p)
+        assert "\n" not in str(err.value)
+
+
+def test_an_interleaved_device_holds_its_chunks_in_one_role_and_its_buckets_follow_each_chunk():
+    from hetrain.plan.layout import build_layout
+
+    layout = build_layout(_interleaved(CHUNKS))
+    assert layout.world_size == 3 and layout.tp_groups == [(0,), (1,), (2,)] and layout.pp_groups == [(0, 1), (2,)]
+    first = layout.roles[0]
+    assert first.chunk_layers == [(0, 1), (3, 4)] and first.is_first and not first.is_last
+    assert [c for c, _ in layout.roles[1].chunks] == [1, 3] and layout.roles[1].is_last
+    assert [(b.ranks, b.layers, b.embedding, b.head) for b in layout.buckets] == [
+        ((0, 2), (0, 1), True, False), ((1, 2), (1, 3), False, False), ((0, 2), (3, 4), False, False),
+        ((1, 2), (4, 6), False, True)]
+
+
+def test_interleaved_order_is_torchs():
+    """``interleaved_order`` is torch's ``ScheduleInterleaved1F1B`` order, idle slots left out, for depths,
+    chunk counts and micro-batches torch takes (the cost model plays it; the runtime runs torch's)."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from hetrain.plan.eager import interleaved_order, interleaved_rounds
+
+    checked = 0
+    for p in range(2, 6):
+        for v in range(2, 5):
+            for m in range(1, 17):
+                rounds, per_round = interleaved_rounds(p, m)
+                if m % rounds:
+                    continue
+                state = types.SimpleNamespace(n_local_stages=v, microbatches_per_round=per_round, pp_group_size=p,
+                                              _n_microbatches=m)
+                for rank in range(p):
+                    want = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // p,
+                             a.microbatch_index)
+                            for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank) if a]
+                    assert interleaved_order(p, v, m, rank) == want, (p, v, m, rank)
+                    checked += 1
+    assert checked > 300
+
+
+def test_interleaved_held_counts_the_chunks_at_the_peak():
+    """Rank 0 of 2, two chunks, 4 micro-batches: warm-up of 2 + 2 forwards, the fifth forward before the first
+    backward: 3 of chunk 0 and 2 of chunk 1 in flight (torch's order), 5 in all against 1F1B's 2."""
+    from hetrain.plan.eager import interleaved_held, interleaved_order
+
+    order = interleaved_order(2, 2, 4, 0)
+    assert order[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0)]
+    assert interleaved_held(order, [1.0, 1.0]) == [3, 2]
+    assert _interleaved(CHUNKS).pipelines[0].in_flight(0) == 3
