@@ -263,3 +263,69 @@ def test_interleaved_held_counts_the_chunks_at_the_peak():
     assert order[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0)]
     assert interleaved_held(order, [1.0, 1.0]) == [3, 2]
     assert _interleaved(CHUNKS).pipelines[0].in_flight(0) == 3
+
+
+def _one_pipeline(num_layers: int, microbatches: int, recompute):
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    model = ModelSpec(name="m", num_layers=num_layers, hidden_size=2048, num_heads=16, seq_length=1024,
+                      vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300}]})
+    settings = TrainingSettings(global_batch_size=microbatches, activation_recompute=recompute)
+    per = num_layers // 4
+    stages = [StagePlan(devices=[f"a/{k}"], gpu="A100-80G", layers=(k * per, (k + 1) * per)) for k in range(4)]
+    plan = Plan(model=model, cluster="c", global_batch_size=microbatches, micro_batch_size=1, tp=1, training=settings,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages)])
+    return plan, CostModel(cluster, model, settings)
+
+
+def test_interleaved_play_divides_the_fill_by_v_and_the_estimate_counts_each_devices_chunks():
+    """On equal stages without sends the played pipeline is m w + (p - 1) w / v (Narayanan et al.); in the
+    estimate, a device's memory is its chunks' states and the activations torch's order keeps at its peak
+    (more than 1F1B's S - k), and the capacity shares still add up to 1."""
+    from hetrain.cost.pipeline import interleaved_pipeline_s, one_f_one_b_play_s
+    from hetrain.cost.report import plan_rows, where_time_goes
+
+    p, m, w = 4, 8, 24.0
+    assert one_f_one_b_play_s([w] * p, [w * 2 / 3] * p, [0.0] * (p - 1), m) == m * w + (p - 1) * w
+    for v in (2, 4):
+        _, total, ends = interleaved_pipeline_s([w / v] * (p * v), [w * 2 / 3 / v] * (p * v), [0.0] * (p * v - 1), p, m)
+        assert total == pytest.approx(m * w + (p - 1) * w / v) and max(ends) == total
+
+    plan, cost = _one_pipeline(8, 4, False)
+    inter = plan.model_copy(update={"pipelines": [plan.pipelines[0].interleave(2)]})
+    validate_plan_structure(inter)
+    before, after = cost.estimate(plan), cost.estimate(inter)
+    assert after.pipelines[0].time_s < before.pipelines[0].time_s
+    pipe = inter.pipelines[0]
+    u = cost.unit_costs("A100-80G", 300, 1, 1, None)
+    held = pipe.chunk_held(0)
+    assert sum(held) > plan.pipelines[0].in_flight(0)
+    assert after.peak_memory_gb["a/0"] * 1e9 == pytest.approx(u.chunks_memory_bytes(
+        [(1, True, False, held[0]), (1, False, False, held[1])]), rel=1e-6)
+    assert after.peak_memory_gb["a/0"] > before.peak_memory_gb["a/0"]
+    assert sum(where_time_goes(cost, inter, after).values()) == pytest.approx(1.0)
+    assert {r["virtual stages"] for r in plan_rows(inter, after)} == {2}
+
+
+def test_the_planner_interleaves_a_pipeline_where_that_is_faster_and_fits():
+    """Four A100 stages of four blocks and four micro-batches, all recomputing fully (ZB-H1 cannot split
+    there): the fill is most of the step, interleaved 1F1B cuts it and fits; with as many micro-batches
+    as 1F1B's fill is small against, and sends that v-fold crossings make dear, it may not."""
+    from solver.assemble import choose_schedules
+
+    plan, cost = _one_pipeline(16, 4, "full")
+    before = cost.estimate(plan)
+    chosen, est = choose_schedules(plan, cost, before)
+    pipe = chosen.pipelines[0]
+    assert pipe.schedule_name == "interleaved-1f1b" and pipe.virtual_stages in (2, 4)
+    validate_plan_structure(chosen)
+    assert est.iteration_time_s < before.iteration_time_s and not est.over_capacity()
+    assert est.iteration_time_s == pytest.approx(cost.estimate(chosen).iteration_time_s)
+    # the chosen v is the fastest of those that fit
+    others = [cost.estimate(plan.model_copy(update={"pipelines": [plan.pipelines[0].interleave(v)]}))
+              for v in (2, 4)]
+    assert est.iteration_time_s == pytest.approx(min(e.iteration_time_s for e in others if not e.over_capacity()))

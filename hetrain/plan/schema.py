@@ -83,6 +83,18 @@ class PipelinePlan(BaseModel):
         """The stage entries device stage k (< ``depth``) runs: k, k + p, ... (itself alone unless interleaved)."""
         return list(range(k, len(self.stages), self.depth))
 
+    def interleave(self, v: int) -> PipelinePlan:
+        """This (non-interleaved) pipeline under interleaved 1F1B with ``v`` chunks per device: each device keeps
+        as many blocks, cut into v equal chunks laid round-robin (chunk j on device j mod p), the embedding on
+        the first device and the head on the last as before. Each stage's blocks must divide by v."""
+        p = len(self.stages)
+        sizes = [(self.stages[j % p].layers[1] - self.stages[j % p].layers[0]) // v for j in range(p * v)]
+        stages, start = [], 0
+        for j, n in enumerate(sizes):
+            stages.append(self.stages[j % p].model_copy(update={"layers": (start, start + n), "in_flight": None}))
+            start += n
+        return self.model_copy(update={"stages": stages, "schedule": "interleaved-1f1b", "virtual_stages": v})
+
     def chunk_held(self, k: int) -> list[int]:
         """Interleaved: per chunk of device stage k, the micro-batches in flight at its peak of activations
         (torch's order, ``hetrain.plan.eager.interleaved_held``, chunks weighed by their blocks)."""
