@@ -49,7 +49,7 @@ LINK_MBIT = 200  # the shaped group's node link: 25 MB/s, where gpt-small's send
 SLOW_LINK_MBIT = 10  # 1.25 MB/s: a stage's send takes about as long as its compute (do sends overlap it?)
 # hand-made plans whose sends cross the link, sync does not; in torch's 1F1B and in eager 1F1B (sends overlap compute)
 MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "pipeline of 4, zb-h1", "2 x (fast -> slow)",
-               "2 x (fast -> slow), eager", "2 x (fast -> slow), zb-h1")
+               "2 x (fast -> slow), eager", "2 x (fast -> slow), zb-h1", "2 x (fast -> slow), interleaved")
 GROUPS = {  # name: (model file, global batch, shaped link in Mbit/s or None for loopback, plans or None for all)
     "tiny": ("gpt-tiny.yaml", 16, None, None),
     "small": ("gpt-small.yaml", 16, None, None),
@@ -106,6 +106,8 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
         "2 x (fast -> slow), eager": plan(1, 2, pairs, in_flight=[3, 1]),
         "pipeline of 4, zb-h1": plan(1, 1, four, schedule="zb-h1"),
         "2 x (fast -> slow), zb-h1": plan(1, 2, pairs, schedule="zb-h1"),
+        # interleaved 1F1B, two chunks per device (the fast one's 2/3 of the blocks, the slow one's 1/3, halved)
+        "2 x (fast -> slow), interleaved": _interleaved(plan(1, 2, pairs), 2),
         # two pipelines of different depth: three stages beside one
         "3 stages + 1, zb-h1": plan(1, 1, [(global_batch * 3 // 4, [(["fast/0"], fast, L - 2 * slow_blocks),
                                                                   (["slow/0"], slow, slow_blocks),
@@ -117,6 +119,11 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
         "tp2 per node": plan(2, 2, [(global_batch * 2 // 3 // 2, [(["fast/0", "fast/1"], fast, L)]),
                                     (global_batch // 2 - global_batch * 2 // 3 // 2, [(["slow/0", "slow/1"], slow, L)])]),
     }
+
+
+def _interleaved(plan: Plan, v: int) -> Plan:
+    """``plan`` with every pipeline on interleaved 1F1B, v chunks per device (``PipelinePlan.interleave``)."""
+    return plan.model_copy(update={"pipelines": [p.interleave(v) for p in plan.pipelines]})
 
 
 def measure(plan: Plan, cluster_file: Path, steps: int, work: Path, name: str, bed=None) -> list[dict]:
@@ -139,9 +146,11 @@ def compute_ratios(plan: Plan, est, profile, records: list[dict]) -> dict[str, f
     measured: dict[str, list[float]] = {}
     predicted: dict[str, list[float]] = {}
     for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
-        for k, (stage, stage_s) in enumerate(zip(pipe.stages, pest.stage_s)):
+        for k in range(pipe.depth):  # a device's compute is its chunks' (one unless interleaved)
+            stage = pipe.stages[k]
             o = profile.runtime.get(stage.gpu)
-            compute = (stage_s - (o.microbatch_s if o else 0.0)) * pipe.num_microbatches
+            compute = sum(pest.stage_s[j] - (o.microbatch_s if o else 0.0) for j in pipe.chunks_of(k)) \
+                * pipe.num_microbatches
             for d in stage.devices:
                 ranks = [x["compute_s"] for r in records for x in r["ranks"] if x["device"] == d]
                 measured.setdefault(stage.gpu, []).append(statistics.median(ranks))
@@ -152,8 +161,8 @@ def compute_ratios(plan: Plan, est, profile, records: list[dict]) -> dict[str, f
 def if_sends_overlapped(plan: Plan, est) -> float:
     """The estimate's iteration time had sends overlapped compute (tau = max(max c_k, max 2 e_k)), as the
     cost model assumed before it was measured: the pipelines' part recomputed, the rest as estimated."""
-    if any(p.eager for p in plan.pipelines):
-        return est.iteration_time_s  # eager 1F1B: the estimate already has them overlap
+    if any(p.eager or p.interleaved for p in plan.pipelines):
+        return est.iteration_time_s  # eager and interleaved 1F1B: the estimate already has them overlap
     pipes = []
     for pipe, pe in zip(plan.pipelines, est.pipelines):
         tau = max(max(pe.stage_s), max((2 * e for e in pe.p2p_s), default=0.0))
@@ -247,6 +256,7 @@ def main() -> None:
                        "multi_stage": any(len(p.stages) > 1 for p in plan.pipelines),
                        "eager": any(p.eager for p in plan.pipelines),
                        "zero_bubble": any(p.schedule_name == "zb-h1" for p in plan.pipelines),
+                       "interleaved": any(p.interleaved for p in plan.pipelines),
                        "measured_s": measured, "rounds_s": [r[0] for r in plan_runs],
                        "rounds_text": " / ".join(f"{r[0]:.4f}" for r in plan_runs),
                        "error_pct": 100 * (est.iteration_time_s - measured) / measured,
@@ -331,7 +341,7 @@ def describe(plan: Plan) -> str:
     """tp, micro-batch, and per pipeline its stages (node x blocks), micro-batches and eager 1F1B's counts."""
     def pipeline(p) -> str:
         eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.eager else \
-            (" zb-h1" if p.schedule_name == "zb-h1" else "")
+            (" zb-h1" if p.schedule_name == "zb-h1" else f" interleaved v={p.virtual_stages}" if p.interleaved else "")
         return "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages) \
             + f" ({p.num_microbatches}{eager})"
     return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(pipeline(p) for p in plan.pipelines)

@@ -12,6 +12,7 @@ from hetrain.plan.schema import SHARDS_STATE
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
+from solver.interleave import interleaved_choices
 from solver.space import Space, Template
 
 
@@ -304,12 +305,13 @@ def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> f
 
 def choose_schedules(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
     """The plan with its optimizer state sharded where that is faster (``shard_if_faster``), then each pipeline
-    on the fastest schedule that fits: torch's 1F1B, eager 1F1B (``eager_in_flight``) or ZB-H1
-    (``zero_bubble_pipelines``), and its estimate; the whole plan is kept only if the cost model predicts it
+    on the fastest schedule that fits: torch's 1F1B, eager 1F1B (``eager_in_flight``), ZB-H1
+    (``zero_bubble_pipelines``) or interleaved 1F1B (``solver.interleave``), and its estimate; the whole plan is kept only if the cost model predicts it
     faster. What a planner calls after assembly."""
     plan, est = shard_if_faster(plan, cost, est)
     plan, est = eager_in_flight(plan, cost, est)
-    return zero_bubble_pipelines(plan, cost, est)
+    plan, est = zero_bubble_pipelines(plan, cost, est)
+    return _if_faster(plan, est, interleaved_choices(plan, cost, est), cost)
 
 
 def shard_if_faster(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:

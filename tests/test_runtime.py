@@ -141,6 +141,35 @@ def test_zero_bubble_h1_under_tensor_parallelism_matches_single_process(tmp_path
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
+def interleaved_plan(tp: int) -> Plan:
+    """Pipeline 0: interleaved 1F1B on two stages of devices, two chunks each, of unequal blocks (1, 2, 1, 2),
+    4 micro-batches, its devices recomputing differently; pipeline 1: one stage, 1F1B, 4 micro-batches."""
+    spec = load_model(TINY)
+
+    def stage(node: str, first: int, layers: list[int], recompute: str = "none") -> dict:
+        return {"devices": [f"{node}/{first + j}" for j in range(tp)], "gpu": "cpu", "layers": layers,
+                "recompute": recompute}
+
+    chunks = [stage("a", 0, [0, 1], "selective"), stage("a", tp, [1, 3]), stage("a", 0, [3, 4], "selective"),
+              stage("a", tp, [4, 6])]
+    return Plan.model_validate({
+        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
+        "global_batch_size": 8, "micro_batch_size": 1, "tp": tp,
+        "pipelines": [{"num_microbatches": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2, "stages": chunks},
+                      {"num_microbatches": 4, "stages": [stage("b", 0, [0, 6], "full")]}],
+    })
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_interleaved_1f1b_matches_single_process(tmp_path: Path, tp: int):
+    """Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B`` over each rank's chunk views) on an asymmetric
+    plan: a device holding blocks 0 and 3 (embedding included) syncs each with the one-stage pipeline's
+    device in its own bucket; the same gradients, parameters and losses as one process (a chunk's
+    parameters missed by the optimizer, the sync or the dump, or a micro-batch run on the wrong chunk,
+    would show). Under TP 2 every chunk scatters and gathers its sends."""
+    train_and_match_single_process(tmp_path, interleaved_plan(tp), TINY)
+
+
 def train_and_match_single_process(tmp_path: Path, plan: Plan, spec_file: Path) -> None:
     """Train ``plan`` for a few SGD steps and compare with ``reference``: every rank's gradients of step 0,
     its parameters after, and the losses."""

@@ -173,3 +173,159 @@ def test_the_planners_terms_per_stage_price_a_template_as_the_estimate_plays_it(
                                  pipelines=[PipelinePlan(num_microbatches=16, stages=stages, schedule=schedule)]))
         assert est.pipelines[0].stage_s == pytest.approx([c for c, _, _ in terms])
         assert 16 * tau + fill == pytest.approx(est.pipeline_s, rel=0.16)
+
+
+def _interleaved(chunks: list[tuple[str, tuple[int, int]]], v: int | None = 2, microbatches: int = 4,
+                 schedule: str | None = "interleaved-1f1b") -> Plan:
+    model = ModelSpec(name="m", num_layers=6, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
+    stages = [StagePlan(devices=[d], gpu="T4", layers=layers) for d, layers in chunks]
+    return Plan(model=model, cluster="c", global_batch_size=microbatches + 2, micro_batch_size=1, tp=1,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages, schedule=schedule,
+                                        virtual_stages=v),
+                           PipelinePlan(num_microbatches=2, stages=[StagePlan(devices=["m/0"], gpu="T4",
+                                                                              layers=(0, 6))])])
+
+
+CHUNKS = [("n/0", (0, 1)), ("n/1", (1, 3)), ("n/0", (3, 4)), ("n/1", (4, 6))]
+
+
+def test_interleaved_plans_are_checked_in_one_line():
+    plan = _interleaved(CHUNKS)
+    validate_plan_structure(plan)
+    assert plan.devices() == ["n/0", "n/1", "m/0"]
+    pipe = plan.pipelines[0]
+    assert pipe.depth == 2 and pipe.chunks_of(0) == [0, 2] and pipe.chunks_of(1) == [1, 3]
+    assert "virtual_stages" not in _plan(None).to_json()  # other plans keep their bytes
+    assert Plan.model_validate_json(plan.to_json()) == plan
+    swapped = [CHUNKS[0], CHUNKS[1], ("n/1", (3, 4)), ("n/0", (4, 6))]
+    for p, message in (
+            (_interleaved(CHUNKS, v=None), r"pipelines\[0\]: schedule interleaved-1f1b needs virtual_stages of at "
+                                           r"least 2, got None"),
+            (_interleaved(CHUNKS, v=2, schedule=None), r"pipelines\[0\]: virtual_stages is for schedule "
+                                                       r"interleaved-1f1b, not 1f1b"),
+            (_interleaved(CHUNKS[:3], v=2), r"pipelines\[0\]: 3 stages do not make virtual_stages 2 chunks"),
+            (_interleaved(CHUNKS, v=4), r"pipelines\[0\]: 4 stages do not make virtual_stages 4 chunks"),
+            (_interleaved(swapped), r"pipelines\[0\]\.stages\[2\]: devices \['n/1'\] differs from stages\[0\]'s "
+                                    r"\['n/0'\]"),
+            (_interleaved(CHUNKS, microbatches=5), r"num_microbatches 5 is not a multiple of interleaved 1F1B's 2 "
+                                                   r"rounds")):
+        with pytest.raises(HetrainError, match=message) as err:
+            validate_plan_structure(p)
+        assert "\n" not in str(err.value)
+
+
+def test_an_interleaved_device_holds_its_chunks_in_one_role_and_its_buckets_follow_each_chunk():
+    from hetrain.plan.layout import build_layout
+
+    layout = build_layout(_interleaved(CHUNKS))
+    assert layout.world_size == 3 and layout.tp_groups == [(0,), (1,), (2,)] and layout.pp_groups == [(0, 1), (2,)]
+    first = layout.roles[0]
+    assert first.chunk_layers == [(0, 1), (3, 4)] and first.is_first and not first.is_last
+    assert [c for c, _ in layout.roles[1].chunks] == [1, 3] and layout.roles[1].is_last
+    assert [(b.ranks, b.layers, b.embedding, b.head) for b in layout.buckets] == [
+        ((0, 2), (0, 1), True, False), ((1, 2), (1, 3), False, False), ((0, 2), (3, 4), False, False),
+        ((1, 2), (4, 6), False, True)]
+
+
+def test_interleaved_order_is_torchs():
+    """``interleaved_order`` is torch's ``ScheduleInterleaved1F1B`` order, idle slots left out, for depths,
+    chunk counts and micro-batches torch takes (the cost model plays it; the runtime runs torch's)."""
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from hetrain.plan.eager import interleaved_order, interleaved_rounds
+
+    checked = 0
+    for p in range(2, 6):
+        for v in range(2, 5):
+            for m in range(1, 17):
+                rounds, per_round = interleaved_rounds(p, m)
+                if m % rounds:
+                    continue
+                state = types.SimpleNamespace(n_local_stages=v, microbatches_per_round=per_round, pp_group_size=p,
+                                              _n_microbatches=m)
+                for rank in range(p):
+                    want = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // p,
+                             a.microbatch_index)
+                            for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank) if a]
+                    assert interleaved_order(p, v, m, rank) == want, (p, v, m, rank)
+                    checked += 1
+    assert checked > 300
+
+
+def test_interleaved_held_counts_the_chunks_at_the_peak():
+    """Rank 0 of 2, two chunks, 4 micro-batches: warm-up of 2 + 2 forwards, the fifth forward before the first
+    backward: 3 of chunk 0 and 2 of chunk 1 in flight (torch's order), 5 in all against 1F1B's 2."""
+    from hetrain.plan.eager import interleaved_held, interleaved_order
+
+    order = interleaved_order(2, 2, 4, 0)
+    assert order[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0)]
+    assert interleaved_held(order, [1.0, 1.0]) == [3, 2]
+    assert _interleaved(CHUNKS).pipelines[0].in_flight(0) == 3
+
+
+def _one_pipeline(num_layers: int, microbatches: int, recompute):
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    model = ModelSpec(name="m", num_layers=num_layers, hidden_size=2048, num_heads=16, seq_length=1024,
+                      vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300}]})
+    settings = TrainingSettings(global_batch_size=microbatches, activation_recompute=recompute)
+    per = num_layers // 4
+    stages = [StagePlan(devices=[f"a/{k}"], gpu="A100-80G", layers=(k * per, (k + 1) * per)) for k in range(4)]
+    plan = Plan(model=model, cluster="c", global_batch_size=microbatches, micro_batch_size=1, tp=1, training=settings,
+                pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages)])
+    return plan, CostModel(cluster, model, settings)
+
+
+def test_interleaved_play_divides_the_fill_by_v_and_the_estimate_counts_each_devices_chunks():
+    """On equal stages without sends the played pipeline is m w + (p - 1) w / v (Narayanan et al.); in the
+    estimate, a device's memory is its chunks' states and the activations torch's order keeps at its peak
+    (more than 1F1B's S - k), and the capacity shares still add up to 1."""
+    from hetrain.cost.pipeline import interleaved_pipeline_s, one_f_one_b_play_s
+    from hetrain.cost.report import plan_rows, where_time_goes
+
+    p, m, w = 4, 8, 24.0
+    assert one_f_one_b_play_s([w] * p, [w * 2 / 3] * p, [0.0] * (p - 1), m) == m * w + (p - 1) * w
+    for v in (2, 4):
+        _, total, ends = interleaved_pipeline_s([w / v] * (p * v), [w * 2 / 3 / v] * (p * v), [0.0] * (p * v - 1), p, m)
+        assert total == pytest.approx(m * w + (p - 1) * w / v) and max(ends) == total
+
+    plan, cost = _one_pipeline(8, 4, False)
+    inter = plan.model_copy(update={"pipelines": [plan.pipelines[0].interleave(2)]})
+    validate_plan_structure(inter)
+    before, after = cost.estimate(plan), cost.estimate(inter)
+    assert after.pipelines[0].time_s < before.pipelines[0].time_s
+    pipe = inter.pipelines[0]
+    u = cost.unit_costs("A100-80G", 300, 1, 1, None)
+    held = pipe.chunk_held(0)
+    assert sum(held) > plan.pipelines[0].in_flight(0)
+    assert after.peak_memory_gb["a/0"] * 1e9 == pytest.approx(u.chunks_memory_bytes(
+        [(1, True, False, held[0]), (1, False, False, held[1])]), rel=1e-6)
+    assert after.peak_memory_gb["a/0"] > before.peak_memory_gb["a/0"]
+    assert sum(where_time_goes(cost, inter, after).values()) == pytest.approx(1.0)
+    assert {r["virtual stages"] for r in plan_rows(inter, after)} == {2}
+
+
+def test_the_planner_interleaves_a_pipeline_where_that_is_faster_and_fits():
+    """Four A100 stages of four blocks and four micro-batches, all recomputing fully (ZB-H1 cannot split
+    there): the fill is most of the step, interleaved 1F1B cuts it and fits; with as many micro-batches
+    as 1F1B's fill is small against, and sends that v-fold crossings make dear, it may not."""
+    from solver.assemble import choose_schedules
+
+    plan, cost = _one_pipeline(16, 4, "full")
+    before = cost.estimate(plan)
+    chosen, est = choose_schedules(plan, cost, before)
+    pipe = chosen.pipelines[0]
+    assert pipe.schedule_name == "interleaved-1f1b" and pipe.virtual_stages in (2, 4)
+    validate_plan_structure(chosen)
+    assert est.iteration_time_s < before.iteration_time_s and not est.over_capacity()
+    assert est.iteration_time_s == pytest.approx(cost.estimate(chosen).iteration_time_s)
+    # the chosen v is the fastest of those that fit
+    others = [cost.estimate(plan.model_copy(update={"pipelines": [plan.pipelines[0].interleave(v)]}))
+              for v in (2, 4)]
+    assert est.iteration_time_s == pytest.approx(min(e.iteration_time_s for e in others if not e.over_capacity()))

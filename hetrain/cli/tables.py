@@ -20,7 +20,7 @@ def _compact_table(title: str, headers: list[tuple[str, str]]) -> tuple[Table, l
 
 
 # a pipeline's schedule beside its micro-batches, short enough for 80 columns (1F1B, the default, says nothing)
-SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb"}
+SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb", "interleaved-1f1b": "v="}
 
 
 def plan_table(plan, est, title: str) -> Table:
@@ -47,7 +47,8 @@ def plan_table(plan, est, title: str) -> Table:
         recompute = r["recompute"] if own_column or state == "replicated" else f"{r['recompute']}\n{state}"
         table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
                       f"{r['blocks']} ({r['num_blocks']})", recompute, *kept,
-                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}"))
+                      (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}")
+                       + str(r.get("virtual stages") or ""))
                       if first else "",
                       str(r["in flight"]) + (f" + {r['weight pending']} W" if r["weight pending"] else ""),
                       f"{r['stage ms']:.1f}", f"{r['peak GB']:.1f}/{r['capacity GB']:.0f}", end_section=last)

@@ -64,7 +64,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s, send_s
-from hetrain.cost.pipeline import Op, drain_ahead_s, eager_pipeline_s, one_f_one_b_play_s, pipeline_terms
+from hetrain.cost.pipeline import (Op, drain_ahead_s, eager_pipeline_s, interleaved_pipeline_s, one_f_one_b_play_s,
+                                   pipeline_terms)
 from hetrain.cost.stage import UnitCosts
 from hetrain.cost.stage import unit_costs as stage_unit_costs
 from hetrain.errors import HetrainError
@@ -227,11 +228,12 @@ class CostModel:
         for pipe in plan.pipelines:
             S = len(pipe.stages)
             stage_s, p2p, backward_s, weight_s = [], [], [], []
+            held = self._chunks_held(pipe)
             for k, stage in enumerate(pipe.stages):
                 node = node_of[stage.devices[0]]
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
-                in_flight, pending = pipe.in_flight(k), pipe.weight_pending(k)
+                in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
                 replicas = len(plan.pipelines) if id(stage) in sharded else 1
                 key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
                        in_flight, pending, bucket_numel.get(id(stage), 0.0))
@@ -260,6 +262,8 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
+            if held:  # a device runs several chunks: its memory and optimizer step are theirs together
+                self._interleaved_devices(plan, pipe, held, sharded, peak, opt)
             tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s))
             for stage, end in zip(pipe.stages, ends):
@@ -271,6 +275,35 @@ class CostModel:
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    @staticmethod
+    def _chunks_held(pipe) -> list[int]:
+        """Interleaved: per stage entry (chunk), its micro-batches in flight at its device's peak; [] otherwise."""
+        if not pipe.interleaved:
+            return []
+        held = [0] * len(pipe.stages)
+        for k in range(pipe.depth):
+            for j, n in zip(pipe.chunks_of(k), pipe.chunk_held(k)):
+                held[j] = n
+        return held
+
+    def _interleaved_devices(self, plan: Plan, pipe, held: list[int], sharded: set[int], peak: dict[str, float],
+                             opt: dict[str, float]) -> None:
+        """Each device of an interleaved pipeline: peak memory (``UnitCosts.chunks_memory_bytes`` over its
+        chunks, each with what it holds at the device's peak) and optimizer seconds (its chunks' parameters)."""
+        cl, t, P = self.cluster, plan.tp, len(pipe.stages)
+        for k in range(pipe.depth):
+            stage = pipe.stages[k]
+            bw = cl.node_by_name[cl.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
+            replicas = len(plan.pipelines) if id(stage) in sharded else 1
+            u = self.unit_costs(stage.gpu, bw, t, plan.micro_batch_size, stage.recompute, stage.optimizer_state,
+                                replicas)
+            chunks = [(pipe.stages[j].layers[1] - pipe.stages[j].layers[0], j == 0, j == P - 1, held[j])
+                      for j in pipe.chunks_of(k)]
+            mem_gb = u.chunks_memory_bytes(chunks, syncs=len(plan.pipelines) > 1) / GB
+            opt_s = sum(self.stage_params(n, first, last, t) for n, first, last, _ in chunks) * u.opt_s_per_param
+            for d in stage.devices:
+                peak[d], opt[d] = mem_gb, opt_s
 
     def _post_s(self, rings: list, finish: dict[str, float], opt: dict[str, float],
                 pipeline_s: float) -> tuple[dict[str, float], float]:
@@ -305,6 +338,9 @@ class CostModel:
         if schedule == "1f1b":  # torch's 1F1B, closed form
             tau, total = self.pipeline_time_s(stage_s, p2p, pipe.num_microbatches)
             return tau, total, [total - ahead for ahead in drain_ahead_s(backward_s)]
+        if schedule == "interleaved-1f1b":  # torch's ScheduleInterleaved1F1B, played out
+            return interleaved_pipeline_s(stage_s, backward_s, p2p, pipe.depth, pipe.num_microbatches,
+                                          duplex=self.p2p_duplex, trace=trace)
         # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
         counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
         weights = weight_s if schedule == "zb-h1" else None

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from hetrain.errors import HetrainError
-from hetrain.plan.eager import boundary_order, one_f_one_b_order, recv_split, zero_bubble_order
+from hetrain.plan.eager import boundary_order, interleaved_order, one_f_one_b_order, recv_split, zero_bubble_order
 
 
 Seconds = Sequence[float]  # one value per stage (or boundary)
@@ -165,6 +165,73 @@ def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_f
     total = max(clock)
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+def interleaved_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, depth: int, num_microbatches: int,
+                           duplex: bool = False, trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, when each chunk's device ends its part) of one interleaved-1F1B pipeline, played op by op.
+
+    ``stage_s``, ``backward_s``: per chunk (the p * v stage entries, model order; chunk j on device j mod p),
+    ``p2p_s``: per boundary between chunks j and j + 1 (v p - 1 of them: each micro-batch crosses the
+    devices v times, the boundary from device p - 1 back to device 0 included). Each device runs torch's
+    order (``hetrain.plan.eager.interleaved_order``, what ``ScheduleInterleaved1F1B`` runs); a forward
+    waits for its activation, a backward for its gradient. torch's runtime posts its sends without
+    waiting for them, so sends overlap compute, but the messages between two devices go one after
+    another, each e_j, in the order their senders computed them: per direction (``duplex``, gloo), or
+    both directions in one lane (NCCL runs a pair's point-to-point on one stream; the play takes them
+    in the order it plays the two senders, not strictly by time). With v chunks a pair of neighbours
+    exchanges up to v times 1F1B's messages, which is what makes interleaving lose on slow links.
+    Why played: the fill of (p - 1) chunk-times instead of (p - 1) stage-times (Narayanan et al.,
+    SC'21: the bubble divided by v) holds on equal devices; unequal ones, sends and torch's rounds of
+    micro-batches shift it, and the play is exact for this model at O(p v m).
+    tau: the steady state, from ``T_pipe = (m - 1) tau + fill``, fill = the slowest device's work per
+    micro-batch + the others' / v + 2 sum e_j.
+    """
+    P, M = len(stage_s), num_microbatches
+    v = P // depth
+    fwd, bwd, _ = _op_times(stage_s, backward_s, None)
+    arrive: dict[tuple[str, int, int], float] = {}  # ("act" into chunk j | "grad" into chunk j, j, i) -> when in
+    lane_free: dict[tuple[int, ...], float] = {}
+    orders = [interleaved_order(depth, v, M, r) for r in range(depth)]
+    clock, pos = [0.0] * depth, [0] * depth
+
+    def send(kind: str, to: int, i: int, ready: float) -> None:
+        """Micro-batch i's activation (gradient) into chunk ``to``, on its devices' lane once that is free."""
+        here, boundary = (to - 1, to - 1) if kind == "act" else (to + 1, to)
+        lane = (here % depth, to % depth) if duplex else tuple(sorted((here % depth, to % depth)))
+        lane_free[lane] = arrive[(kind, to, i)] = max(ready, lane_free.get(lane, 0.0)) + p2p_s[boundary]
+
+    def step(r: int) -> bool:
+        """Run device r's next forward or backward if its input is in; False when it must wait."""
+        if pos[r] == len(orders[r]):
+            return False
+        kind, chunk, i = orders[r][pos[r]]
+        j = chunk * depth + r
+        needs = ("act", j, i) if kind == "F" else ("grad", j, i)
+        edge = j == 0 if kind == "F" else j == P - 1
+        if not edge and needs not in arrive:
+            return False
+        start = max(clock[r], 0.0 if edge else arrive[needs])
+        clock[r] = start + (fwd[j] if kind == "F" else bwd[j])
+        if kind == "F" and j < P - 1:
+            send("act", j + 1, i, clock[r])
+        elif kind == "B" and j > 0:
+            send("grad", j - 1, i, clock[r])
+        if trace is not None:
+            trace.append(Op(j, kind, i, start, clock[r]))
+        pos[r] += 1
+        return True
+
+    _play(depth, step)
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise HetrainError("interleaved 1F1B play did not finish")  # a bug, not a user error
+    # a device leaves the schedule once its last input gradient has gone through
+    ends = [max([clock[r], *(arrive[("grad", j - 1, M - 1)] for j in range(r, P, depth) if j)]) for r in range(depth)]
+    total = max(ends)
+    work = [sum(stage_s[r::depth]) for r in range(depth)]
+    fill = max(work) + (sum(work) - max(work)) / v + 2 * sum(p2p_s)
+    tau = (total - fill) / (M - 1) if M > 1 else max(work)
+    return tau, total, [ends[j % depth] for j in range(P)]
 
 
 def _op_times(stage_s, backward_s, weight_s) -> tuple[list[float], list[float], list[float]]:

@@ -10,7 +10,8 @@ from hetrain.spec.arithmetic import block_forward_flops, head_forward_flops
 def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
     """pipeline, stage, gpu, devices, blocks, recompute, optimizer state, micro-batches, in flight, stage ms, peak GB
     (and the device's capacity). ``in flight``: micro-batches the stage keeps (eager 1F1B's count, else 1F1B's S - k); ``weight
-    pending``: those ZB-H1 keeps waiting for their weight gradient; ``schedule``: the pipeline's."""
+    pending``: those ZB-H1 keeps waiting for their weight gradient; ``schedule``: the pipeline's (``virtual stages``:
+    its chunks per device under interleaved 1F1B, else None; a row is then a chunk, its peak GB its device's)."""
     settings = plan.settings()
     rows = []
     for p, (pipe, pest) in enumerate(zip(plan.pipelines, est.pipelines)):
@@ -22,7 +23,7 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
                          "optimizer state": stage.optimizer_state or "replicated",
                          "micro-batches": pipe.num_microbatches,
                          "in flight": pipe.in_flight(k), "weight pending": pipe.weight_pending(k),
-                         "schedule": pipe.schedule_name,
+                         "schedule": pipe.schedule_name, "virtual stages": pipe.virtual_stages,
                          "stage ms": round(stage_s * 1e3, 2),
                          "peak GB": round(max(est.peak_memory_gb[d] for d in stage.devices), 2),
                          "capacity GB": est.capacity_gb[stage.devices[0]]})
@@ -56,46 +57,51 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     its catalog rate makes ``other_stage_work`` negative (and a noisy measurement ``recompute``),
     while the shares still add to 1 and ``useful`` stays the plan's share of the bound.
     """
-    cl, m, st = cost.cluster, cost.model, cost.settings
-    t, b = plan.tp, plan.micro_batch_size
+    cl, st = cost.cluster, cost.settings
     rate = {node.name: cl.gpu_type(node.gpu).achievable_flops(st.precision) for node in cl.nodes}
     node_of = cl.node_of
     T = est.iteration_time_s
     parts = dict.fromkeys(CAPACITY_PARTS, 0.0)
     used = set()
     for pipe, pest in zip(plan.pipelines, est.pipelines):
-        S, mb, tau = len(pipe.stages), pipe.num_microbatches, pest.bottleneck_s
-        for k, stage in enumerate(pipe.stages):
-            node = node_of[stage.devices[0]]
-            F = rate[node]
-            blocks = stage.layers[1] - stage.layers[0]
-            flops = 3 * blocks * block_forward_flops(m, b) / t + (3 * head_forward_flops(m, b) / t if k == S - 1 else 0.0)
-            useful = mb * flops / F
-            intra = cl.node_by_name[node].intra_node_bandwidth_gbps
-            mode = st.stage_recompute(stage.recompute)
-            recompute = mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
-                                       - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
-            if pipe.schedule_name == "1f1b":  # 1F1B: a stage waits for its own sends
-                sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
-                own = pest.stage_s[k] + sends
-                waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own),
-                         "fill_drain": pest.time_s - (mb - 1) * tau - own}
-            else:  # eager 1F1B and ZB-H1, played out: sends overlap compute; what they still cost is a steady state
-                # above the slowest stage, the rest of the stage's idle time is fill and drain
-                slowest = max(pest.stage_s)
-                waits = {"sends": (mb - 1) * max(0.0, tau - slowest),
-                         "imbalance": (mb - 1) * max(0.0, min(tau, slowest) - pest.stage_s[k])}
-                waits["fill_drain"] = pest.time_s - mb * pest.stage_s[k] - waits["sends"] - waits["imbalance"]
-            seconds = {
-                "useful": useful, "recompute": recompute,
-                "other_stage_work": mb * pest.stage_s[k] - useful - recompute, **waits,
-                "pipelines_done_early": est.pipeline_s - pest.time_s,
-                "sync_optimizer_step": T - est.pipeline_s,
-            }
-            for d in stage.devices:
+        for k in range(pipe.depth):
+            F = rate[node_of[pipe.stages[k].devices[0]]]
+            seconds = _device_seconds(cost, plan, pipe, pest, k, F)
+            seconds["pipelines_done_early"] = est.pipeline_s - pest.time_s
+            seconds["sync_optimizer_step"] = T - est.pipeline_s
+            for d in pipe.stages[k].devices:
                 used.add(d)
                 for part, s in seconds.items():
                     parts[part] += s * F
     parts["unused_gpus"] = sum(T * rate[node_of[d.name]] for d in cl.devices if d.name not in used)
     capacity = T * sum(rate[node_of[d.name]] for d in cl.devices)
     return {part: v / capacity for part, v in parts.items()}
+
+
+def _device_seconds(cost: CostModel, plan: Plan, pipe, pest, k: int, flops_per_s: float) -> dict[str, float]:
+    """Seconds of one device of stage k of a pipeline in the step, by part (``where_time_goes``): over its
+    chunks (one unless interleaved), its work per micro-batch w_k the sum of theirs."""
+    cl, m, st = cost.cluster, cost.model, cost.settings
+    t, b = plan.tp, plan.micro_batch_size
+    S, mb, tau = len(pipe.stages), pipe.num_microbatches, pest.bottleneck_s
+    useful = recompute = 0.0
+    for j in pipe.chunks_of(k):
+        stage = pipe.stages[j]
+        blocks = stage.layers[1] - stage.layers[0]
+        flops = 3 * blocks * block_forward_flops(m, b) / t + (3 * head_forward_flops(m, b) / t if j == S - 1 else 0.0)
+        useful += mb * flops / flops_per_s
+        intra = cl.node_by_name[cl.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
+        mode = st.stage_recompute(stage.recompute)
+        recompute += mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
+                                    - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
+    work = sum(pest.stage_s[j] for j in pipe.chunks_of(k))
+    if pipe.schedule_name == "1f1b":  # 1F1B: a stage waits for its own sends
+        sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
+        own = work + sends
+        waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own), "fill_drain": pest.time_s - (mb - 1) * tau - own}
+    else:  # eager 1F1B, ZB-H1 and interleaved, played out: sends overlap compute; what they still cost is a steady
+        # state above the slowest device, the rest of the device's idle time is fill and drain
+        slowest = max(sum(pest.stage_s[j] for j in pipe.chunks_of(d)) for d in range(pipe.depth))
+        waits = {"sends": (mb - 1) * max(0.0, tau - slowest), "imbalance": (mb - 1) * max(0.0, min(tau, slowest) - work)}
+        waits["fill_drain"] = pest.time_s - mb * work - waits["sends"] - waits["imbalance"]
+    return {"useful": useful, "recompute": recompute, "other_stage_work": mb * work - useful - recompute, **waits}

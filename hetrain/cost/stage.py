@@ -219,8 +219,24 @@ class UnitCosts:
                                      + (self.head_wgrad_bytes if last else 0.0))
         if last:  # the last micro-batch's logits stay referenced by the schedule through backward
             mem += self.head_out_bytes
-        # backward's transients come one after another: the loss's fp32 tensors first, then block by block
-        return mem + max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
+        return mem + self._transient_bytes(last)
+
+    def _transient_bytes(self, last: bool) -> float:
+        """Backward's transients, which come one after another: the loss's fp32 tensors first, then block by block."""
+        return max(self.block_work_bytes, self.head_work_bytes if last else 0.0)
+
+    def chunks_memory_bytes(self, chunks: list[tuple[int, bool, bool, int]], syncs: bool = True) -> float:
+        """Peak bytes of a device running several chunks (interleaved 1F1B), each (blocks, first, last, in
+        flight at the device's peak: ``PipelinePlan.chunk_held``): every chunk's states and kept activations,
+        one backward's transients (the device runs one op at a time), as ``stage_memory_bytes`` for one; the
+        sync's chunk (``syncs``: the plan has several pipelines) at most a whole chunk's, buckets following chunks."""
+        states = sum(self._states(n, first, last) for n, first, last, _ in chunks)
+        kept = sum(self._activations(n, first, last, held) - self._transient_bytes(last)
+                   for n, first, last, held in chunks)
+        transient = max(self._transient_bytes(last) for _, _, last, _ in chunks)
+        sync = self.sync_bytes_per_numel * max(self.sync_chunk_numel(n, first, last) for n, first, last, _ in chunks) \
+            if syncs else 0.0
+        return self.reserve_bytes + states + max(kept + transient, self.opt_temp_ratio * states, sync)
 
     def sync_chunk_numel(self, num_blocks: int, first: bool, last: bool, bucket_numel: float | None = None) -> float:
         """Elements of the largest chunk the gradient sync copies at once, at most (``sync_chunks``): the largest

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 # A pipeline's schedule (``hetrain.plan.schema.PipelinePlan.schedule``): torch's 1F1B, eager 1F1B
-# (``in_flight`` per stage), ZB-H1 (backward split into input and weight gradients, W filling the drain)
-Schedule = Literal["1f1b", "eager-1f1b", "zb-h1"]
+# (``in_flight`` per stage), ZB-H1 (backward split into input and weight gradients, W filling the drain),
+# interleaved 1F1B (Megatron's virtual stages: each rank runs several chunks of the model)
+Schedule = Literal["1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
@@ -68,3 +69,63 @@ def boundary_order(in_flight_here: int, in_flight_next: int, num_microbatches: i
             acts += 1
         order.append(("grad", j))
     return order + [("act", x) for x in range(acts, num_microbatches)]
+
+
+# Interleaved 1F1B's warm-up grows by this many forwards per rank before the last (torch's
+# ``_get_warmup_ops(multiply_factor=2)``, Megatron's ``(p - rank - 1) * 2``): one forward and one
+# backward of each later rank must pass before a rank's first backward's gradient arrives.
+INTERLEAVED_WARMUP_PER_RANK = 2
+
+
+def interleaved_rounds(depth: int, num_microbatches: int) -> tuple[int, int]:
+    """(rounds, micro-batches per round) of interleaved 1F1B on ``depth`` ranks (torch's flexible form:
+    ``rounds = max(1, m // p)``; a chunk runs a round's micro-batches before the rank turns to the next
+    chunk). torch refuses ``m`` not a multiple of ``rounds`` (``hetrain.plan.schema`` says so first)."""
+    rounds = max(1, num_microbatches // depth)
+    return rounds, num_microbatches // rounds
+
+
+def interleaved_order(depth: int, virtual: int, num_microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """("F" | "B", chunk, micro-batch) in rank ``rank``'s order under interleaved 1F1B, chunk = the
+    rank's local chunk (its global stage is ``chunk * depth + rank``).
+
+    torch.distributed.pipelining's ``ScheduleInterleaved1F1B._calculate_single_rank_operations``
+    without its idle slots (the runtime waits for inputs, not slots; tests/test_schedules.py checks
+    the two agree): a warm-up of (v - 1) rounds + 2 (p - 1 - rank) forwards, chunk by chunk a round
+    of micro-batches at a time, then a forward and a backward in turn (backwards from the last
+    chunk down), then the remaining backwards. The cost model plays this order out
+    (``hetrain.cost.pipeline.interleaved_pipeline_s``) and counts what it holds (``interleaved_held``).
+    """
+    _, per_round = interleaved_rounds(depth, num_microbatches)
+    total = virtual * num_microbatches
+    warmup = min((virtual - 1) * per_round + INTERLEAVED_WARMUP_PER_RANK * (depth - 1 - rank), total)
+    fwd_next, bwd_next = [0] * virtual, [0] * virtual
+    order: list[tuple[str, int, int]] = []
+
+    def take(kind: str, chunk: int) -> None:
+        counter = fwd_next if kind == "F" else bwd_next
+        order.append((kind, chunk, counter[chunk]))
+        counter[chunk] += 1
+
+    for op in range(total):
+        forward_chunk = (op // per_round) % virtual
+        backward_chunk = virtual - 1 - ((op - warmup) // per_round) % virtual
+        take("F", forward_chunk)
+        if op >= warmup:
+            take("B", backward_chunk)
+    for op in range(total, total + warmup):
+        take("B", virtual - 1 - ((op - warmup) // per_round) % virtual)
+    return order
+
+
+def interleaved_held(order: list[tuple[str, int, int]], weight_of: list[float]) -> list[int]:
+    """Per chunk, the micro-batches in flight (forward run, backward not) at the rank's peak of
+    ``sum_c held_c * weight_of[c]`` (each chunk's activation bytes per micro-batch): what its memory keeps."""
+    held = [0] * len(weight_of)
+    best, at_best = -1.0, list(held)
+    for kind, chunk, _ in order:
+        held[chunk] += 1 if kind == "F" else -1
+        load = sum(h * w for h, w in zip(held, weight_of))
+        if load > best:
+            best, at_best = load, list(held)
+    return at_best

@@ -25,9 +25,16 @@ class Role:
     pipeline: int
     stage: int
     tp_rank: int
-    layers: tuple[int, int]
-    num_stages: int
+    layers: tuple[int, int]  # its first chunk's blocks (its only one unless interleaved)
+    num_stages: int  # the pipeline's depth: its stages of devices
     num_microbatches: int
+    # interleaved 1F1B: (global stage index, blocks) of each chunk the rank runs, in model order; () otherwise
+    chunks: tuple[tuple[int, tuple[int, int]], ...] = ()
+
+    @property
+    def chunk_layers(self) -> list[tuple[int, int]]:
+        """The block ranges this rank holds, in model order."""
+        return [layers for _, layers in self.chunks] or [self.layers]
 
     @property
     def is_first(self) -> bool:
@@ -97,17 +104,21 @@ def build_layout(plan: Plan) -> Layout:
             # DTensor shards by the rank in the group (dist.new_group sorts its ranks), and pipeline
             # sends and gradient buckets pair ranks by TP rank
             ranks = tuple(sorted(rank_of[d] for d in stage.devices))
+            stage_ranks[p].append(ranks)  # an interleaved pipeline's later chunks: their devices' ranks again
+            if s >= pipe.depth:
+                continue
             tp_groups.append(ranks)
-            stage_ranks[p].append(ranks)
+            chunks = tuple((c, tuple(pipe.stages[c].layers)) for c in pipe.chunks_of(s)) if pipe.interleaved else ()
             for j, r in enumerate(ranks):
                 dev = order[r]
                 roles[r] = Role(
                     rank=r, device=dev, node=node_of[dev], pipeline=p, stage=s, tp_rank=j,
-                    layers=tuple(stage.layers), num_stages=len(pipe.stages),
-                    num_microbatches=pipe.num_microbatches,
+                    layers=tuple(stage.layers), num_stages=pipe.depth,
+                    num_microbatches=pipe.num_microbatches, chunks=chunks,
                 )
     pp_groups = [
-        tuple(stages[s][j] for s in range(len(stages))) for stages in stage_ranks for j in range(plan.tp)
+        tuple(stages[s][j] for s in range(plan.pipelines[p].depth)) for p, stages in enumerate(stage_ranks)
+        for j in range(plan.tp)
     ]
     return Layout(
         plan=plan,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
-from hetrain.plan.eager import Schedule
+from hetrain.plan.eager import Schedule, interleaved_held, interleaved_order, interleaved_rounds
 from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec,
                                  OptimizerStateMode, RecomputeMode, TrainingSettings, describe_validation_error)
 
@@ -43,6 +43,19 @@ class StagePlan(BaseModel):
 
 
 class PipelinePlan(BaseModel):
+    """One pipeline: its stages in model order, its micro-batches, its schedule.
+
+    Interleaved 1F1B (``schedule: interleaved-1f1b``, ``virtual_stages: v``) keeps this shape:
+    ``stages`` holds the pipeline's p * v *chunks* in model order and chunk j runs on the devices
+    of chunk j mod p (torch's loop placement, ``ScheduleInterleaved1F1B``'s stage j on rank j mod p).
+    Why chunks as stage entries rather than a list of ranges inside one stage: everything that
+    follows a layer to its holder (the layer cuts, gradient buckets, optimizer-state sharding, the
+    cost model's per-stage terms, the layer check that stages tile the model) reads each entry's
+    ``layers`` and works unchanged; what maps devices to work (``hetrain.plan.layout`` roles, the
+    cost model's per-device memory, one TP group per device set) goes through ``depth`` and
+    ``chunks_of``. Every other plan keeps its bytes: the field is absent unless set.
+    """
+
     model_config = ConfigDict(extra="forbid")
 
     num_microbatches: PositiveInt
@@ -51,7 +64,44 @@ class PipelinePlan(BaseModel):
         default=None, description="the pipeline's schedule: 1f1b (torch's Schedule1F1B), eager-1f1b (its stages' "
         "in_flight, hetrain.runtime.pipeline), zb-h1 (zero bubble: each backward split into the input gradient and "
         "the weight gradient, stage k running its weight gradients k backwards late to fill the drain; "
-        "hetrain.runtime.pipeline.ScheduleZeroBubbleH1). Absent: eager-1f1b where the stages set in_flight, else 1f1b")
+        "hetrain.runtime.pipeline.ScheduleZeroBubbleH1), interleaved-1f1b (Megatron's virtual stages, torch's "
+        "ScheduleInterleaved1F1B: stages lists the p * virtual_stages chunks in model order, chunk j on the "
+        "devices of chunk j mod p). Absent: eager-1f1b where the stages set in_flight, else 1f1b")
+    virtual_stages: PositiveInt | None = Field(
+        default=None, description="chunks per device under interleaved-1f1b (v >= 2): the pipeline has "
+        "len(stages) / v devices (p), each running v chunks; absent otherwise")
+
+    @property
+    def depth(self) -> int:
+        """p: the pipeline's stages of devices (its ranks per TP rank); ``len(stages)`` but under interleaving."""
+        return len(self.stages) // (self.virtual_stages or 1)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.schedule == "interleaved-1f1b"
+
+    def chunks_of(self, k: int) -> list[int]:
+        """The stage entries device stage k (< ``depth``) runs: k, k + p, ... (itself alone unless interleaved)."""
+        return list(range(k, len(self.stages), self.depth))
+
+    def interleave(self, v: int) -> PipelinePlan:
+        """This (non-interleaved) pipeline under interleaved 1F1B with ``v`` chunks per device: each device keeps
+        as many blocks, cut into v equal chunks laid round-robin (chunk j on device j mod p), the embedding on
+        the first device and the head on the last as before. Each stage's blocks must divide by v."""
+        p = len(self.stages)
+        sizes = [(self.stages[j % p].layers[1] - self.stages[j % p].layers[0]) // v for j in range(p * v)]
+        stages, start = [], 0
+        for j, n in enumerate(sizes):
+            stages.append(self.stages[j % p].model_copy(update={"layers": (start, start + n), "in_flight": None}))
+            start += n
+        return self.model_copy(update={"stages": stages, "schedule": "interleaved-1f1b", "virtual_stages": v})
+
+    def chunk_held(self, k: int) -> list[int]:
+        """Interleaved: per chunk of device stage k, the micro-batches in flight at its peak of activations
+        (torch's order, ``hetrain.plan.eager.interleaved_held``, chunks weighed by their blocks)."""
+        chunks = [self.stages[j] for j in self.chunks_of(k)]
+        order = interleaved_order(self.depth, len(chunks), self.num_microbatches, k)
+        return interleaved_held(order, [st.layers[1] - st.layers[0] + 1 for st in chunks])
 
     @property
     def schedule_name(self) -> str:
@@ -66,7 +116,10 @@ class PipelinePlan(BaseModel):
         return self.schedule_name == "eager-1f1b"
 
     def in_flight(self, k: int) -> int:
-        """Micro-batches stage k keeps in flight: eager 1F1B's count, else 1F1B's S - k, at most the pipeline's."""
+        """Micro-batches stage entry k keeps in flight: eager 1F1B's count, interleaved its chunk's at the
+        device's peak (``chunk_held``), else 1F1B's S - k, at most the pipeline's."""
+        if self.interleaved:
+            return self.chunk_held(k % self.depth)[k // self.depth]
         return min(self.stages[k].in_flight or len(self.stages) - k, self.num_microbatches)
 
     def weight_pending(self, k: int) -> int:
@@ -113,7 +166,8 @@ class Plan(BaseModel):
         return self.global_batch_size // self.micro_batch_size
 
     def devices(self) -> list[str]:
-        return [d for p in self.pipelines for s in p.stages for d in s.devices]
+        """Every device once (an interleaved pipeline's later chunks run on its first ``depth`` stages' devices)."""
+        return [d for p in self.pipelines for s in p.stages[:p.depth] for d in s.devices]
 
     def settings(self) -> TrainingSettings:
         """Training settings the plan was made for (defaults when a hand-written plan has none)."""
@@ -162,11 +216,12 @@ def validate_plan_structure(plan: Plan) -> None:
     used: set[str] = set()
     for pi, pipe in enumerate(plan.pipelines):
         expect = 0
+        _check_interleaved(pi, pipe)
         for si, stage in enumerate(pipe.stages):
             where = f"pipelines[{pi}].stages[{si}]"
             if len(stage.devices) != t:
                 raise HetrainError(f"{where}: has {len(stage.devices)} devices, expected tp = {t}")
-            for name in stage.devices:
+            for name in stage.devices if si < pipe.depth else ():  # a later chunk: its device's, checked there
                 if name in used:
                     raise HetrainError(f"{where}: device '{name}' is used more than once")
                 used.add(name)
@@ -180,9 +235,9 @@ def validate_plan_structure(plan: Plan) -> None:
             raise HetrainError(
                 f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
             )
-        if pipe.num_microbatches < len(pipe.stages):  # torch.distributed.pipelining's 1F1B refuses it
+        if pipe.num_microbatches < pipe.depth:  # torch.distributed.pipelining's 1F1B refuses it
             raise HetrainError(
-                f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {len(pipe.stages)} stages; the 1F1B "
+                f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {pipe.depth} stages; the 1F1B "
                 f"schedule needs at least one per stage"
             )
         _check_in_flight(pi, pipe)
@@ -233,13 +288,42 @@ def _check_optimizer_state(plan: Plan) -> None:
                 f"offloaded) for one to, as they sync its gradients together")
 
 
+def _check_interleaved(pi: int, pipe: PipelinePlan) -> None:
+    """Interleaved 1F1B's shape: v >= 2 chunks per device, p >= 2 devices, chunk j on chunk j mod p's
+    devices with the same GPU, recompute and optimizer state (one model and one optimizer per rank),
+    and micro-batches torch's ``ScheduleInterleaved1F1B`` takes (a multiple of its rounds)."""
+    v = pipe.virtual_stages
+    if not pipe.interleaved:
+        if v is not None:
+            raise HetrainError(f"pipelines[{pi}]: virtual_stages is for schedule interleaved-1f1b, not "
+                               f"{pipe.schedule_name}; remove it or set the schedule")
+        return
+    if v is None or v < 2:
+        raise HetrainError(f"pipelines[{pi}]: schedule interleaved-1f1b needs virtual_stages of at least 2, got {v}")
+    if len(pipe.stages) % v or len(pipe.stages) // v < 2:
+        raise HetrainError(f"pipelines[{pi}]: {len(pipe.stages)} stages do not make virtual_stages {v} chunks on "
+                           f"each of at least 2 devices (need a multiple of {v}, at least {2 * v})")
+    p = pipe.depth
+    for si in range(p, len(pipe.stages)):
+        here, home = pipe.stages[si], pipe.stages[si % p]
+        for field in ("devices", "gpu", "recompute", "optimizer_state"):
+            if getattr(here, field) != getattr(home, field):
+                raise HetrainError(f"pipelines[{pi}].stages[{si}]: {field} {getattr(here, field)} differs from "
+                                   f"stages[{si % p}]'s {getattr(home, field)}; chunk {si} runs on the devices of "
+                                   f"chunk {si} mod {p}")
+    rounds, _ = interleaved_rounds(p, pipe.num_microbatches)
+    if pipe.num_microbatches % rounds:
+        raise HetrainError(f"pipelines[{pi}]: num_microbatches {pipe.num_microbatches} is not a multiple of "
+                           f"interleaved 1F1B's {rounds} rounds (max(1, m // {p})), which torch's schedule needs")
+
+
 def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
     """Eager 1F1B's counts: on every stage or none, each above the next stage's, within the micro-batches.
 
     Each stage keeping more in flight than the next is what lets a stage post its receives early
     without waiting on a peer that waits on it (``hetrain.runtime.pipeline``)."""
     counts = [st.in_flight for st in pipe.stages]
-    if pipe.schedule in ("1f1b", "zb-h1") and any(c is not None for c in counts):
+    if pipe.schedule in ("1f1b", "zb-h1", "interleaved-1f1b") and any(c is not None for c in counts):
         at = next(si for si, c in enumerate(counts) if c is not None)
         raise HetrainError(f"pipelines[{pi}].stages[{at}]: in_flight is for schedule eager-1f1b, not {pipe.schedule}; "
                            f"remove it or set the pipeline's schedule to eager-1f1b")

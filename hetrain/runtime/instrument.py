@@ -79,6 +79,7 @@ class StageMeter:
         slowdown: float = 1.0,
         memory_budget_gb: float | None = None,
         count_saved: bool = True,
+        watched: list[nn.Module] | None = None,
     ) -> None:
         self.module = module
         # Saved-tensor hooks make autograd keep what they packed until the graph is destroyed
@@ -102,9 +103,15 @@ class StageMeter:
         # while a step is recorded (``record_timeline``): [kind, micro-batch, start, end] per op, wall-clock s
         self._events: list[list] | None = None
         self._ops_seen: dict[str, int] = {}  # ops of each kind so far in the recorded step (``record_timeline``)
-        module.register_forward_pre_hook(self._pre_forward)
-        module.register_forward_hook(self._post_forward)
-        embedding = getattr(module, "tok_embedding", None)
+        for stage in watched or [module]:
+            self._watch(stage)
+
+    def _watch(self, stage: nn.Module) -> None:
+        """Time and count the forwards and backwards of ``stage``, one the rank runs (an interleaved rank runs
+        several chunk views of ``module``, one at a time)."""
+        stage.register_forward_pre_hook(self._pre_forward)
+        stage.register_forward_hook(self._post_forward)
+        embedding = getattr(stage, "tok_embedding", None)
         if embedding is not None:  # the first stage's input is token ids: mark the end on the embedding output
             embedding.register_forward_hook(lambda _m, _a, out: _OnBackward.apply(out, self._backward_done))
 

@@ -201,7 +201,13 @@ def final_norm(spec: ModelSpec) -> nn.Module:
 
 
 class GPT(nn.Module):
-    """The whole model, or one pipeline stage of it (blocks ``[first_layer, end_layer)``), of either architecture."""
+    """The whole model, or one pipeline stage of it (blocks ``[first_layer, end_layer)``), of either architecture.
+
+    ``chunks`` instead of ``layers``: the block ranges of an interleaved-1F1B rank (several chunks of
+    the model, in order), held in one module so that parameter names, initialisation, gradient
+    buckets, the optimizer and checkpoints see one stage as ever; ``chunk`` gives each range's view
+    to pipeline.
+    """
 
     def __init__(
         self,
@@ -211,11 +217,14 @@ class GPT(nn.Module):
         has_embedding: bool | None = None,
         has_head: bool | None = None,
         recompute: RecomputeMode | bool = "none",
+        chunks: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
-        lo, hi = layers if layers is not None else (0, spec.num_layers)
-        if not 0 <= lo < hi <= spec.num_layers:
-            raise ValueError(f"layers [{lo}, {hi}) outside the {spec.num_layers} blocks of {spec.name}")
+        chunks = list(chunks) if chunks else [layers if layers is not None else (0, spec.num_layers)]
+        for lo, hi in chunks:
+            if not 0 <= lo < hi <= spec.num_layers:
+                raise ValueError(f"layers [{lo}, {hi}) outside the {spec.num_layers} blocks of {spec.name}")
+        lo, hi = chunks[0][0], chunks[-1][1]
         self.spec = spec
         self.layer_range = (lo, hi)
         if isinstance(recompute, bool):
@@ -228,9 +237,22 @@ class GPT(nn.Module):
         self.tok_embedding = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
         # learned positions (GPT); Llama's are rotary, inside its attention
         self.pos_embedding = nn.Embedding(spec.seq_length, spec.hidden_size) if first and spec.arch == "gpt" else None
-        self.layers = nn.ModuleDict({str(i): make_block(spec) for i in range(lo, hi)})
+        self.layers = nn.ModuleDict({str(i): make_block(spec) for a, b in chunks for i in range(a, b)})
         self.norm = final_norm(spec) if last else None
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
+
+    def chunk(self, lo: int, hi: int) -> GPT:
+        """A view of blocks ``[lo, hi)`` of this module (its embedding where lo is 0, its head where hi is
+        the model's end): the same submodules, so the same parameters, run as one pipeline stage."""
+        view = GPT.__new__(GPT)
+        nn.Module.__init__(view)
+        view.spec, view.layer_range, view.recompute = self.spec, (lo, hi), self.recompute
+        first, last = lo == 0, hi == self.spec.num_layers
+        view.tok_embedding = self.tok_embedding if first else None
+        view.pos_embedding = self.pos_embedding if first else None
+        view.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in range(lo, hi)})
+        view.norm, view.head = (self.norm, self.head) if last else (None, None)
+        return view
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (first stage) or hidden states in; hidden states or logits out."""

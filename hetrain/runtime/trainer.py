@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from hetrain.checkpoint.save import Checkpointer, load_training_state
@@ -102,7 +102,7 @@ class Trainer:
             recompute = settings.stage_recompute(plan.pipelines[role.pipeline].stages[role.stage].recompute)
         self.precision = config.resolved_precision(plan, device.type)
         self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
-        model = GPT(plan.model, role.layers, recompute=recompute)
+        model = GPT(plan.model, role.layers, recompute=recompute, chunks=role.chunk_layers)
         model.init_weights(config.seed)
         model.to(device)
         # torchtitan's order: tensor parallelism, then precision, then compile each block.
@@ -116,7 +116,10 @@ class Trainer:
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
         if config.init_from and not config.resume_from:  # after TP: each rank reads only its shards
             load_pretrained(model, plan.model, config.init_from)
-        apply_mixed_precision(model, self.precision, device.type, is_last=role.is_last)
+        # the modules the schedule runs: the stage, or an interleaved rank's chunk views of it (same parameters)
+        self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
+        for chunk in self.chunks:
+            apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()
@@ -125,10 +128,12 @@ class Trainer:
             model, role.device,
             slowdown=emulate.slowdown if emulate else 1.0,
             memory_budget_gb=emulate.memory_gb if emulate else None,
-            count_saved=device.type == "cpu" and not config.trace_memory,
+            count_saved=device.type == "cpu" and not config.trace_memory, watched=self.chunks,
         )
         if plan.tp > 1 and role.num_stages > 1:  # after the meter: the chunks' all-gathers are not compute
-            scatter_gather_sends(model, groups.tp, is_first=role.is_first, is_last=role.is_last)
+            for chunk in self.chunks:
+                scatter_gather_sends(chunk, groups.tp, is_first=chunk.tok_embedding is not None,
+                                     is_last=chunk.head is not None)
         self.lr_schedule = config.lr_schedule()
         # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
         self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
@@ -153,22 +158,11 @@ class Trainer:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
                                              self.optimizer, config.optimizer, train_state=self.train_state)
 
-        stage = PipelineStage(model, role.stage, role.num_stages, device, group=groups.pp)
         # under TP the last stage holds the logits of its vocabulary shard (``parallelize_stage``)
         self.tp_group = groups.tp if plan.tp > 1 else None
         self.vocab_start = vocab_shard(plan.model.vocab_size, plan.tp, role.tp_rank)[0]
         self.loss_scale = plan.micro_batch_size / plan.global_batch_size
-        pipe = plan.pipelines[role.pipeline]
-        if pipe.schedule_name == "zb-h1":  # backward split, weight gradients filling the drain
-            split = not role.is_first and recompute in ("none", False)
-            self.schedule = ScheduleZeroBubbleH1(stage, role.num_microbatches, role.num_stages, role.stage, split,
-                                                 loss_fn=self._loss, scale_grads=False,
-                                                 weight_timer=self.meter.weight_work)
-        elif pipe.eager:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
-            self.schedule = ScheduleEager1F1B(stage, role.num_microbatches, [st.in_flight for st in pipe.stages],
-                                              role.stage, loss_fn=self._loss, scale_grads=False)
-        else:
-            self.schedule = Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._make_schedule(plan.pipelines[role.pipeline], groups, recompute)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
         source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
@@ -176,6 +170,23 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
+
+    def _make_schedule(self, pipe, groups: ProcessGroups, recompute):
+        """The pipeline's schedule on this rank (``PipelinePlan.schedule_name``) over its stage or chunks."""
+        role, device = self.role, self.device
+        if pipe.interleaved:  # torch's interleaved 1F1B: this rank's chunks, global stages k, k + p, ...
+            stages = [PipelineStage(chunk, index, len(pipe.stages), device, group=groups.pp)
+                      for (index, _), chunk in zip(role.chunks, self.chunks)]
+            return ScheduleInterleaved1F1B(stages, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        stage = PipelineStage(self.model, role.stage, role.num_stages, device, group=groups.pp)
+        if pipe.schedule_name == "zb-h1":  # backward split, weight gradients filling the drain
+            split = not role.is_first and recompute in ("none", False)
+            return ScheduleZeroBubbleH1(stage, role.num_microbatches, role.num_stages, role.stage, split,
+                                        loss_fn=self._loss, scale_grads=False, weight_timer=self.meter.weight_work)
+        if pipe.eager:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
+            return ScheduleEager1F1B(stage, role.num_microbatches, [st.in_flight for st in pipe.stages],
+                                     role.stage, loss_fn=self._loss, scale_grads=False)
+        return Schedule1F1B(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _make_optimizer(self, layout: Layout, groups: ProcessGroups, lr: float) -> dict:
         """``self.optimizer`` (and ``self.zero`` for a sharded or offloaded stage); returns the kernel flags."""
