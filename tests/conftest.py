@@ -23,6 +23,17 @@ def cli():
 
 
 @pytest.fixture
+def botocore_tries_once(monkeypatch):
+    """A store that does not answer fails at the first try, here and in the processes started after.
+
+    botocore retries a refused connection on its own (AWS_MAX_ATTEMPTS, 5 by default, with backoff):
+    10-15 s of waiting per call in a test of a dead endpoint, which is about hetrain's handling
+    (its probe's warning, its own upload retries), not botocore's.
+    """
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+
+
+@pytest.fixture
 def make_netbed():
     """``make_netbed(nodes, rate_mbit=...)`` builds a network-namespace test bed (``hetrain.testing.netbed``).
 

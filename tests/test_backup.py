@@ -78,8 +78,7 @@ def test_train_state_is_named_and_old_positional_checkpoints_still_load(tmp_path
     assert restored.total_steps is None and restored.planned_steps == 30 and restored.lr_at(5) == schedule.lr_at(5)
 
 
-@pytest.mark.slow  # s3fs retries the silent store for about 10 s
-def test_a_store_that_does_not_answer_is_a_warning_not_a_refusal(tmp_path: Path, monkeypatch):
+def test_a_store_that_does_not_answer_is_a_warning_not_a_refusal(tmp_path: Path, monkeypatch, botocore_tries_once):
     """Down for now (nothing listens): the run starts and its uploads retry; misconfigured stores refuse."""
     from hetrain.runtime.launch import free_port
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +56,14 @@ def mutated(base: dict) -> st.SearchStrategy:
         lambda t: {**{k: v for k, v in base.items() if k not in t[1]}, **t[0], **t[2]})
 
 
+@contextmanager
+def scratch() -> Iterator[Path]:
+    """A fresh directory for one example, removed after it: hundreds of examples leave none behind
+    (``tmp_path_factory.mktemp`` kept one per example until pytest's cleanup of old runs)."""
+    with tempfile.TemporaryDirectory(prefix="hetrain-fuzz-") as d:
+        yield Path(d)
+
+
 def _reads_or_refuses(read, path: Path) -> None:
     try:
         read(path)
@@ -61,25 +72,28 @@ def _reads_or_refuses(read, path: Path) -> None:
 
 
 @given(data=st.binary(max_size=2000))
-def test_any_bytes_as_a_model_or_cluster_file(tmp_path_factory, data):
-    path = tmp_path_factory.mktemp("fuzz") / "x.yaml"
-    path.write_bytes(data)
-    _reads_or_refuses(load_model, path)
-    _reads_or_refuses(load_cluster, path)
+def test_any_bytes_as_a_model_or_cluster_file(data):
+    with scratch() as d:
+        path = d / "x.yaml"
+        path.write_bytes(data)
+        _reads_or_refuses(load_model, path)
+        _reads_or_refuses(load_cluster, path)
 
 
 @given(doc=mutated(yaml.safe_load(MODEL.read_text())))
-def test_a_model_file_with_fields_of_any_value(tmp_path_factory, doc):
-    path = tmp_path_factory.mktemp("fuzz") / "model.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    _reads_or_refuses(load_model, path)
+def test_a_model_file_with_fields_of_any_value(doc):
+    with scratch() as d:
+        path = d / "model.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        _reads_or_refuses(load_model, path)
 
 
 @given(doc=mutated(yaml.safe_load(CLUSTER.read_text())))
-def test_a_cluster_file_with_fields_of_any_value(tmp_path_factory, doc):
-    path = tmp_path_factory.mktemp("fuzz") / "cluster.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    _reads_or_refuses(load_cluster, path)
+def test_a_cluster_file_with_fields_of_any_value(doc):
+    with scratch() as d:
+        path = d / "cluster.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        _reads_or_refuses(load_cluster, path)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +109,14 @@ def plan_doc(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def test_plans_profiles_and_manifests_with_fields_of_any_value(tmp_path_factory, plan_doc):
+def test_plans_profiles_and_manifests_with_fields_of_any_value(plan_doc):
     @given(doc=mutated(plan_doc), raw=st.binary(max_size=500))
     def check(doc, raw):
-        d = tmp_path_factory.mktemp("fuzz")
-        (d / "plan.json").write_text(json.dumps(doc))
-        _reads_or_refuses(load_plan, d / "plan.json")
-        (d / "profile.json").write_text(json.dumps({**doc, "schema": "hetrain.profile/v1"}))
-        _reads_or_refuses(load_profile, d / "profile.json")
+        with scratch() as d:
+            (d / "plan.json").write_text(json.dumps(doc))
+            _reads_or_refuses(load_plan, d / "plan.json")
+            (d / "profile.json").write_text(json.dumps({**doc, "schema": "hetrain.profile/v1"}))
+            _reads_or_refuses(load_profile, d / "profile.json")
         manifest = {"schema": "hetrain.checkpoint/v1", "run_id": "r", "step": 1, "model": doc.get("model"),
                     "plan": doc, "optimizer": "adamw", "files": doc.get("pipelines")}
         for text in (json.dumps(manifest), raw):
@@ -115,37 +129,37 @@ def test_plans_profiles_and_manifests_with_fields_of_any_value(tmp_path_factory,
 
 
 @given(tokens=st.binary(max_size=600), meta=st.one_of(st.none(), values, st.binary(max_size=60)))
-def test_token_files_of_any_bytes_and_description(tmp_path_factory, tokens, meta):
-    d = tmp_path_factory.mktemp("fuzz")
-    (d / "x.bin").write_bytes(tokens)
-    if isinstance(meta, bytes):
-        (d / "x.bin.json").write_bytes(meta)
-    elif meta is not None:
-        (d / "x.bin.json").write_text(json.dumps(meta))
-    try:
-        source = TokenSource(8, 256, path=d / "x.bin")
-        batch = source.sequences(0, 2)
-        assert int(batch.max()) < 256 and np.asarray(batch).shape == (2, 9)
-    except HetrainError as e:
-        assert "\n" not in str(e)
+def test_token_files_of_any_bytes_and_description(tokens, meta):
+    with scratch() as d:
+        (d / "x.bin").write_bytes(tokens)
+        if isinstance(meta, bytes):
+            (d / "x.bin.json").write_bytes(meta)
+        elif meta is not None:
+            (d / "x.bin.json").write_text(json.dumps(meta))
+        try:
+            source = TokenSource(8, 256, path=d / "x.bin")
+            batch = source.sequences(0, 2)
+            assert int(batch.max()) < 256 and np.asarray(batch).shape == (2, 9)
+        except HetrainError as e:
+            assert "\n" not in str(e)
 
 
 @given(data=st.binary(max_size=1500), which=st.sampled_from(["--cluster", "--model"]))
-def test_the_command_line_on_any_bytes_is_exit_2_one_line_nothing_written(tmp_path_factory, capsys, data, which):
-    d = tmp_path_factory.mktemp("fuzz")
-    bad = d / "bad.yaml"
-    bad.write_bytes(data)
-    args = {"--cluster": str(CLUSTER), "--model": str(MODEL), which: str(bad)}
-    old = sys.argv
-    sys.argv = ["hetrain", "plan", *[x for kv in args.items() for x in kv], "--global-batch-size", "16",
-                "--out", str(d / "out" / "plan.json")]
-    try:
-        rc = main()
-    finally:
-        sys.argv = old
-    captured = capsys.readouterr()
-    if rc == 0:  # the bytes happened to be a valid file
-        return
-    lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    assert not (d / "out").exists()
+def test_the_command_line_on_any_bytes_is_exit_2_one_line_nothing_written(capsys, data, which):
+    with scratch() as d:
+        bad = d / "bad.yaml"
+        bad.write_bytes(data)
+        args = {"--cluster": str(CLUSTER), "--model": str(MODEL), which: str(bad)}
+        old = sys.argv
+        sys.argv = ["hetrain", "plan", *[x for kv in args.items() for x in kv], "--global-batch-size", "16",
+                    "--out", str(d / "out" / "plan.json")]
+        try:
+            rc = main()
+        finally:
+            sys.argv = old
+        captured = capsys.readouterr()
+        if rc == 0:  # the bytes happened to be a valid file
+            return
+        lines = [line for line in captured.err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), captured.err
+        assert not (d / "out").exists()

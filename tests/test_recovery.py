@@ -384,7 +384,7 @@ def test_a_wrong_peer_token_is_named_as_the_reason(trained, monkeypatch):
                       "`hetrain serve` there was started with"]
 
 
-def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path, s3):
+def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path, s3, botocore_tries_once):
     from conftest import run_cli
 
     one = plan(1, [(8, [("a/0", [0, 6])])])
