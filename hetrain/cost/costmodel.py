@@ -77,6 +77,9 @@ from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, R
 # (hetrain.runtime.precision), each replica's updated share of them
 PARAM_GATHER_BYTES = 4
 SHARDS_STATE = ("sharded", "offloaded")  # the optimizer states that keep 1/D of a layer's state per replica
+# Distinct pipelines whose schedule times one CostModel keeps (``CostModel._pipeline_s``): a plan of thousands of
+# GPUs has a few dozen, a planner's search a few thousand; past this the cache starts over (memory stays bounded)
+PIPELINE_CACHE_ENTRIES = 50_000
 
 
 @dataclass
@@ -139,6 +142,8 @@ class CostModel:
         # Eager 1F1B's two directions of a boundary move at once under gloo (CPU ranks: every node
         # emulated), one after the other under NCCL, which runs two ranks' sends and receives on one stream
         self.p2p_duplex = all(n.emulate is not None for n in cluster.nodes)
+        self._pipeline_cache: dict[tuple, tuple[float, float, tuple[float, ...]]] = {}
+        self._shares_nic = {n.name for n in cluster.nodes if n.shares_nic}  # per send and ring: a set is quicker
 
     # ------------------------------------------------------------------ building blocks
 
@@ -208,8 +213,13 @@ class CostModel:
 
     # ------------------------------------------------------------------ whole plans
 
-    def estimate(self, plan: Plan) -> Estimate:
-        """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``)."""
+    def estimate(self, plan: Plan, with_sync: bool = True) -> Estimate:
+        """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``).
+
+        ``with_sync=False``: without the gradient sync (after the pipelines only the optimizer step and the
+        fixed work), what searches that rank many plans need first: its pipelines and memory are the plan's
+        exactly and its iteration time a lower bound on the plan's (the sync only adds), at a fraction of the
+        cost on thousands of GPUs (``solver.baselines.whale_search``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
         node_of = cl.node_of
         pipes: list[PipelineEstimate] = []
@@ -246,22 +256,24 @@ class CostModel:
                 stage_s.append(seconds)
                 backward_s.append(bwd_s)
                 weight_s.append(wgt_s)
-                for d in stage.devices:
-                    peak[d] = mem_gb
-                    cap[d] = cap_gb
-                    opt[d] = opt_s
+                peak.update(dict.fromkeys(stage.devices, mem_gb))
+                cap.update(dict.fromkeys(stage.devices, cap_gb))
+                opt.update(dict.fromkeys(stage.devices, opt_s))
                 if k + 1 < S:
                     nxt = node_of[pipe.stages[k + 1].devices[0]]
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
+            tau, total, ends = self._pipeline_s(pipe, stage_s, backward_s, weight_s, p2p)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))
 
         pipeline_s = max(p.time_s for p in pipes)
-        sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
+        if with_sync:
+            sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
+        else:
+            sync, post = {}, max(opt.values())
         fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt))
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
@@ -292,6 +304,25 @@ class CostModel:
         else:
             self._schedule_s(pipe, pe.stage_s, pe.backward_s, pe.weight_s, pe.p2p_s, trace=ops)
         return ops
+
+    def _pipeline_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
+                    p2p: list[float]) -> tuple[float, float, tuple[float, ...]]:
+        """``_schedule_s`` once per distinct pipeline: a plan of thousands of GPUs repeats a few pipelines
+        hundreds of times on other GPUs, and a planner's search the same pipelines across plans; eager
+        schedules are played out op by op. Keyed by the times and every field of the pipeline and its stages
+        but the devices (what ``_schedule_s`` may read), so a pipeline with the same key plays the same.
+        Torch's 1F1B in closed form costs less than its key."""
+        if pipe.schedule_name == "1f1b":
+            return self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
+        key = (_fields(pipe, "stages"), tuple(_fields(st, "devices") for st in pipe.stages), tuple(stage_s),
+               tuple(backward_s), tuple(weight_s), tuple(p2p))
+        hit = self._pipeline_cache.get(key)
+        if hit is None:
+            if len(self._pipeline_cache) >= PIPELINE_CACHE_ENTRIES:
+                self._pipeline_cache.clear()
+            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
+            hit = self._pipeline_cache[key] = (tau, total, tuple(ends))
+        return hit
 
     def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
                     p2p: list[float], trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
@@ -329,14 +360,14 @@ class CostModel:
         alternate: boundaries of the same parity exchange together, across every pipeline (their
         stages run in step). Counted per node and parity, times the TP degree (every TP rank sends).
         """
-        by_name = self.cluster.node_by_name
+        shared = self._shares_nic
         count: dict[tuple[str, int], int] = {}
         for pipe in plan.pipelines:
             for k, (a, b) in enumerate(zip(pipe.stages, pipe.stages[1:])):
                 ends = (node_of[a.devices[0]], node_of[b.devices[0]])
                 if ends[0] != ends[1]:
                     for node in ends:
-                        if by_name[node].shares_nic:
+                        if node in shared:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
@@ -344,7 +375,8 @@ class CostModel:
         """``id`` of each stage that keeps 1/D of its optimizer state: sharded or offloaded, in a plan of D > 1
         pipelines, and every other holder of each of its layers (its buckets') too. A stage whose layers
         some replica keeps whole keeps them whole as well (an offloaded one: all of its state on the host)."""
-        if len(plan.pipelines) == 1:
+        if len(plan.pipelines) == 1 or not any(st.optimizer_state in SHARDS_STATE
+                                               for p in plan.pipelines for st in p.stages):
             return set()
         whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
                  if not all(st.optimizer_state in SHARDS_STATE for st in stages) for st in stages}
@@ -383,7 +415,10 @@ class CostModel:
         """The data-parallel gradient syncs, (the GPUs of one ring, its seconds after backward, its seconds
         after the optimizer step), in an order every GPU runs its own in (the runtime's): an all-reduce
         after backward, or where the ring's stages shard their optimizer state a reduce-scatter then and
-        an all-gather of the parameters after the step (module doc)."""
+        an all-gather of the parameters after the step (module doc).
+
+        A bucket's t rings (one per TP rank) cross the same nodes (a stage's TP group sits on one node:
+        ``validate_plan``) over the same link at the same price: priced once per bucket."""
         D, t = len(plan.pipelines), plan.tp
         if D == 1:
             return []
@@ -391,38 +426,37 @@ class CostModel:
         buckets = self._sync_buckets(plan)
         # Rings that cross nodes, per node: with one NIC they split it (every GPU syncs right after
         # backward). A ring leaves a node once each way however many of its GPUs sit there, and a GPU
-        # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings).
-        crossing_gpus: dict[str, set[str]] = {}
-        crossing_rings: dict[str, set[tuple]] = {}
-        rings = []  # (devices, their nodes, bytes) per bucket and TP rank
-        ring_sharded = []
-        for key, stages, num_bytes in buckets:
-            sharded = all(st.optimizer_state in SHARDS_STATE for st in stages)
-            for r in range(t):
-                ring_sharded.append(sharded)
-                devs = [st.devices[r] for st in stages]
-                ring_nodes = frozenset(node_of[d] for d in devs)
-                rings.append((devs, ring_nodes, num_bytes))
-                if len(ring_nodes) > 1:
-                    for d in devs:
-                        crossing_gpus.setdefault(node_of[d], set()).add(d)
-                        crossing_rings.setdefault(node_of[d], set()).add((key, r))
+        # runs its rings one after another: a node carries min(its crossing GPUs, its crossing rings),
+        # t of each per crossing stage (its TP ranks) and per crossing bucket (its rings).
+        crossing_stages: dict[str, set[int]] = {}
+        crossing_buckets: dict[str, set[tuple]] = {}
+        nodes_of = []  # per bucket: the nodes its rings cross
+        for key, stages, _ in buckets:
+            stage_nodes = [node_of[st.devices[0]] for st in stages]
+            ring_nodes = frozenset(stage_nodes)
+            nodes_of.append(ring_nodes)
+            if len(ring_nodes) > 1:
+                for st, node in zip(stages, stage_nodes):
+                    crossing_stages.setdefault(node, set()).add(id(st))
+                    crossing_buckets.setdefault(node, set()).add(key)
         nodes = self.cluster.node_by_name
-        share = {n: min(len(crossing_gpus[n]), len(crossing_rings[n])) if nodes[n].shares_nic else 1
-                 for n in crossing_gpus}
+        share = {n: t * min(len(crossing_stages[n]), len(crossing_buckets[n])) if nodes[n].shares_nic else 1
+                 for n in crossing_stages}
         slowest: dict[frozenset, float] = {}
         out = []
-        for (devs, ring_nodes, num_bytes), sharded in zip(rings, ring_sharded):
+        for (_, stages, num_bytes), ring_nodes in zip(buckets, nodes_of):
             if ring_nodes not in slowest:
                 slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
             bw = slowest[ring_nodes]
             if len(ring_nodes) > 1:
                 bw /= max(share[n] for n in ring_nodes)
-            if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
-                out.append((devs, ring_allgather_s(num_bytes, D, bw, self.latency_s),
-                            ring_allgather_s(num_bytes / act * PARAM_GATHER_BYTES, D, bw, self.latency_s)))
+            if all(st.optimizer_state in SHARDS_STATE for st in stages):
+                # reduce-scatter the gradients, all-gather the fp32 parameters after the step
+                seconds = (ring_allgather_s(num_bytes, D, bw, self.latency_s),
+                           ring_allgather_s(num_bytes / act * PARAM_GATHER_BYTES, D, bw, self.latency_s))
             else:
-                out.append((devs, ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0))
+                seconds = (ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0)
+            out += [([st.devices[r] for st in stages], *seconds) for r in range(t)]
         return out
 
     def check_memory(self, est: Estimate) -> None:
@@ -449,3 +483,8 @@ class CostModel:
             g = self.cluster.gpu_type(node.gpu)
             total += node.count * g.achievable_flops(self.settings.precision) / per_seq * self.model.seq_length
         return total
+
+
+def _fields(model, leave_out: str) -> tuple:
+    """A plan part's fields but ``leave_out``, hashable (lists as tuples): what ``CostModel._pipeline_s`` keys by."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in model.__dict__.items() if k != leave_out)
