@@ -193,8 +193,9 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
     M = cost.settings.global_batch_size // b
     # probed with p micro-batches a pipeline, the fewest the plan gives one: each stage then holds as many in flight
     # as in the plan (1F1B's S - k), so the probe's memory is the plan's; the sync, after the pipelines, is left out
-    pipes = [PipelinePlan(num_microbatches=p, stages=[
-        StagePlan(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
+    # built unvalidated (the fields are of their types here): a candidate on 10,240 GPUs has a thousand stages
+    pipes = [PipelinePlan.model_construct(num_microbatches=p, stages=[
+        StagePlan.model_construct(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
         for k, (_, node, idx, gpu, _) in enumerate(groups[r * p: (r + 1) * p])]) for r in range(d)]
     probe = cost.estimate(_plan(cost, cluster, t, b, pipes), with_sync=False)
     if probe.over_capacity():

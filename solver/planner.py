@@ -16,7 +16,7 @@ from hetrain.errors import HetrainError, NoPlanError
 from hetrain.plan.schema import Plan, SolverInfo
 from hetrain.profiling.profile import Profile
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.assemble import choose_schedules, finish
+from solver.assemble import choose_schedules, finish, schedules_bound_s
 from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_search
 from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
@@ -38,7 +38,7 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
     info = best.plan.solver.model_dump() if best else {"planner": "hetrain", "status": "the MILP found no plan",
                                                        "gap": None, "wall_s": 0}
     for name, seed in _baseline_seeds(cluster, cost, best, progress):
-        if best is not None and _schedules_bound_s(seed, cost) >= best.estimate.iteration_time_s:
+        if best is not None and schedules_bound_s(seed, cost) >= best.estimate.iteration_time_s:
             continue  # no schedule makes it beat the best (choosing them costs a second on 1024 GPUs)
         plan, est = choose_schedules(seed, cost)
         if best is None or est.iteration_time_s < best.estimate.iteration_time_s:
@@ -63,7 +63,7 @@ def _baseline_seeds(cluster: ClusterSpec, cost: CostModel, best: PlanResult | No
 
     Each baseline must beat the previous one's layout as it is, which its schedules only make faster:
     no layout is left out that checking each in turn with its schedules chosen would consider, and the
-    seed that loses to the other's plan with schedules is never given its own (``_schedules_bound_s``)."""
+    seed that loses to the other's plan with schedules is never given its own (``schedules_bound_s``)."""
     seeds = []
     incumbent_s = best.estimate.iteration_time_s if best else None
     for name, search in (("megatron", megatron_search), ("whale", whale_search)):
@@ -74,31 +74,6 @@ def _baseline_seeds(cluster: ClusterSpec, cost: CostModel, best: PlanResult | No
             seeds.append((seed[0], name, seed[1]))
             incumbent_s = seed[0] if incumbent_s is None else min(incumbent_s, seed[0])
     return [(name, plan) for _, name, plan in sorted(seeds, key=lambda s: s[0])]
-
-
-def _schedules_bound_s(plan: Plan, cost: CostModel) -> float:
-    """A lower bound on the plan's iteration whatever schedules ``choose_schedules`` gives its pipelines.
-
-    Schedules change when a stage runs its micro-batches, its sends and its recompute, not its blocks
-    nor its micro-batches: stage k of each pipeline still runs m forwards and backwards, each at least
-    its c_k at the fastest recompute allowed (a split backward costs at least the whole one:
-    ``UnitCosts.stage_backward_split_s``), and the step's fixed work follows (``CostModel.estimate``).
-    """
-    node_of, by_name, S_modes = cost.cluster.node_of, cost.cluster.node_by_name, cost.settings.recompute_modes
-    seen: dict[tuple, float] = {}
-    longest = 0.0
-    for pipe in plan.pipelines:
-        S = len(pipe.stages)
-        for k, st in enumerate(pipe.stages):
-            bw = by_name[node_of[st.devices[0]]].intra_node_bandwidth_gbps
-            key = (st.gpu, bw, st.recompute, st.layers[1] - st.layers[0], k == 0, k == S - 1)
-            if key not in seen:
-                modes = {*S_modes, cost.settings.stage_recompute(st.recompute)}
-                seen[key] = min(cost.unit_costs(st.gpu, bw, plan.tp, plan.micro_batch_size, mode)
-                                .stage_time_s(key[3], key[4], key[5]) for mode in modes)
-            longest = max(longest, pipe.num_microbatches * seen[key])
-    world = sum(len(st.devices) for p in plan.pipelines for st in p.stages)
-    return longest + cost.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, world)
 
 
 def _search(cluster: ClusterSpec, cost: CostModel, time_limit_s: float,

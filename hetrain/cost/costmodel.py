@@ -77,9 +77,6 @@ from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, R
 # (hetrain.runtime.precision), each replica's updated share of them
 PARAM_GATHER_BYTES = 4
 SHARDS_STATE = ("sharded", "offloaded")  # the optimizer states that keep 1/D of a layer's state per replica
-# Distinct pipelines whose schedule times one CostModel keeps (``CostModel._pipeline_s``): a plan of thousands of
-# GPUs has a few dozen, a planner's search a few thousand; past this the cache starts over (memory stays bounded)
-PIPELINE_CACHE_ENTRIES = 50_000
 
 
 @dataclass
@@ -142,7 +139,6 @@ class CostModel:
         # Eager 1F1B's two directions of a boundary move at once under gloo (CPU ranks: every node
         # emulated), one after the other under NCCL, which runs two ranks' sends and receives on one stream
         self.p2p_duplex = all(n.emulate is not None for n in cluster.nodes)
-        self._pipeline_cache: dict[tuple, tuple[float, float, tuple[float, ...]]] = {}
         self._shares_nic = {n.name for n in cluster.nodes if n.shares_nic}  # per send and ring: a set is quicker
 
     # ------------------------------------------------------------------ building blocks
@@ -264,7 +260,7 @@ class CostModel:
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
                     gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
                     p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            tau, total, ends = self._pipeline_s(pipe, stage_s, backward_s, weight_s, p2p)
+            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
             pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s))
             for stage, end in zip(pipe.stages, ends):
                 finish.update(dict.fromkeys(stage.devices, end))
@@ -304,25 +300,6 @@ class CostModel:
         else:
             self._schedule_s(pipe, pe.stage_s, pe.backward_s, pe.weight_s, pe.p2p_s, trace=ops)
         return ops
-
-    def _pipeline_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
-                    p2p: list[float]) -> tuple[float, float, tuple[float, ...]]:
-        """``_schedule_s`` once per distinct pipeline: a plan of thousands of GPUs repeats a few pipelines
-        hundreds of times on other GPUs, and a planner's search the same pipelines across plans; eager
-        schedules are played out op by op. Keyed by the times and every field of the pipeline and its stages
-        but the devices (what ``_schedule_s`` may read), so a pipeline with the same key plays the same.
-        Torch's 1F1B in closed form costs less than its key."""
-        if pipe.schedule_name == "1f1b":
-            return self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
-        key = (_fields(pipe, "stages"), tuple(_fields(st, "devices") for st in pipe.stages), tuple(stage_s),
-               tuple(backward_s), tuple(weight_s), tuple(p2p))
-        hit = self._pipeline_cache.get(key)
-        if hit is None:
-            if len(self._pipeline_cache) >= PIPELINE_CACHE_ENTRIES:
-                self._pipeline_cache.clear()
-            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
-            hit = self._pipeline_cache[key] = (tau, total, tuple(ends))
-        return hit
 
     def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
                     p2p: list[float], trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
@@ -484,7 +461,3 @@ class CostModel:
             total += node.count * g.achievable_flops(self.settings.precision) / per_seq * self.model.seq_length
         return total
 
-
-def _fields(model, leave_out: str) -> tuple:
-    """A plan part's fields but ``leave_out``, hashable (lists as tuples): what ``CostModel._pipeline_s`` keys by."""
-    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in model.__dict__.items() if k != leave_out)
