@@ -442,3 +442,30 @@ def _coordinate_descent(n: int, played, order: list[int]):
             s = played(tuple(trial))
             if s < best * (1 - 1e-9):
                 best, extra, improved = s, trial, True
+
+
+def schedules_bound_s(plan: Plan, cost: CostModel) -> float:
+    """A lower bound on the plan's iteration whatever schedules ``choose_schedules`` gives its pipelines.
+
+    Schedules change when a stage runs its micro-batches, its sends and its recompute, not its blocks
+    nor its micro-batches: stage k of each pipeline still runs m forwards and backwards, each at least
+    its c_k at the fastest recompute allowed (a split backward costs at least the whole one:
+    ``UnitCosts.stage_backward_split_s``), and the step's fixed work follows (``CostModel.estimate``).
+    What lets a planner skip choosing the schedules of a plan that cannot win with them (a second on 1024 GPUs).
+    A schedule that moved blocks between a pipeline's GPUs would have to lower this bound.
+    """
+    node_of, by_name, S_modes = cost.cluster.node_of, cost.cluster.node_by_name, cost.settings.recompute_modes
+    seen: dict[tuple, float] = {}
+    longest = 0.0
+    for pipe in plan.pipelines:
+        S = len(pipe.stages)
+        for k, st in enumerate(pipe.stages):
+            bw = by_name[node_of[st.devices[0]]].intra_node_bandwidth_gbps
+            key = (st.gpu, bw, st.recompute, st.layers[1] - st.layers[0], k == 0, k == S - 1)
+            if key not in seen:
+                modes = {*S_modes, cost.settings.stage_recompute(st.recompute)}
+                seen[key] = min(cost.unit_costs(st.gpu, bw, plan.tp, plan.micro_batch_size, mode)
+                                .stage_time_s(key[3], key[4], key[5]) for mode in modes)
+            longest = max(longest, pipe.num_microbatches * seen[key])
+    world = sum(len(st.devices) for p in plan.pipelines for st in p.stages)
+    return longest + cost.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, world)

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from hetrain.cost.costmodel import CostModel
+from hetrain.cost.pipeline import pipeline_terms
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
@@ -146,7 +147,8 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
     state is at least tau_r = its slowest stage's blocks x seconds per block, each pipeline runs
     at least p micro-batches ((p - 1) tau_r + sum_k c_rk) and all M fit (M / sum_r 1 / tau_r); then
     every GPU steps its optimizer, the slowest at least its blocks' parameters x seconds per parameter.
-    After the probe that prices the pipelines, max_r(m_r tau_r + fill_r) bounds the final plan.
+    The probe that prices the pipelines leaves the gradient sync out (``CostModel.estimate(with_sync=False)``):
+    with it, max_r(m_r tau_r + fill_r) + the step is the final plan's iteration without its sync, a bound on it.
     """
     L, G = cost.model.num_layers, cost.settings.global_batch_size
     modes = cost.settings.recompute_modes
@@ -189,14 +191,22 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
     """Whale's d pipelines of p groups (the fastest first, layers split evenly), batch split by each one's speed."""
     split = _even_split(cost.model.num_layers, p)
     M = cost.settings.global_batch_size // b
-    pipes = [PipelinePlan(num_microbatches=1, stages=[
-        StagePlan(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
+    # probed with p micro-batches a pipeline, the fewest the plan gives one: each stage then holds as many in flight
+    # as in the plan (1F1B's S - k), so the probe's memory is the plan's; the sync, after the pipelines, is left out
+    # built unvalidated (the fields are of their types here): a candidate on 10,240 GPUs has a thousand stages
+    pipes = [PipelinePlan.model_construct(num_microbatches=p, stages=[
+        StagePlan.model_construct(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
         for k, (_, node, idx, gpu, _) in enumerate(groups[r * p: (r + 1) * p])]) for r in range(d)]
-    probe = cost.estimate(_plan(cost, cluster, t, b, pipes))  # the batch split follows this mode's speeds
-    tau = [pe.bottleneck_s for pe in probe.pipelines]
-    fill = [pe.time_s - pe.bottleneck_s for pe in probe.pipelines]
-    counts = allocate_microbatches(tau, fill, M, [p] * d)
-    if counts is None or not _beats(max(m * x + f for m, x, f in zip(counts, tau, fill)), best, incumbent_s):
+    probe = cost.estimate(_plan(cost, cluster, t, b, pipes), with_sync=False)
+    if probe.over_capacity():
+        return best
+    terms = [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines]  # 1F1B: T = m tau + fill
+    tau = [x for x, _ in terms]
+    fill = [(x + f) - x for x, f in terms]  # T(1) - tau, bit for bit what a probe of one micro-batch gave
+    counts = allocate_microbatches(tau, fill, M, [p] * d)  # the batch split follows this mode's speeds
+    # the plan's 1F1B pipelines (m_r tau_r + fill_r, as the cost model prices them), then at least its step
+    if counts is None or not _beats(max(m * x + f for m, x, f in zip(counts, tau, fill)) + probe.post_s
+                                    + probe.step_overhead_s, best, incumbent_s):
         return best
     pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]
     return _better(cost, _plan(cost, cluster, t, b, pipes), best)

@@ -19,7 +19,7 @@ from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
 from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
-from solver.assemble import choose_schedules, finish, score
+from solver.assemble import choose_schedules, finish, schedules_bound_s, score
 from solver.improve import improve
 from solver.milp import fluid_lower_bound_s, solve_templates
 from solver.space import Space, group_classes, search_spaces
@@ -284,7 +284,11 @@ def plan_milp(
     second.run(pending, lambda t, b: _less_state_spaces(cluster, cost, t, b, first, plain.get((t, b))))
     if second.best is not None:
         second.improve_best()
-    found = [search.result(t0, min(f for f, _, _ in pending)) for search in (first, second) if search.best is not None]
+    found = []  # each search's plan with its schedules chosen; the second's only where they could make it win
+    for search in (first, second):
+        if search.best is not None and not (found and schedules_bound_s(search.best[1], cost)
+                                            >= found[0][1].iteration_time_s):
+            found.append(search.result(t0, min(f for f, _, _ in pending)))
     templates = first.templates + second.templates
     if not found:
         raise NoPlanError(explain_no_plan(cluster, cost))

@@ -8,7 +8,8 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.assemble import allocate_microbatches, assemble, score, shard_if_faster
+from solver.assemble import (allocate_microbatches, assemble, choose_schedules, schedules_bound_s, score,
+                             shard_if_faster)
 from solver.planner import make_plan
 from solver.space import build_space, split_layers, split_layers_modes
 
@@ -400,6 +401,31 @@ def test_baselines_pruned_by_lower_bounds_find_what_scoring_every_layout_finds(m
         (pruned_s, _), pruned_count = pruned[name]
         assert pruned_s == every_s
         assert pruned_count < every_count
+
+
+@pytest.mark.parametrize("cluster_name, model_name, gbs", [
+    ("paper-3types", "gpt-13b", 512),
+    ("hethub-4types", "llama-3-8b", 512),
+    ("paper-32gpu", "gpt-30b", 64),
+])
+def test_no_schedule_makes_a_plan_beat_the_bound_that_skips_choosing_them(cluster_name, model_name, gbs):
+    """hetrain skips choosing a seed's schedules where ``schedules_bound_s`` says they cannot make it win: the bound
+    must hold for whatever ``choose_schedules`` picks, on the baselines' 1F1B plans and on the MILP's."""
+    cluster = load_cluster(EXAMPLES / f"clusters/{cluster_name}.yaml")
+    model = load_model(EXAMPLES / f"models/{model_name}.yaml")
+    settings = TrainingSettings(global_batch_size=gbs)
+    cost = CostModel(cluster, model, settings)
+    for planner in ("megatron", "whale", "milp"):
+        try:
+            found = make_plan(planner, cluster, model, settings)
+        except NoPlanError:
+            continue
+        plain = found.plan.model_copy(update={"pipelines": [p.model_copy(update={
+            "schedule": None, "stages": [st.model_copy(update={"in_flight": None}) for st in p.stages]})
+            for p in found.plan.pipelines]})
+        for plan in (found.plan, plain):
+            _, est = choose_schedules(plan, cost)
+            assert 0 < schedules_bound_s(plan, cost) <= est.iteration_time_s
 
 
 def test_the_plan_says_what_its_optimality_covers_and_its_distance_to_a_bound():

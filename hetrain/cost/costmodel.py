@@ -74,9 +74,6 @@ from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.spec.arithmetic import block_params, embed_params, head_params, train_flops_per_sequence
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
-# distinct pipelines whose played-out schedule a cost model keeps (``_schedule_s``): a planner's search estimates
-# thousands of plans made of a few pipeline shapes; a few MB at most
-PLAYED_CACHE_SIZE = 4096
 # bytes per parameter a sharded bucket all-gathers after the step: the runtime's parameters are fp32
 # (hetrain.runtime.precision), each replica's updated share of them
 PARAM_GATHER_BYTES = 4
@@ -136,13 +133,13 @@ class CostModel:
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
-        self._played: dict[tuple, tuple[float, float, list[float]]] = {}  # ``_schedule_s``: per pipeline shape
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
         # Eager 1F1B's two directions of a boundary move at once under gloo (CPU ranks: every node
         # emulated), one after the other under NCCL, which runs two ranks' sends and receives on one stream
         self.p2p_duplex = all(n.emulate is not None for n in cluster.nodes)
+        self._shares_nic = {n.name for n in cluster.nodes if n.shares_nic}  # per send and ring: a set is quicker
 
     # ------------------------------------------------------------------ building blocks
 
@@ -212,8 +209,13 @@ class CostModel:
 
     # ------------------------------------------------------------------ whole plans
 
-    def estimate(self, plan: Plan) -> Estimate:
-        """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``)."""
+    def estimate(self, plan: Plan, with_sync: bool = True) -> Estimate:
+        """Predict a structurally valid plan (see ``hetrain.plan.schema.validate_plan``).
+
+        ``with_sync=False``: without the gradient sync (after the pipelines only the optimizer step and the
+        fixed work), what searches that rank many plans need first: its pipelines and memory are the plan's
+        exactly and its iteration time a lower bound on the plan's (the sync only adds), at a fraction of the
+        cost on thousands of GPUs (``solver.baselines.whale_search``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
         node_of = cl.node_of
         pipes: list[PipelineEstimate] = []
@@ -253,10 +255,9 @@ class CostModel:
                 stage_s.append(seconds)
                 backward_s.append(bwd_s)
                 weight_s.append(wgt_s)
-                for d in stage.devices:
-                    peak[d] = mem_gb
-                    cap[d] = cap_gb
-                    opt[d] = opt_s
+                peak.update(dict.fromkeys(stage.devices, mem_gb))
+                cap.update(dict.fromkeys(stage.devices, cap_gb))
+                opt.update(dict.fromkeys(stage.devices, opt_s))
                 if k + 1 < S:
                     nxt = node_of[pipe.stages[k + 1].devices[0]]
                     senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
@@ -270,7 +271,10 @@ class CostModel:
                 finish.update(dict.fromkeys(stage.devices, end))
 
         pipeline_s = max(p.time_s for p in pipes)
-        sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
+        if with_sync:
+            sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
+        else:
+            sync, post = {}, max(opt.values())
         fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt))
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
@@ -343,19 +347,8 @@ class CostModel:
                                           duplex=self.p2p_duplex, trace=trace)
         # eager 1F1B and ZB-H1 (1F1B's counts, weight gradients split off), played out
         counts = [st.in_flight for st in pipe.stages] if schedule == "eager-1f1b" else list(range(len(stage_s), 0, -1))
-        weights = weight_s if schedule == "zb-h1" else None
-        if trace is not None:
-            return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
-                                    weight_s=weights, trace=trace)
-        # copies of a pipeline (a plan of thousands of GPUs repeats a few shapes) are played once
-        key = (tuple(stage_s), tuple(backward_s), tuple(weights or ()), tuple(p2p), tuple(counts), pipe.num_microbatches)
-        if key not in self._played:
-            if len(self._played) >= PLAYED_CACHE_SIZE:
-                self._played.clear()
-            self._played[key] = eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches,
-                                                 duplex=self.p2p_duplex, weight_s=weights)
-        tau, total, ends = self._played[key]
-        return tau, total, list(ends)
+        return eager_pipeline_s(stage_s, backward_s, p2p, counts, pipe.num_microbatches, duplex=self.p2p_duplex,
+                                weight_s=weight_s if schedule == "zb-h1" else None, trace=trace)
 
     @staticmethod
     def _sync_ends(rings: list, finish: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
@@ -381,14 +374,14 @@ class CostModel:
         alternate: boundaries of the same parity exchange together, across every pipeline (their
         stages run in step). Counted per node and parity, times the TP degree (every TP rank sends).
         """
-        by_name = self.cluster.node_by_name
+        shared = self._shares_nic
         count: dict[tuple[str, int], int] = {}
         for pipe in plan.pipelines:
             for k, (a, b) in enumerate(zip(pipe.stages, pipe.stages[1:])):
                 ends = (node_of[a.devices[0]], node_of[b.devices[0]])
                 if ends[0] != ends[1]:
                     for node in ends:
-                        if by_name[node].shares_nic:
+                        if node in shared:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
@@ -396,7 +389,8 @@ class CostModel:
         """``id`` of each stage that keeps 1/D of its optimizer state: sharded or offloaded, in a plan of D > 1
         pipelines, and every other holder of each of its layers (its buckets') too. A stage whose layers
         some replica keeps whole keeps them whole as well (an offloaded one: all of its state on the host)."""
-        if len(plan.pipelines) == 1:
+        if len(plan.pipelines) == 1 or not any(st.optimizer_state in SHARDS_STATE
+                                               for p in plan.pipelines for st in p.stages):
             return set()
         whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
                  if not holders_shard_state(stages) for st in stages}
@@ -445,7 +439,10 @@ class CostModel:
         """The data-parallel gradient syncs, (the GPUs of one ring, its seconds after backward, its seconds
         after the optimizer step), in an order every GPU runs its own in (the runtime's): an all-reduce
         after backward, or where the ring's stages shard their optimizer state a reduce-scatter then and
-        an all-gather of the parameters after the step (module doc)."""
+        an all-gather of the parameters after the step (module doc).
+
+        A bucket's t rings (one per TP rank) cross the same nodes (a stage's TP group sits on one node:
+        ``validate_plan``) over the same link at the same price: priced once per bucket."""
         D, t = len(plan.pipelines), plan.tp
         if D == 1:
             return []
@@ -515,3 +512,4 @@ class CostModel:
             g = self.cluster.gpu_type(node.gpu)
             total += node.count * g.achievable_flops(self.settings.precision) / per_seq * self.model.seq_length
         return total
+

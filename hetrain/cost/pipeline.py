@@ -19,8 +19,10 @@ Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetr
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from hetrain.errors import HetrainError
@@ -28,6 +30,32 @@ from hetrain.plan.eager import boundary_order, interleaved_order, one_f_one_b_or
 
 
 Seconds = Sequence[float]  # one value per stage (or boundary)
+# Plays ``_played_once`` keeps: a plan of thousands of GPUs repeats a few dozen pipelines hundreds of times, the
+# planner plays the same ones again across its passes; past this the memo starts over (a play's entry: ~1 kB)
+PLAYS_KEPT = 20_000
+
+
+def _played_once(play: Callable) -> Callable:
+    """``play`` remembered by its arguments: a play is a pure function of them, O(stages x micro-batches) each,
+    and copies of a pipeline (on other GPUs) or a pipeline played again give the same ones. Not with ``trace``."""
+    memo: dict[tuple, object] = {}
+    signature = inspect.signature(play)
+
+    @functools.wraps(play)
+    def remembered(*args, trace: list | None = None, **kwargs):
+        if trace is not None:
+            return play(*args, trace=trace, **kwargs)
+        bound = signature.bind(*args, **kwargs)  # one key however the arguments are passed
+        bound.apply_defaults()
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in bound.arguments.values())
+        if key not in memo:
+            if len(memo) >= PLAYS_KEPT:
+                memo.clear()
+            memo[key] = play(*args, **kwargs)
+        out = memo[key]
+        # the caller's own copy of a list in it (each stage's end), which it may change
+        return tuple(list(x) if isinstance(x, list) else x for x in out) if isinstance(out, tuple) else out
+    return remembered
 
 
 class Op(NamedTuple):
@@ -98,6 +126,7 @@ def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int 
     return n, (min(k, cap - n) if schedule == "zb-h1" else 0)
 
 
+@_played_once
 def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_flight: list[int] | tuple[int, ...],
                      num_microbatches: int, duplex: bool = False,
                      weight_s: Seconds | None = None,
@@ -276,6 +305,7 @@ class _EagerBoundaries:
             self.head[k] += 1
 
 
+@_played_once
 def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: list[float] | tuple[float, ...],
                        p2p_s: list[float] | tuple[float, ...], num_microbatches: int,
                        trace: list[Op] | None = None) -> float:
