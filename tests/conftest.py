@@ -27,7 +27,7 @@ def botocore_tries_once(monkeypatch):
     """A store that does not answer fails at the first try, here and in the processes started after.
 
     botocore retries a refused connection on its own (AWS_MAX_ATTEMPTS, 5 by default, with backoff):
-    10-15 s of waiting per call in a test of a dead endpoint, which is about hetrain's handling
+    10-15 s of waiting per call in a test of a store that is down, which is about hetrain's handling
     (its probe's warning, its own upload retries), not botocore's.
     """
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")

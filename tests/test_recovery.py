@@ -190,7 +190,7 @@ def test_peer_server_is_confined_to_its_root_and_checks_the_token(trained, tmp_p
             assert get(escape) == 404, escape
 
 
-def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path: Path):
+def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path: Path, botocore_tries_once):
     """The store is down when training starts; it comes back only after an upload has failed and is retrying."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
