@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from hetrain.cost.collectives import ring_allreduce_s
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import pipeline_terms
 from hetrain.errors import NoPlanError
@@ -161,34 +162,67 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
                 groups += [(c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu, c) for g in range(n)]
         groups.sort(key=lambda x: x[0])
         per_block = np.array([[u.block_s for u in g[4].modes] for g in groups])  # (groups, modes)
+        # what a stage adds to its blocks (``UnitCosts.stage_time_s``): its runtime work per micro-batch, and on
+        # the first stage the embedding, on the last the head (a bound that knows them prunes deep pipelines)
+        per_mb, per_embed, per_head = (np.array([[getattr(u, part) for u in g[4].modes] for g in groups])
+                                       for part in ("microbatch_s", "embed_s", "head_s"))
         # every GPU steps its optimizer after the pipelines (``CostModel.estimate``): its blocks' share at least
-        opt_per_block = np.array([[u.opt_s_per_param * cost.stage_params(1, False, False, t) for u in g[4].modes]
-                                  for g in groups])
+        opt_per_block, opt_embed, opt_head = (
+            np.array([[u.opt_s_per_param * cost.stage_params(n, first, last, t) for u in g[4].modes] for g in groups])
+            for n, first, last in ((1, False, False), (0, True, False), (0, False, True)))
         for p in range(1, min(L, len(groups)) + 1):
             d = len(groups) // p
             if d > M:
                 continue
             blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
-            tau = (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).max(axis=1)  # (d, modes)
-            first = (p - 1) * tau + (per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).sum(axis=1)
-            step = (opt_per_block[: p * d].reshape(d, p, len(modes)) * blocks[None, :, None]).max(axis=(0, 1))
-            bound = np.maximum(first.max(axis=0), M / (1 / tau).sum(axis=0)) + step
-            candidates += [(bound[i], t, b, p, d, i, groups) for i in range(len(modes))]
+            c = _per_stage(per_block, per_embed, per_head, p, d, blocks) + per_mb[: p * d].reshape(d, p, len(modes))
+            tau = c.max(axis=1)  # (d, modes)
+            first = (p - 1) * tau + c.sum(axis=1)
+            step = _per_stage(opt_per_block, opt_embed, opt_head, p, d, blocks).max(axis=(0, 1))
+            sync_s = _first_sync_bound_s(cluster, cost, groups, t, p, d)
+            bound = np.maximum(first.max(axis=0), M / (1 / tau).sum(axis=0)) + step + sync_s
+            candidates += [(bound[i], t, b, p, d, i, groups, sync_s) for i in range(len(modes))]
     best, tried = None, 0
-    for bound_s, t, b, p, d, i, groups in _bound_order(candidates):
+    for bound_s, t, b, p, d, i, groups, sync_s in _bound_order(candidates):
         if not _beats(bound_s, best, incumbent_s):
             break
-        best = _whale_candidate(cluster, cost, t, b, p, d, modes[i], groups, best, incumbent_s)
+        best = _whale_candidate(cluster, cost, t, b, p, d, modes[i], groups, best, incumbent_s, sync_s)
         tried += 1
     if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
         best = None
     return best, tried
 
 
+def _per_stage(per_block: np.ndarray, first: np.ndarray, last: np.ndarray, p: int, d: int,
+               blocks: np.ndarray) -> np.ndarray:
+    """(pipeline, stage, mode) of whale's d pipelines of p groups in turn (per group and mode: ``per_block`` a block's
+    part, ``first`` what the first stage adds, ``last`` what the last one adds), stage k holding blocks[k]."""
+    shape = (d, p, per_block.shape[1])
+    out = per_block[: p * d].reshape(shape) * blocks[None, :, None]
+    out[:, 0, :] += first[: p * d].reshape(shape)[:, 0, :]
+    out[:, -1, :] += last[: p * d].reshape(shape)[:, -1, :]
+    return out
+
+
+def _first_sync_bound_s(cluster: ClusterSpec, cost: CostModel, groups: list, t: int, p: int, d: int) -> float:
+    """Seconds whale's d pipelines of p groups sync at least after the slowest pipeline ends: its first stage
+    ends with it (``drain_ahead_s``) and then all-reduces its one bucket (the embedding and its blocks; with
+    p = 1 everything) with the other first stages (``CostModel._sync_rings``), across nodes where they sit on
+    several: over the default link between nodes at most, shared by at least the t TP ranks' rings where a node
+    shares its NIC. 0 where that is not known (one node; link overrides)."""
+    nodes = {groups[r * p][1] for r in range(d)}
+    if d < 2 or len(nodes) < 2 or cluster.links:
+        return 0.0
+    bw = cluster.inter_node_bandwidth_gbps / (t if any(cluster.node_by_name[n].shares_nic for n in nodes) else 1)
+    lo, hi = _even_split(cost.model.num_layers, p)[0]
+    return ring_allreduce_s(cost.grad_bytes(hi - lo, True, p == 1, t), d, bw, cost.latency_s)
+
+
 def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: int, d: int, mode: RecomputeMode,
-                     groups: list, best: tuple[float, Plan] | None,
-                     incumbent_s: float | None) -> tuple[float, Plan] | None:
-    """Whale's d pipelines of p groups (the fastest first, layers split evenly), batch split by each one's speed."""
+                     groups: list, best: tuple[float, Plan] | None, incumbent_s: float | None,
+                     sync_s: float = 0.0) -> tuple[float, Plan] | None:
+    """Whale's d pipelines of p groups (the fastest first, layers split evenly), batch split by each one's speed.
+    ``sync_s``: what its gradient sync adds at least (``_first_sync_bound_s``)."""
     split = _even_split(cost.model.num_layers, p)
     M = cost.settings.global_batch_size // b
     # probed with p micro-batches a pipeline, the fewest the plan gives one: each stage then holds as many in flight
@@ -204,8 +238,8 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
     tau = [x for x, _ in terms]
     fill = [(x + f) - x for x, f in terms]  # T(1) - tau, bit for bit what a probe of one micro-batch gave
     counts = allocate_microbatches(tau, fill, M, [p] * d)  # the batch split follows this mode's speeds
-    # the plan's 1F1B pipelines (m_r tau_r + fill_r, as the cost model prices them), then at least its step
-    if counts is None or not _beats(max(m * x + f for m, x, f in zip(counts, tau, fill)) + probe.post_s
+    # the plan's 1F1B pipelines (m_r tau_r + fill_r, as the cost model prices them), then at least its sync and step
+    if counts is None or not _beats(max(m * x + f for m, x, f in zip(counts, tau, fill)) + sync_s + probe.post_s
                                     + probe.step_overhead_s, best, incumbent_s):
         return best
     pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]

@@ -265,6 +265,29 @@ def test_gradient_sync_among_holders_over_slowest_link():
     assert est.sync_s["a/0"] == pytest.approx(2 * intra + 2 * inter + emb + head)
 
 
+def test_an_estimate_without_the_sync_has_the_plans_pipelines_and_memory_and_bounds_its_iteration():
+    """What whale's search ranks candidates by before estimating the best whole (``with_sync=False``)."""
+    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    one = [StagePlan(devices=["a/0"], gpu="A100-80G", layers=(0, 4))]
+    two = [StagePlan(devices=["a/1"], gpu="A100-80G", layers=(0, 2)),
+           StagePlan(devices=["b/0"], gpu="V100-32G", layers=(2, 4))]
+    both = plan([PipelinePlan(num_microbatches=4, stages=one), PipelinePlan(num_microbatches=4, stages=two)])
+    whole, bare = cost.estimate(both), cost.estimate(both, with_sync=False)
+    assert [p.time_s for p in bare.pipelines] == [p.time_s for p in whole.pipelines]
+    assert bare.peak_memory_gb == whole.peak_memory_gb and bare.sync_s == {}
+    assert bare.iteration_time_s < whole.iteration_time_s  # a.0 and b/0 sync across nodes after the pipelines
+    assert bare.iteration_time_s == pytest.approx(whole.pipeline_s + bare.post_s + whole.step_overhead_s)
+
+
+def test_a_play_remembered_is_the_play_and_each_caller_gets_its_own_list():
+    c, bwd, e = [3.0, 2.0, 2.5], [2.0, 1.2, 1.5], [0.4, 0.3]
+    first = eager_pipeline_s(c, bwd, e, [5, 3, 1], 16)
+    first[2][0] = -1.0  # a caller changing its list changes no one else's
+    again = eager_pipeline_s(tuple(c), tuple(bwd), tuple(e), (5, 3, 1), 16, False)  # the same play, passed otherwise
+    traced = eager_pipeline_s(c, bwd, e, [5, 3, 1], 16, trace=[])  # played anew
+    assert again == traced and again[2][0] > 0
+
+
 def test_a_later_stage_syncs_while_the_stages_before_it_drain_and_the_optimizer_waits_for_all():
     """Two pipelines a -> b: the b stages leave 1F1B one backward of the a stage before the end and
     start their all-reduce then; every GPU steps its optimizer after the slowest GPU's sync."""
