@@ -1,4 +1,4 @@
-r"""The hetrain planner: a MILP over pipeline templates, solved by HiGHS inside a bisection.
+r"""The hetrain planner: a Pyomo MILP over pipeline templates, solved by HiGHS inside a bisection.
 
 For a fixed TP degree ``t`` and micro-batch size ``b`` (enumerated outside), templates ``j``
 (pipeline shapes, see ``solver.space``) whose copies finish m micro-batches in
@@ -26,7 +26,7 @@ D = 1 and 2 are enumerated directly (``best_of_one_or_two``), exact and cheaper.
 Gradient sync runs over the slowest link of the *scope* (a set of nodes the plan may use;
 ``solver.planner`` enumerates them). The variables grow with the number of templates, never
 with the number of GPUs; the model is built once per scope and re-solved with new ``cap``,
-``ok`` and pipeline-count parameters (highspy's direct API, ``TemplateMilp``). The best
+``ok`` and pipeline-count parameters through Pyomo's persistent HiGHS interface. The best
 answer for each pipeline count is handed back, to be assembled into a concrete plan and
 scored by the full cost model.
 
@@ -42,11 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import os
-import sys
-
-import highspy
 import numpy as np
+import pyomo.environ as pyo
+from pyomo.contrib.appsi.base import TerminationCondition
+from pyomo.contrib.appsi.solvers import Highs
 
 from hetrain.cost.collectives import collective_steps
 from solver.assemble import allocate_microbatches
@@ -99,138 +98,102 @@ class MilpResult:
 
 
 class TemplateMilp:
-    """The fixed-T covering MILP for one (space, scope), kept alive across bisections.
-
-    On highspy's direct API: the model is built at the first solve with the values then, and before each later
-    solve every covering coefficient, the pipeline-count row's bounds, every column's bounds and every objective
-    coefficient are written again, in that order, the calls Pyomo's persistent interface made (so HiGHS answers
-    the same questions the same way), without Pyomo's expression walks and output capture around each solve
-    (two thirds of a solve's time on this model of a row per class and a column per template).
-    """
+    """The fixed-T covering MILP for one (space, scope), kept alive across bisections."""
 
     def __init__(self, templates: list[Template], available: list[int], M: int, time_limit_s: float):
-        self.templates, self.available, self.M, self.time_limit_s = templates, available, M, time_limit_s
-        # copies allowed: U_j while a copy can finish a micro-batch within T, else 0 (a column bound, not a row)
-        self.U = [min(M, t.max_copies(available)) for t in templates]
-        self.used = [c for c in range(len(available)) if any(t.usage[c] for t in templates)]
-        self.d_lo, self.d_hi = 1, M
+        self.templates = templates
+        U = [min(M, t.max_copies(available)) for t in templates]
+        J = range(len(templates))
+        m = pyo.ConcreteModel("hetrain")
+        self.U = U
+        # copies allowed: U_j while a copy can finish a micro-batch within T, else 0 (a
+        # mutable column bound rather than a row per template)
+        m.ub = pyo.Param(J, mutable=True, initialize=0)
+        m.x = pyo.Var(J, domain=pyo.NonNegativeIntegers, bounds=lambda m, j: (0, m.ub[j]))
+        m.cap = pyo.Param(J, mutable=True, initialize=0)
+        m.d_lo = pyo.Param(mutable=True, initialize=1)
+        m.d_hi = pyo.Param(mutable=True, initialize=M)
+        # a feasibility question: HiGHS stops at the first plan that absorbs the batch
+        # (mip_max_improving_sols = 1). The objective only steers its search: maximising the
+        # micro-batches the plan could absorb points the LP relaxation and the rounding
+        # heuristics at covering plans, which finds them (or proves there are none) sooner
+        # than a constant objective, especially on the hard solves just below the optimum.
+        m.obj = pyo.Objective(expr=sum(m.cap[j] * m.x[j] for j in J), sense=pyo.maximize)
+        m.covers = pyo.Constraint(expr=sum(m.cap[j] * m.x[j] for j in J) >= M)
+        used = [c for c in range(len(available)) if any(t.usage[c] for t in templates)]
+        m.groups = pyo.Constraint(
+            used, rule=lambda m, c: sum(t.usage[c] * m.x[j] for j, t in enumerate(templates) if t.usage[c])
+            <= available[c]
+        )
+        m.count = pyo.Constraint(expr=pyo.inequality(m.d_lo, sum(m.x[j] for j in J), m.d_hi))
+        self.model, self.M = m, M
         self.post_s = [0.0] * len(templates)
-        self.highs = None  # built at the first solve
+        self.solver = Highs()
+        self.time_limit_s = time_limit_s
+        self.solver.config.load_solution = False
+        # The models are tiny (a row per class, a column per template), so HiGHS's fixed costs
+        # dominate: presolve and the feasibility-jump heuristic roughly halve the median solve
+        # time when switched off (measured over 211 solves recorded from the benchmarks), and
+        # the first improving solution answers the question.
+        self.solver.highs_options = {
+            "threads": 1, "output_flag": False, "mip_max_improving_sols": 1, "presolve": "off",
+            "mip_heuristic_run_feasibility_jump": False,
+        }
+        # between solves only the mutable parameters (cap, bounds, pipeline count) change: tell
+        # Pyomo not to re-scan the model for new or changed components before each solve
+        upd = self.solver.update_config
+        upd.check_for_new_or_removed_constraints = False
+        upd.check_for_new_or_removed_vars = False
+        upd.check_for_new_or_removed_params = False
+        upd.check_for_new_objective = False
+        upd.update_constraints = False
+        upd.update_vars = False
+        upd.update_named_expressions = False
+        upd.update_objective = False
+        upd.update_params = True
         self.solves = 0
         self.timeouts = 0
         self.statuses: set[str] = set()
 
     def set_pipeline_count(self, d_lo: int, d_hi: int, post_s: list[float]) -> None:
-        self.d_lo, self.d_hi = d_lo, min(d_hi, self.M)
+        self.model.d_lo = d_lo
+        self.model.d_hi = min(d_hi, self.M)
         self.post_s = post_s
-
-    def _build(self, cap: list[int], ub: list[int]):
-        """The model: x_j integer in [0, ub_j]; maximise sum cap_j x_j (the objective only steers HiGHS's search:
-        it stops at the first plan that absorbs the batch, ``mip_max_improving_sols`` = 1, and maximising what the
-        plan could absorb points the LP relaxation and the rounding heuristics at covering plans, which finds them
-        or proves there are none sooner than a constant objective); rows: sum cap_j x_j >= M (its zero
-        coefficients left out), per class used sum use_jc x_j <= A_c, d_lo <= sum x_j <= d_hi."""
-        J = len(self.templates)
-        h = _new_highs()
-        h.addVars(J, np.zeros(J), np.array(ub, dtype=np.double))
-        h.changeColsIntegrality(J, np.arange(J), np.array([highspy.HighsVarType.kInteger] * J))
-        rows = [([j for j in range(J) if cap[j]], [cap[j] for j in range(J) if cap[j]], self.M, highspy.kHighsInf)]
-        for c in self.used:
-            cols = [j for j, t in enumerate(self.templates) if t.usage[c]]
-            rows.append((cols, [self.templates[j].usage[c] for j in cols], -highspy.kHighsInf, self.available[c]))
-        rows.append((list(range(J)), [1] * J, self.d_lo, self.d_hi))
-        starts = np.cumsum([0] + [len(cols) for cols, *_ in rows[:-1]])
-        h.addRows(len(rows), np.array([r[2] for r in rows], dtype=np.double),
-                  np.array([r[3] for r in rows], dtype=np.double), int(sum(len(r[0]) for r in rows)), starts,
-                  np.array([j for r in rows for j in r[0]]), np.array([v for r in rows for v in r[1]], dtype=np.double))
-        h.changeObjectiveOffset(0)
-        h.changeObjectiveSense(highspy.ObjSense.kMaximize)
-        h.changeColsCost(J, np.arange(J), np.array(cap, dtype=np.double))
-        self.count_row = len(rows) - 1
-        return h
-
-    def _update(self, cap: list[int], ub: list[int]) -> None:
-        h = self.highs
-        for j, v in enumerate(cap):
-            h.changeCoeff(0, j, v)
-        h.changeRowBounds(self.count_row, self.d_lo, self.d_hi)
-        for j, v in enumerate(ub):
-            h.changeColBounds(j, 0, v)
-        for j, v in enumerate(cap):
-            h.changeColCost(j, v)
 
     def cover(self, T: float, time_limit_s: float | None = None) -> list[Template] | None | TimedOut:
         """Pipelines whose every copy finishes within T and that together absorb M micro-batches.
 
         None when HiGHS proves there are none, TIMED_OUT when it runs out of time first.
         """
-        cap, ub = [], []
+        m = self.model
+        any_ok = False
         for j, tpl in enumerate(self.templates):
-            c = math.floor((T - self.post_s[j] - tpl.fill_s) / tpl.tau_s + 1e-9)
-            cap.append(max(c, 0))
-            ub.append(self.U[j] if c >= 1 else 0)
-        if not any(c >= 1 for c in cap):
+            cap = math.floor((T - self.post_s[j] - tpl.fill_s) / tpl.tau_s + 1e-9)
+            m.cap[j] = max(cap, 0)
+            m.ub[j] = self.U[j] if cap >= 1 else 0
+            any_ok |= cap >= 1
+        if not any_ok:
             return None
-        if self.highs is None:
-            self.highs = self._build(cap, ub)
-        else:
-            self._update(cap, ub)
-        status = self._run(time_limit_s if time_limit_s is not None else self.time_limit_s)
+        self.solver.config.time_limit = time_limit_s if time_limit_s is not None else self.time_limit_s
+        res = self.solver.solve(m)
         self.solves += 1
-        solution = self.highs.getSolution()
-        if not (status == "optimal" or (status in _MAY_HOLD_A_PLAN and solution.value_valid)) \
-                or status in ("infeasible", "infeasibleOrUnbounded"):
-            if status == "maxTimeLimit":
+        tc = res.termination_condition
+        if res.best_feasible_objective is None or tc in (
+            TerminationCondition.infeasible, TerminationCondition.infeasibleOrUnbounded
+        ):
+            if tc == TerminationCondition.maxTimeLimit:
                 self.timeouts += 1
                 return TIMED_OUT
-            if status != "infeasible":
-                self.statuses.add(status)  # anything else without an answer: treated as infeasible
+            if tc != TerminationCondition.infeasible:
+                self.statuses.add(tc.name)  # anything else without an answer: treated as infeasible
             return None
         self.statuses.add("optimal")
+        res.solution_loader.load_vars()
         chosen: list[Template] = []
-        for tpl, x in zip(self.templates, solution.col_value):
-            chosen += [tpl] * int(round(x))
+        for j, tpl in enumerate(self.templates):
+            chosen += [tpl] * int(round(pyo.value(m.x[j])))
         return chosen
 
-    def _run(self, time_limit_s: float) -> str:
-        """One solve; its outcome named as before (Pyomo's ``TerminationCondition``)."""
-        h = self.highs
-        h.setOptionValue("log_to_console", True)
-        h.setOptionValue("time_limit", time_limit_s)
-        for key, option in HIGHS_OPTIONS.items():
-            h.setOptionValue(key, option)
-        h.run()
-        return _OUTCOME.get(h.getModelStatus().name, "unknown")
-
-
-# The models are tiny (a row per class, a column per template), so HiGHS's fixed costs dominate: presolve and the
-# feasibility-jump heuristic roughly halve the median solve time when switched off (measured over 211 solves
-# recorded from the benchmarks), and the first improving solution answers the question.
-HIGHS_OPTIONS = {"threads": 1, "output_flag": False, "mip_max_improving_sols": 1, "presolve": "off",
-                 "mip_heuristic_run_feasibility_jump": False}
-# HiGHS's model status -> the outcome's name (Pyomo's ``TerminationCondition``, as the status reports said it)
-_OUTCOME = {"kNotset": "unknown", "kLoadError": "error", "kModelError": "error", "kPresolveError": "error",
-            "kSolveError": "error", "kPostsolveError": "error", "kModelEmpty": "unknown", "kOptimal": "optimal",
-            "kInfeasible": "infeasible", "kUnboundedOrInfeasible": "infeasibleOrUnbounded", "kUnbounded": "unbounded",
-            "kObjectiveBound": "objectiveLimit", "kObjectiveTarget": "objectiveLimit", "kTimeLimit": "maxTimeLimit",
-            "kIterationLimit": "maxIterations", "kSolutionLimit": "maxIterations", "kUnknown": "unknown"}
-_MAY_HOLD_A_PLAN = ("objectiveLimit", "maxIterations", "maxTimeLimit")  # stopped early, maybe with a feasible plan
-
-
-def _new_highs():
-    """A quiet ``highspy.Highs``: the first one a process makes prints HiGHS's banner on stdout (fd 1), which
-    would break ``hetrain plan --json``; it is sent to /dev/null."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            h = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    h.setOptionValue("output_flag", False)
-    return h
 
 
 def _lp_threshold(lp, low: float, high: float, rel_tol: float) -> tuple[float, float]:
