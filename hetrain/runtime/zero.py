@@ -85,11 +85,12 @@ class ShardBucket:
         self.row_numel = [t[0].numel() if t.shape[0] else 0 for t in local]
         # rows[s][i]: share s's rows of parameter i
         self.rows = [[row_range(t.shape[0], self.shares, s) for t in local] for s in range(self.shares)]
-        self.counts = [sum((hi - lo) * n for (lo, hi), n in zip(r, self.row_numel)) for r in self.rows]
         # the collectives go by runs of whole parameters (``sync_chunks``), each padded to its longest share
         self.param_chunks = sync_chunks([t.numel() for t in local], chunk_numel)
         self.chunk_numel = chunk_numel
-        self.chunk_len = [max(self._count(s, lo, hi) for s in range(self.shares)) for lo, hi in self.param_chunks]
+        # chunk_counts[c][s]: elements of share s's rows in chunk c (counted once: the sync reads them every step)
+        self.chunk_counts = [[self._count(s, lo, hi) for s in range(self.shares)] for lo, hi in self.param_chunks]
+        self.chunk_len = [max(counts) for counts in self.chunk_counts]
         mine = self._mine(local)
         state_device = torch.device("cpu") if offload else local[0].device
         # the fp32 master of this rank's rows: the parameters themselves unless offloaded
@@ -114,7 +115,7 @@ class ShardBucket:
         first, end = self.param_chunks[chunk]
         pieces = [t[lo:hi].reshape(-1).to(dtype)
                   for t, (lo, hi) in zip(tensors[first:end], self.rows[share][first:end])]
-        pad = self.chunk_len[chunk] - self._count(share, first, end)
+        pad = self.chunk_len[chunk] - self.chunk_counts[chunk][share]
         return pieces + ([tensors[first].new_zeros(pad, dtype=dtype)] if pad else [])
 
     def _views(self, flat: torch.Tensor, first: int, end: int) -> list[torch.Tensor]:
@@ -153,7 +154,7 @@ class ShardBucket:
         first, end = self.param_chunks[chunk]
         grads[first:end] = [None] * (end - first)
         length, at = self.chunk_len[chunk], self.group.rank()
-        count = self._count(self.share, first, end)
+        count = self.chunk_counts[chunk][self.share]
         if dist.get_backend(self.group) == "gloo":
             # gloo has no reduce_scatter: all-reduce the whole chunk and keep this rank's part (the same
             # sum, twice the traffic; NCCL below sends what ZeRO-1 prices)
@@ -209,7 +210,7 @@ class ShardBucket:
     def _gather_chunk(self, whole: list[torch.Tensor], mine: list[torch.Tensor], chunk: int, first: int,
                       end: int) -> None:
         dtype, length = whole[0].dtype, self.chunk_len[chunk]
-        pad = length - self._count(self.share, first, end)
+        pad = length - self.chunk_counts[chunk][self.share]
         own = torch.cat([t.reshape(-1).to(whole[0].device, dtype) for t in mine[first:end]]
                         + ([whole[0].new_zeros(pad)] if pad else []))
         out = own.new_empty(length * self.shares)
