@@ -52,8 +52,10 @@ class _Neighbourhood:
         # fastest link a stage of each class could run its gradient all-reduces over; across nodes
         # that share one NIC, the stage's TP ranks all-reduce through it at once (CostModel._sync_s)
         nodes = cluster.node_by_name
-        self.best_bw = [max(c.intra_bw_gbps, best_inter / (space.tp if all(nodes[n].shares_nic for n in c.nodes) else 1))
-                        for c in space.classes]
+        across = [best_inter / (space.tp if all(nodes[n].shares_nic for n in c.nodes) else 1) for c in space.classes]
+        # on copies of the cluster (``CostModel.sync_copies``) every ring goes on to other nodes
+        self.best_bw = across if cost.sync_copies > 1 else [max(c.intra_bw_gbps, a)
+                                                            for c, a in zip(space.classes, across)]
         self._sync: dict[tuple[int, int], float] = {}
         self.scored: dict[tuple[int, ...], tuple[Plan, Estimate] | None] = {}
         # per template, the terms lower_bound sums (computed once: it runs for every neighbour)
@@ -68,6 +70,7 @@ class _Neighbourhood:
         key = (j, D)
         if key not in self._sync:
             t = self.T[j]
+            D *= self.cost.sync_copies
             phi = 2 * (D - 1) / D
             lat = self.cost.latency_s * collective_steps(D)
             self._sync[key] = max(

@@ -286,8 +286,10 @@ class _TemplateArrays:
         self.fill = np.array([t.fill_s for t in templates])
         self.copies = np.array([t.max_copies(available) for t in templates])
         self.bw = sync_bw_gbps
+        self.sync_copies = templates[0].sync_copies  # one space's templates: one cluster
 
     def post_s(self, num_pipelines: int) -> np.ndarray:
+        num_pipelines *= self.sync_copies
         phi = np.where(self.sharded, 0.5, 1.0) * (2 * (num_pipelines - 1) / num_pipelines)
         lat = self.latency * collective_steps(num_pipelines)
         gather = np.max(np.where(self.sharded, phi * self.gather / (self.bw * 1e9) + lat, 0.0), axis=1)

@@ -61,7 +61,7 @@ class Scope(NamedTuple):
     optimistic: bool = False  # priced as if no bucket crossed nodes: may not bound the others
 
 
-def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[Scope]:
+def _sync_scopes(cluster: ClusterSpec, space: Space, copies: int = 1) -> list[Scope]:
     """Every scope the MILP is solved for.
 
     A scope restricts the plan to some nodes so the MILP knows the slowest link its
@@ -88,10 +88,13 @@ def _sync_scopes(cluster: ClusterSpec, space: Space) -> list[Scope]:
             if n in sub:
                 avail[cls] += g
         bw = cluster.min_bandwidth_gbps(frozenset(sub))
-        if len(sub) > 1 and any(cluster.node_by_name[n].shares_nic for n in sub):
+        crossing = len(sub) > 1 or copies > 1  # on copies of the cluster a ring goes on to the others' nodes
+        if copies > 1:
+            bw = min(bw, cluster.inter_node_bandwidth_gbps)
+        if crossing and any(cluster.node_by_name[n].shares_nic for n in sub):
             bw /= space.tp  # a stage's TP ranks all-reduce across nodes at once, through one NIC
         scopes.append(Scope(label, avail, bw))
-        if small and len(sub) > 1:
+        if small and len(sub) > 1 and copies == 1:
             inside = min(cluster.node_by_name[n].intra_node_bandwidth_gbps for n in sub)
             scopes.append(Scope(label + ", buckets inside nodes", avail, inside, optimistic=True))
     return scopes
@@ -158,7 +161,7 @@ class _Search:
 
     def search_space(self, space: Space, M: int) -> None:
         """Solve the MILP for every sync scope of one space, scoring its best answers."""
-        for label, avail, bw, optimistic in _sync_scopes(self.cluster, space):
+        for label, avail, bw, optimistic in _sync_scopes(self.cluster, space, self.cost.sync_copies):
             if self.beat_s is not None and fluid_lower_bound_s(space, avail, M) >= self.beat_s:
                 continue  # this scope's groups cannot beat the best plan even computing nonstop
             if self.progress:
@@ -214,8 +217,8 @@ class _Search:
                 self.best = (found[0], found[1], {"scope": "local improvement"}, found[2])
                 self.best_gap = 0.0
 
-    def result(self, t0: float, lower_bound_s: float) -> tuple[Plan, Estimate]:
-        """The best plan with its schedules chosen and the solver report attached."""
+    def result(self, t0: float, lower_bound_s: float, schedules: bool = True) -> tuple[Plan, Estimate]:
+        """The best plan, with its schedules chosen where ``schedules``, and the solver report attached."""
         _, plan, extra, est = self.best
         info = {
             "planner": "milp",
@@ -229,8 +232,9 @@ class _Search:
             "lower_bound_s": round(lower_bound_s, 6),
             **extra,
         }
-        plan, est = choose_schedules(plan, cost := self.cost, est)
-        return finish(plan, cost, info, est)
+        if schedules:
+            plan, est = choose_schedules(plan, self.cost, est)
+        return finish(plan, self.cost, info, est)
 
 
 def _less_state_spaces(cluster: ClusterSpec, cost: CostModel, t: int, b: int, plain_search: _Search,
@@ -256,8 +260,10 @@ def plan_milp(
     cost: CostModel,
     time_limit_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
+    schedules: bool = True,
 ) -> PlanResult:
-    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP.
+    """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP; ``schedules=False``: its
+    pipelines left on 1F1B, for a caller that chooses them on a bigger plan (``solver.planner``'s slice).
 
     Two searches, each as the planner searched before optimizer state was a choice: over the spaces whose
     stages keep their optimizer state whole, then, where memory binds there, over the spaces that offload
@@ -288,7 +294,7 @@ def plan_milp(
     for search in (first, second):
         if search.best is not None and not (found and schedules_bound_s(search.best[1], cost)
                                             >= found[0][1].iteration_time_s):
-            found.append(search.result(t0, min(f for f, _, _ in pending)))
+            found.append(search.result(t0, min(f for f, _, _ in pending), schedules))
     templates = first.templates + second.templates
     if not found:
         raise NoPlanError(explain_no_plan(cluster, cost))

@@ -25,6 +25,7 @@ from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import plan_milp
 from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
 from solver.symmetry import Slice, replicate, slice_of
+from solver.typed import typed_search
 
 
 def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10.0,
@@ -36,75 +37,90 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
     MILP's plan is already better. Where the MILP finds nothing, a baseline's plan is still one.
     """
     t0 = time.perf_counter()
-    best, space, why = _search(cluster, cost, time_limit_s, progress)
-    info = best.plan.solver.model_dump() if best else {"planner": "hetrain", "status": "the MILP found no plan",
-                                                       "gap": None, "wall_s": 0}
-    for name, seed in _baseline_seeds(cluster, cost, best, progress):
+    found, space, why, scheduled = _search(cluster, cost, time_limit_s, progress)
+    info = found.plan.solver.model_dump() if found else {"planner": "hetrain", "status": "the MILP found no plan",
+                                                         "gap": None, "wall_s": 0}
+    # a slice's plan comes without its schedules (``_by_slice``): chosen below only where it could win
+    best = found if scheduled else None
+    candidates = [] if found is None or scheduled else [(found.estimate.iteration_time_s, info["scope"], found.plan)]
+    candidates = sorted(candidates + _baseline_seeds(cluster, cost, found, progress), key=lambda c: c[0])
+    for _, name, seed in candidates:
         if best is not None and schedules_bound_s(seed, cost) >= best.estimate.iteration_time_s:
             continue  # no schedule makes it beat the best (choosing them costs a second on 1024 GPUs)
         plan, est = choose_schedules(seed, cost)
         if best is None or est.iteration_time_s < best.estimate.iteration_time_s:
-            best = PlanResult(*finish(plan, cost, info | {"scope": f"{name}'s layout"}, est))
+            best = PlanResult(*finish(plan, cost, info | {"scope": name}, est))
     if best is None:
         raise why
     bound_s = info.get("lower_bound_s")
     above = best.estimate.iteration_time_s / bound_s - 1 if bound_s else None
     if why is not None:
-        space = f"megatron's and whale's layouts (the MILP over its space found none: {why})"
-    claim = (f"best of {space}" + (", and megatron's and whale's layouts" if why is None else "")
+        space = f"{SEEDS} (the MILP over its space found none: {why})"
+    claim = (f"best of {space}" + (f", and {SEEDS}" if why is None else "")
              + (f"; {above:.1%} above the bound no plan beats (every GPU computing nonstop)" if above is not None else ""))
     info = best.plan.solver.model_dump() | {"planner": "hetrain", "claim": claim,
                                             "wall_s": round(time.perf_counter() - t0, 4)}
     return PlanResult(best.plan.model_copy(update={"solver": SolverInfo(**info)}), best.estimate)
 
 
+# what the claim says the MILP's plan was checked against (``_baseline_seeds``)
+SEEDS = "megatron's and whale's layouts and per-type pipelines (one GPU type each, a depth per type)"
+
+
 def _baseline_seeds(cluster: ClusterSpec, cost: CostModel, best: PlanResult | None,
-                    progress: Callable[[str], None] | None) -> list[tuple[str, Plan]]:
-    """Megatron's and whale's best layouts that beat the best plan so far (``best``, its schedules chosen)
-    as they are, each before its schedules are chosen, the fastest first.
+                    progress: Callable[[str], None] | None) -> list[tuple[float, str, Plan]]:
+    """Megatron's and whale's best layouts, and the best of the per-type pipelines (``solver.typed``), that beat
+    the best plan so far (``best``) as they are, each (its time, where it is from, the plan) before its schedules
+    are chosen, the fastest first.
 
     Each baseline must beat the previous one's layout as it is, which its schedules only make faster:
     no layout is left out that checking each in turn with its schedules chosen would consider, and the
     seed that loses to the other's plan with schedules is never given its own (``schedules_bound_s``)."""
     seeds = []
     incumbent_s = best.estimate.iteration_time_s if best else None
-    for name, search in (("megatron", megatron_search), ("whale", whale_search)):
+    for name, what, search in (("megatron's layout", "megatron's layouts", megatron_search),
+                               ("whale's layout", "whale's layouts", whale_search),
+                               ("per-type pipelines", "per-type pipelines", typed_search)):
         if progress:
-            progress(f"checking {name}'s layouts")
+            progress(f"checking {what}")
         seed, _ = search(cluster, cost, incumbent_s=incumbent_s)
         if seed is not None:
             seeds.append((seed[0], name, seed[1]))
             incumbent_s = seed[0] if incumbent_s is None else min(incumbent_s, seed[0])
-    return [(name, plan) for _, name, plan in sorted(seeds, key=lambda s: s[0])]
+    return sorted(seeds, key=lambda s: s[0])
 
 
 def _search(cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
-            progress: Callable[[str], None] | None) -> tuple[PlanResult | None, str, NoPlanError | None]:
+            progress: Callable[[str], None] | None) -> tuple[PlanResult | None, str, NoPlanError | None, bool]:
     """The MILP's plan (by slice where the cluster has the symmetry and the slice holds the model), what
-    space it searched, and why there is none."""
+    space it searched, why there is none, and whether its schedules are chosen (a slice's are not)."""
     part = slice_of(cluster, cost.settings)
     if part is not None:
         try:
             return (_by_slice(cluster, cost, part, time_limit_s, progress),
                     f"the MILP over the space of a 1/{part.copies} slice of the cluster, the slice's plan "
-                    f"repeated {part.copies} times", None)
+                    f"repeated {part.copies} times", None, False)
         except NoPlanError:
             pass  # the slice cannot hold the model: the whole cluster may
     space = (f"the MILP over its space (pipeline templates of up to {MAX_CLASSES_PER_PIPELINE} GPU classes per "
              f"pipeline, 2 past {MANY_CLASSES} classes, {ONE_PIPELINE_CLASSES} in one pipeline that offloads on "
              f"clusters of up to {ONE_PIPELINE_GROUPS} TP groups; each TP degree x micro-batch size)")
     try:
-        return plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress), space, None
+        return plan_milp(cluster, cost, time_limit_s=time_limit_s, progress=progress), space, None, True
     except NoPlanError as e:
-        return None, space, e
+        return None, space, e, True
 
 
 def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: float,
               progress: Callable[[str], None] | None) -> PlanResult:
-    """The MILP's plan for the slice, on every copy of it (``solver.symmetry``), priced on the whole cluster."""
-    small = plan_milp(part.cluster, CostModel(part.cluster, cost.model, part.settings, cost.profile),
-                      time_limit_s=time_limit_s, progress=progress)
-    plan, est = choose_schedules(replicate(small.plan, part, cluster, cost.settings), cost)
+    """The MILP's plan for the slice, on every copy of it (``solver.symmetry``), priced on the whole cluster, its
+    pipelines on 1F1B: ``plan_hetrain`` chooses their schedules only if it could beat the seeds (a second on
+    1,024 GPUs)."""
+    # priced with each bucket's sync over every copy (``sync_copies``), as the replicated plan will be
+    small = plan_milp(part.cluster, CostModel(part.cluster, cost.model, part.settings, cost.profile, part.copies),
+                      time_limit_s=time_limit_s, progress=progress, schedules=False)
+    plan = replicate(small.plan, part, cluster, cost.settings)
+    est = cost.estimate(plan)
     info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope', 'milp')}, "
                                                       f"1/{part.copies} slice x {part.copies}"}
     return PlanResult(*finish(plan, cost, info, est))

@@ -307,6 +307,9 @@ class Template:
     # a sharded space's (every stage shards its optimizer state, so the plan needs at least 2 pipelines): per
     # stage the parameter bytes its all-gather after the step moves, per TP rank; empty: gradients all-reduced
     gather_bytes: tuple[float, ...] = ()
+    # the plan runs on this many alike copies of the cluster, each bucket syncing among all of them
+    # (``CostModel.sync_copies``): a plan of D pipelines syncs among D x sync_copies
+    sync_copies: int = 1
 
     @property
     def min_pipelines(self) -> int:
@@ -342,6 +345,7 @@ class Template:
         which every GPU takes after the step's one world all-reduce (``CostModel.estimate``). Sharded:
         a reduce-scatter (half an all-reduce) in the all-reduce's place, the step, then the parameters'
         all-gather, which nothing hides."""
+        num_pipelines *= self.sync_copies
         phi = 2 * (num_pipelines - 1) / num_pipelines
         lat = self.sync_latency_s * collective_steps(num_pipelines)
         if self.gather_bytes:
@@ -430,7 +434,7 @@ class _TemplateBuilder:
         sharded = units[0].replicas > 1
         return Template(order, tuple(blocks), stage_s, p2p, grads, opts, ahead, len(classes), cost.latency_s,
                         tuple(u.recompute for u in units), tuple(u.optimizer_state for u in units),
-                        tuple(n * PARAM_GATHER_BYTES for n in params) if sharded else ())
+                        tuple(n * PARAM_GATHER_BYTES for n in params) if sharded else (), cost.sync_copies)
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)

@@ -128,8 +128,15 @@ class CostModel:
         model: ModelSpec,
         settings: TrainingSettings,
         profile: Profile | None = None,
+        sync_copies: int = 1,
     ):
+        """``sync_copies`` > 1: ``cluster`` is one of that many alike copies of a larger cluster, each running the
+        same plan on its share of the batch (``solver.symmetry``), so every gradient bucket syncs among
+        ``sync_copies`` times the plan's pipelines, across nodes: the plan is priced as on the whole cluster, which
+        a planner searching the copy needs (a slice's plan of one pipeline syncs nothing in the slice, and all of
+        its gradients on the whole)."""
         self.cluster, self.model, self.settings, self.profile = cluster, model, settings, profile
+        self.sync_copies = sync_copies
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
@@ -236,7 +243,7 @@ class CostModel:
                 bw = cl.node_by_name[node].intra_node_bandwidth_gbps
                 n_blocks = stage.layers[1] - stage.layers[0]
                 in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
-                replicas = len(plan.pipelines) if id(stage) in sharded else 1
+                replicas = self.data_replicas(plan) if id(stage) in sharded else 1
                 key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
                        in_flight, pending, bucket_numel.get(id(stage), 0.0))
                 if key not in stages_seen:
@@ -275,7 +282,7 @@ class CostModel:
             sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
         else:
             sync, post = {}, max(opt.values())
-        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt))
+        fixed = self.step_overhead_s({st.gpu for p in plan.pipelines for st in p.stages}, len(opt) * self.sync_copies)
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
@@ -299,12 +306,12 @@ class CostModel:
         for k in range(pipe.depth):
             stage = pipe.stages[k]
             bw = cl.node_by_name[cl.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
-            replicas = len(plan.pipelines) if id(stage) in sharded else 1
+            replicas = self.data_replicas(plan) if id(stage) in sharded else 1
             u = self.unit_costs(stage.gpu, bw, t, plan.micro_batch_size, stage.recompute, stage.optimizer_state,
                                 replicas)
             chunks = [(pipe.stages[j].layers[1] - pipe.stages[j].layers[0], j == 0, j == P - 1, held[j])
                       for j in pipe.chunks_of(k)]
-            mem_gb = u.chunks_memory_bytes(chunks, syncs=len(plan.pipelines) > 1) / GB
+            mem_gb = u.chunks_memory_bytes(chunks, syncs=self.data_replicas(plan) > 1) / GB
             opt_s = sum(self.stage_params(n, first, last, t) for n, first, last, _ in chunks) * u.opt_s_per_param
             for d in stage.devices:
                 peak[d], opt[d] = mem_gb, opt_s
@@ -385,11 +392,15 @@ class CostModel:
                             count[(node, k % 2)] = count.get((node, k % 2), 0) + plan.tp
         return count
 
+    def data_replicas(self, plan: Plan) -> int:
+        """How many replicas of each layer sync its gradients: the plan's pipelines on every copy (``sync_copies``)."""
+        return len(plan.pipelines) * self.sync_copies
+
     def sharded_stages(self, plan: Plan) -> set[int]:
         """``id`` of each stage that keeps 1/D of its optimizer state: sharded or offloaded, in a plan of D > 1
         pipelines, and every other holder of each of its layers (its buckets') too. A stage whose layers
         some replica keeps whole keeps them whole as well (an offloaded one: all of its state on the host)."""
-        if len(plan.pipelines) == 1 or not any(st.optimizer_state in SHARDS_STATE
+        if self.data_replicas(plan) == 1 or not any(st.optimizer_state in SHARDS_STATE
                                                for p in plan.pipelines for st in p.stages):
             return set()
         whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
@@ -401,7 +412,7 @@ class CostModel:
         """Per stage (``id``), the elements per TP rank of its largest gradient bucket (none in a plan of one
         pipeline: nothing syncs), what bounds the sync's chunk (``UnitCosts.sync_chunk_numel``)."""
         out: dict[int, float] = {}
-        if len(plan.pipelines) > 1:
+        if self.data_replicas(plan) > 1:
             for _, stages, num_bytes in self._sync_buckets(plan):
                 for st in stages:
                     out[id(st)] = max(out.get(id(st), 0.0), num_bytes / self.grad_wire_bytes)
@@ -443,7 +454,7 @@ class CostModel:
 
         A bucket's t rings (one per TP rank) cross the same nodes (a stage's TP group sits on one node:
         ``validate_plan``) over the same link at the same price: priced once per bucket."""
-        D, t = len(plan.pipelines), plan.tp
+        D, t, copies = self.data_replicas(plan), plan.tp, self.sync_copies
         if D == 1:
             return []
         buckets = self._sync_buckets(plan)
@@ -458,7 +469,7 @@ class CostModel:
             ring_nodes = frozenset(node_of[st.devices[0]] for st in stages)
             rings.append(([[st.devices[r] for st in stages] for r in range(t)], ring_nodes, num_bytes,
                           holders_shard_state(stages)))
-            if len(ring_nodes) > 1:
+            if len(ring_nodes) > 1 or copies > 1:  # a copy's ring goes on to the other copies' nodes
                 for st in stages:
                     node = node_of[st.devices[0]]
                     crossing_gpus.setdefault(node, set()).update(st.devices)
@@ -481,7 +492,9 @@ class CostModel:
         if ring_nodes not in slowest:
             slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
         bw = slowest[ring_nodes]
-        if len(ring_nodes) > 1:
+        if self.sync_copies > 1:  # on to the other copies' nodes
+            bw = min(bw, self.cluster.inter_node_bandwidth_gbps)
+        if len(ring_nodes) > 1 or self.sync_copies > 1:
             bw /= max(share[n] for n in ring_nodes)
         if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
             return (ring_allgather_s(num_bytes, D, bw, self.latency_s),

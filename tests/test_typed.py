@@ -1,0 +1,86 @@
+"""Per-type pipelines (``solver.typed``): each GPU type in pipelines of its own, a depth per type."""
+
+import pytest
+from randomclusters import SMALL_MODEL
+
+from hetrain.cost.costmodel import CostModel
+from hetrain.plan.schema import validate_plan
+from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
+from solver.planner import make_plan
+from solver.space import group_classes
+from solver.typed import _groups, _least_modes, typed_search
+
+
+def _two_types(per_node: int, nodes: int) -> ClusterSpec:
+    return ClusterSpec.model_validate({
+        "name": "two-types", "inter_node_bandwidth_gbps": 25,
+        "nodes": [{"name": f"{kind}-{i}", "gpu": gpu, "count": per_node, "intra_node_bandwidth_gbps": 300}
+                  for kind, gpu in (("a", "A100-80G"), ("v", "V100-32G")) for i in range(nodes)]})
+
+
+def test_each_pipeline_is_one_gpu_type_and_the_plan_is_valid_and_fits():
+    cluster = _two_types(4, 4)
+    settings = TrainingSettings(global_batch_size=64, tp_degrees=[1, 2], micro_batch_sizes=[1])
+    cost = CostModel(cluster, SMALL_MODEL, settings)
+    (seconds, plan), tried = typed_search(cluster, cost)
+    validate_plan(plan, cluster)
+    est = cost.estimate(plan)
+    assert not est.over_capacity() and est.iteration_time_s == pytest.approx(seconds)
+    assert tried > 1
+    for pipe in plan.pipelines:
+        assert len({st.gpu for st in pipe.stages}) == 1
+    assert sum(p.num_microbatches for p in plan.pipelines) == settings.global_batch_size
+    # an incumbent it cannot beat: nothing comes back
+    assert typed_search(cluster, cost, incumbent_s=seconds * 0.5)[0] is None
+
+
+def test_pipelines_shallower_than_a_node_sit_side_by_side_over_the_same_nodes():
+    """Replicas of a layer on one node sync through its NIC once (``CostModel._sync_rings``)."""
+    cluster = _two_types(2, 4)
+    cost = CostModel(cluster, SMALL_MODEL, TrainingSettings(global_batch_size=64, tp_degrees=[1]))
+    a100 = next(c for c in group_classes(cluster, cost, 1, 1) if c.gpu == "A100-80G")
+    side = _groups(a100, 1, (4, True))  # 8 groups, 2 a node: two pipelines over the same four nodes
+    assert [[node for node, _ in pipe] for pipe in side] == [["a-0", "a-1", "a-2", "a-3"]] * 2
+    assert [idx for _, idx in side[0]] == [[0]] * 4 and [idx for _, idx in side[1]] == [[1]] * 4
+    in_turn = _groups(a100, 1, (4, False))  # a node's groups one after the other: half the sends inside nodes
+    assert [[node for node, _ in pipe] for pipe in in_turn] == [["a-0", "a-0", "a-1", "a-1"], ["a-2", "a-2", "a-3", "a-3"]]
+    settings = TrainingSettings(global_batch_size=64, tp_degrees=[1], micro_batch_sizes=[1])
+    cost = CostModel(cluster, SMALL_MODEL, settings)
+    plans = [_plan_of(cluster, cost, a100, choice) for choice in ((4, True), (4, False))]
+    # side by side, a node's two replicas of its layers sync through its NIC once: half the bytes of in turn
+    assert cost.estimate(plans[0]).post_s < cost.estimate(plans[1]).post_s
+
+
+def _plan_of(cluster, cost, cls, choice):
+    from solver.typed import _Layouts
+
+    layouts = _Layouts(cluster, cost, 1, 1)
+    i = next(k for k, c in enumerate(layouts.classes) if c.gpu == cls.gpu)
+    choices = tuple(choice if k == i else (0, False) for k in range(len(layouts.classes)))
+    return layouts.price(choices, None)[1]
+
+
+@pytest.mark.slow
+def test_large_1024_at_a_small_batch_runs_each_type_apart_and_beats_whale():
+    """The issue's case: whale's 16-stage pipelines mix H100 and A100 stages (20.7 % of the capacity idle in
+    stage imbalance); per-type pipelines beat them, and leave out only GPUs whose fastest pipeline that fits,
+    at its fewest micro-batches, would take longer than all of the plan's pipelines (large-1024: the RTX 3090s)."""
+    cluster = load_cluster("examples/clusters/large-1024.yaml")
+    model = load_model("examples/models/gpt-30b.yaml")
+    settings = TrainingSettings(global_batch_size=512)
+    plan = make_plan("hetrain", cluster, model, settings)
+    whale = make_plan("whale", cluster, model, settings)
+    assert plan.estimate.iteration_time_s < whale.estimate.iteration_time_s * 0.95
+    assert plan.plan.solver.model_extra["scope"] == "per-type pipelines"
+    used = {st.gpu for p in plan.plan.pipelines for st in p.stages}
+    cost = CostModel(cluster, model, settings)
+    for cls in group_classes(cluster, cost, plan.plan.tp, plan.plan.micro_batch_size):
+        if cls.gpu in used:
+            continue
+        fitting = [d for d in range(1, min(cls.count, model.num_layers) + 1)
+                   if _least_modes(cost, cls, plan.plan.tp, plan.plan.micro_batch_size, d) is not None]
+        assert fitting
+        for depth in fitting:
+            # a pipeline's p micro-batches need at least 2p - 1 stage times of its L / p blocks
+            fastest = (2 * depth - 1) * -(-model.num_layers // depth) * cls.fastest_block_s
+            assert fastest > plan.estimate.pipeline_s, (cls.gpu, depth)
