@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetrain.checkpoint.reassemble import PEER_SILENCE_S
+from hetrain.checkpoint import PEER_SILENCE_S
 from hetrain.errors import HetrainError
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from hetrain.checkpoint.reassemble import PEER_SILENCE_S
+from hetrain.checkpoint import PEER_SILENCE_S
 from hetrain.errors import HetrainError
 from hetrain.spec.hf import HF_CONFIG, SPEC_FILE, WEIGHTS, exported_name, hf_config  # their owner
 from hetrain.spec.specs import ModelSpec

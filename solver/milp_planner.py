@@ -52,6 +52,15 @@ IMPROVE_WITHIN = 0.03
 LESS_STATE_WITHIN = 0.05
 
 
+class NothingBetter(Exception):
+    """``plan_milp`` found no plan beating its ``incumbent_s``: what it searched (its fluid lower bound, the
+    templates it built, its seconds), for the caller's report."""
+
+    def __init__(self, lower_bound_s: float, templates: int, wall_s: float):
+        super().__init__(f"no plan in the MILP's space beats the incumbent ({templates} templates)")
+        self.lower_bound_s, self.templates, self.wall_s = lower_bound_s, templates, wall_s
+
+
 class Scope(NamedTuple):
     """Nodes a plan may use, as the MILP sees them: groups per class and the gradient all-reduce link."""
 
@@ -109,14 +118,18 @@ class _Search:
     tried (``plan_milp`` runs one over the plain spaces, then one over the spaces that keep less state)."""
 
     def __init__(self, cluster: ClusterSpec, cost: CostModel, time_limit_s: float,
-                 progress: Callable[[str], None] | None, incumbent: "_Search | None" = None):
-        """``incumbent``: an earlier search, whose best plan and MILP optimum this one must beat to matter."""
+                 progress: Callable[[str], None] | None, incumbent: "_Search | None" = None,
+                 beat_s: float | None = None):
+        """``incumbent``: an earlier search, whose best plan and MILP optimum this one must beat to matter;
+        ``beat_s``: a plan's time from elsewhere it must beat too (``plan_milp``'s ``incumbent_s``)."""
         self.cluster, self.cost, self.time_limit_s, self.progress = cluster, cost, time_limit_s, progress
         self.best: tuple[float, Plan, dict, Estimate] | None = None  # + the plan's estimate
         self.templates, self.best_gap, self.statuses = 0, 0.0, set()
         self.stats: dict[str, int] = {}  # MILP solves and LP proofs, over every (t, b, scope)
         self.best_milp_s: float | None = incumbent.best_milp_s if incumbent is not None else None
-        self.incumbent_s = incumbent.best[0] if incumbent is not None and incumbent.best is not None else None
+        found = incumbent.best[0] if incumbent is not None and incumbent.best is not None else None
+        self.incumbent_s = min([x for x in (found, beat_s) if x is not None], default=None)
+        self.outside_s = beat_s
         self.starts: dict[tuple, tuple[float, Space, list]] = {}  # scored plans the local search may start from
         self.spaces: list[Space] = []
         # per (t, b): its best plan scored (before local improvement), and the plan
@@ -166,7 +179,9 @@ class _Search:
                 continue  # this scope's groups cannot beat the best plan even computing nonstop
             if self.progress:
                 self.progress(f"tp={space.tp} micro-batch={space.micro_batch_size} scope={label}")
-            prune = self.best_milp_s * (1 + PRUNE_MARGIN) if self.best_milp_s is not None else None
+            # the MILP's optimum must come near the best plan's time, here or from elsewhere
+            bars = [x * (1 + PRUNE_MARGIN) for x in (self.best_milp_s, self.outside_s) if x is not None]
+            prune = min(bars, default=None)
             res = solve_templates(space, M, avail, bw, time_limit_s=self.time_limit_s, prune_above_s=prune,
                                   stats=self.stats)
             if res is None:
@@ -261,9 +276,12 @@ def plan_milp(
     time_limit_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
     schedules: bool = True,
+    incumbent_s: float | None = None,
 ) -> PlanResult:
     """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP; ``schedules=False``: its
-    pipelines left on 1F1B, for a caller that chooses them on a bigger plan (``solver.planner``'s slice).
+    pipelines left on 1F1B, for a caller that chooses them on a bigger plan (``solver.planner``'s slice);
+    ``incumbent_s``: a plan's time from elsewhere, which prunes as the search's own best does (``NothingBetter``
+    where nothing in the space beats it).
 
     Two searches, each as the planner searched before optimizer state was a choice: over the spaces whose
     stages keep their optimizer state whole, then, where memory binds there, over the spaces that offload
@@ -282,11 +300,11 @@ def plan_milp(
         rate = sum(c.count / c.fastest_block_s for c in classes)
         pending.append((M * cost.model.num_layers / rate if rate else math.inf, t, b))
     plain: dict[tuple[int, int], list[Space]] = {}
-    first = _Search(cluster, cost, time_limit_s, progress)
+    first = _Search(cluster, cost, time_limit_s, progress, beat_s=incumbent_s)
     first.run(pending, lambda t, b: plain.setdefault((t, b), search_spaces(cluster, cost, t, b, "whole")))
     if first.best is not None:
         first.improve_best()
-    second = _Search(cluster, cost, time_limit_s, progress, incumbent=first)
+    second = _Search(cluster, cost, time_limit_s, progress, incumbent=first, beat_s=incumbent_s)
     second.run(pending, lambda t, b: _less_state_spaces(cluster, cost, t, b, first, plain.get((t, b))))
     if second.best is not None:
         second.improve_best()
@@ -296,6 +314,8 @@ def plan_milp(
                                             >= found[0][1].iteration_time_s):
             found.append(search.result(t0, min(f for f, _, _ in pending), schedules))
     templates = first.templates + second.templates
+    if not found and incumbent_s is not None and (first.templates or second.templates):
+        raise NothingBetter(min(f for f, _, _ in pending), templates, time.perf_counter() - t0)
     if not found:
         raise NoPlanError(explain_no_plan(cluster, cost))
     plan, est = min(found, key=lambda f: f[1].iteration_time_s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from hetrain.cost.collectives import ring_allreduce_s
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import pipeline_terms
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
@@ -35,6 +36,10 @@ DESCENT_ROUNDS = 2
 # Stages a recompute mode may be raised on per layout when the whole estimate finds a GPU over its memory
 # (the probe's per-stage choice does not see the sync's chunk): tries before the layout is given up.
 RECOMPUTE_TRIES = 2
+# (TP degree, micro-batch size) pairs the descent starts from, those whose best uniform layout is fastest: on
+# the benchmark clusters the pair of the best uniform layout was the best pair after the descent too, and each
+# descent on 10,240 GPUs costs a few seconds.
+DESCENT_PAIRS = 2
 
 
 # A type's choice: (depth, side by side), depth 0 where it sits out (``_groups`` for the two placements).
@@ -66,6 +71,25 @@ def _groups(cls: GroupClass, t: int, choice: Choice) -> list[list[tuple[str, lis
         nodes = cls.nodes[start:start + depth]
         pipes += [[(node, list(range(g * t, (g + 1) * t))) for node in nodes] for g in range(cls.groups_per_node[0])]
     return pipes
+
+
+def _block_size(pipes: list[list[tuple[str, list[int]]]]) -> int | None:
+    """How many pipelines make each block of nodes that no pipeline outside it touches, where every block has as
+    many in the same pattern (the type's pipelines then repeat block by block, alike); None where they do not."""
+    sizes, nodes, pattern = [], set(), None
+    for pipe in pipes:
+        mine = {node for node, _ in pipe}
+        if sizes and mine & nodes:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+            nodes = set()
+        nodes |= mine
+    first = {node for pipe in pipes[:sizes[0]] for node, _ in pipe} if sizes else set()
+    pattern = len(first)
+    if not sizes or len(set(sizes)) > 1 or len({node for pipe in pipes for node, _ in pipe}) != pattern * len(sizes):
+        return None
+    return sizes[0]
 
 
 def _stages(cost: CostModel, cls: GroupClass, t: int, b: int, pipe: list, bumps: dict[str, int]) -> list[StagePlan]:
@@ -112,6 +136,7 @@ class _Layouts:
         self.classes = group_classes(cluster, cost, t, b)
         self.options = [_choices(c, cost.model.num_layers, self.M) for c in self.classes]
         self.priced: dict[tuple[Choice, ...], tuple[float, Plan] | None] = {}
+        self._terms: dict[tuple[int, Choice], tuple | None] = {}
 
     def price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
         """(iteration seconds, plan) of the layout, None where it does not fit or cannot beat ``beat_s``."""
@@ -136,25 +161,37 @@ class _Layouts:
             return math.inf
         return max(longest, (self.M + fill) / rate)
 
+    def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
+        """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill) and its GPUs' longest
+        optimizer step, from an estimate without the sync of those pipelines alone: a type's pipelines compute
+        and send the same whatever the other types run (their nodes and NICs are their own), so a layout's
+        pipelines are priced from its types' terms without an estimate of the whole. Only the first block of
+        pipelines sharing nodes is estimated where every block is alike (``_block_size``): 10,240 GPUs are
+        160 alike nodes a type. None where a stage fits no recompute."""
+        key = (i, choice)
+        if key not in self._terms:
+            groups = _groups(self.classes[i], self.t, choice)
+            block = _block_size(groups) or len(groups)
+            pipes = self._type_pipelines(i, choice, {}, groups[:block])
+            probe = self.cost.estimate(_plan(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False) \
+                if pipes else None
+            self._terms[key] = None if probe is None or probe.over_capacity() else (
+                len(groups), [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines] * (len(groups) // block),
+                probe.post_s)
+        return self._terms[key]
+
     def _price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
         if beat_s is not None and self.bound_s(choices) >= beat_s:
             return None
+        split = self.allocation(choices)
+        if split is None:
+            return None
+        used, parts, counts = split
+        if beat_s is not None and self._synced_bound_s(used, parts, counts) >= beat_s:
+            return None
         bumps: dict[str, int] = {}
+        pipes = [p for i, c in used for p in self._type_pipelines(i, c, bumps)]
         for _ in range(RECOMPUTE_TRIES + 1):
-            pipes = self._pipelines(choices, bumps)
-            if pipes is None:
-                return None
-            probe = self.cost.estimate(_plan(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False)
-            if probe.over_capacity():
-                return None
-            terms = [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines]  # 1F1B: m tau + fill
-            counts = allocate_microbatches([x for x, _ in terms], [(x + f) - x for x, f in terms], self.M,
-                                           [len(pp.stages) for pp in pipes])
-            if counts is None:
-                return None
-            bound_s = max(m * x + f for m, (x, f) in zip(counts, terms)) + probe.post_s + probe.step_overhead_s
-            if beat_s is not None and bound_s >= beat_s:
-                return None
             plan = _plan(self.cost, self.cluster, self.t, self.b,
                          [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)])
             est = self.cost.estimate(plan)
@@ -163,31 +200,81 @@ class _Layouts:
                 return est.iteration_time_s, plan
             for d in over:  # the sync's chunk or the step's temporaries: one more recompute there
                 bumps[d] = bumps.get(d, 0) + 1
+            pipes = [p for i, c in used for p in self._type_pipelines(i, c, bumps)]
+            if len(pipes) != len(counts):  # some stage fits no recompute
+                return None
         return None
 
-    def _pipelines(self, choices: tuple[Choice, ...], bumps: dict[str, int]) -> list[PipelinePlan] | None:
-        pipes = []
-        for cls, choice in zip(self.classes, choices):
-            for groups in _groups(cls, self.t, choice) if choice[0] else []:
-                stages = _stages(self.cost, cls, self.t, self.b, groups, bumps)
-                if not stages:
-                    return None
-                pipes.append(PipelinePlan.model_construct(num_microbatches=len(stages), stages=stages))
-        if not pipes or sum(len(p.stages) for p in pipes) > self.M:  # 1F1B: a micro-batch per stage
+    def allocation(self, choices: tuple[Choice, ...]) -> tuple[list[tuple[int, Choice]], list, list[int]] | None:
+        """The types used (index, choice), their terms (``type_terms``) and each pipeline's micro-batches,
+        fastest finish first (``allocate_microbatches``); None where a type does not fit or the batch is short."""
+        used = [(i, c) for i, c in enumerate(choices) if c != OFF]
+        parts = [self.type_terms(i, c) for i, c in used]
+        if any(part is None for part in parts):
             return None
+        terms = [x for part in parts for x in part[1]]  # 1F1B: T(m) = m tau + fill
+        depths = [c[0] for (_, c), part in zip(used, parts) for _ in range(part[0])]
+        counts = allocate_microbatches([x for x, _ in terms], [(x + f) - x for x, f in terms], self.M, depths)
+        return None if counts is None else (used, parts, counts)
+
+    def synced_bound_s(self, choices: tuple[Choice, ...]) -> float | None:
+        """``_synced_bound_s`` of the layout (None where ``allocation`` is)."""
+        split = self.allocation(choices)
+        return None if split is None else self._synced_bound_s(*split)
+
+    def _synced_bound_s(self, used: list[tuple[int, Choice]], parts: list, counts: list[int]) -> float:
+        """No plan of this layout is faster: the types' pipelines as they will be priced (1F1B: m tau + fill),
+        then on each type's first stages the gradient all-reduces that no drain hides, then the step.
+
+        A first stage ends its 1F1B last in its pipeline and only then runs its rings, one after another
+        (``CostModel._post_s``): those of its blocks and the embedding, each among at least the type's own
+        pipelines, the first blocks every pipeline's first stage holds among all of them. Across nodes (more
+        replicas than a node holds groups) over the default link at most, shared by at least a stage's TP ranks
+        where its node shares a NIC (as ``solver.baselines._first_sync_bound_s``); no sync where links are
+        overridden (their speeds are not known here)."""
+        cl, t, L, lat = self.cluster, self.t, self.cost.model.num_layers, self.cost.latency_s
+        D, at, ends = len(counts), 0, 0.0
+        first_blocks = [_even_split(L, c[0])[0][1] for _, c in used]
+        common = min(first_blocks)
+        for (i, _), part, blocks in zip(used, parts, first_blocks):
+            n, terms = part[0], part[1]
+            pipe_s = max(m * x + f for m, (x, f) in zip(counts[at:at + n], terms))
+            at += n
+            cls = self.classes[i]
+            ring_s = 0.0
+            if not cl.links and D > max(cls.groups_per_node):
+                bw = cl.inter_node_bandwidth_gbps / (t if any(cl.node_by_name[x].shares_nic for x in cls.nodes) else 1)
+                own = self.cost.grad_bytes(blocks, True, blocks == L, t)
+                shared = self.cost.grad_bytes(common, True, common == L, t)
+                ring_s = max(ring_allreduce_s(shared, D, bw, lat), ring_allreduce_s(own, n, bw, lat)
+                             if n > max(cls.groups_per_node) else 0.0)
+            ends = max(ends, pipe_s + ring_s)
+        return ends + max(part[2] for part in parts)
+
+    def _type_pipelines(self, i: int, choice: Choice, bumps: dict[str, int],
+                        groups: list | None = None) -> list[PipelinePlan]:
+        """Type ``i``'s pipelines at ``choice`` (or of ``groups``, some of them), 1F1B's fewest micro-batches each;
+        [] where a stage fits none."""
+        cls, pipes = self.classes[i], []
+        for groups in _groups(cls, self.t, choice) if groups is None else groups:
+            stages = _stages(self.cost, cls, self.t, self.b, groups, bumps)
+            if not stages:
+                return []
+            pipes.append(PipelinePlan.model_construct(num_microbatches=len(stages), stages=stages))
         return pipes
 
-    def descend(self, beat_s: float | None) -> tuple[float, Plan] | None:
-        """Coordinate descent from the best layout of one depth for every type (whale's shape, unmixed), each
-        type's groups in turn or side by side."""
-        best, current = None, None
-        for choice in sorted({c for opts in self.options for c in opts[1:]}):
-            trial = tuple(max(c for c in opts if c <= choice) for opts in self.options)
-            got = self.price(trial, best[0] if best else beat_s)
-            if got is not None and (best is None or got[0] < best[0]):
-                best, current = got, trial
-        if current is None:
-            return None
+    def uniform_layouts(self) -> list[tuple[Choice, ...]]:
+        """The layouts of one depth for every type (whale's shape, unmixed; each type's groups in turn, or side
+        by side): the type at the deepest of its choices up to that one."""
+        return list(dict.fromkeys(tuple(max(c for c in opts if c <= choice) for opts in self.options)
+                                  for choice in sorted({c for opts in self.options for c in opts[1:]})))
+
+    def descend(self, start: tuple[tuple[float, Plan], tuple[Choice, ...]]) -> tuple[float, Plan]:
+        """Coordinate descent from ``start``: each type's choice in turn, kept where the plan is faster. Each step
+        must beat the descent's own best only: an incumbent from elsewhere would prune the starting layouts, from
+        which the descent walks down to one that beats it (10,240 GPUs of 8 types: whale's 4.87 s prunes every
+        uniform layout, the descent from them ends at 4.50)."""
+        best, current = start
         for _ in range(DESCENT_ROUNDS):
             moved = False
             for i, opts in enumerate(self.options):
@@ -208,21 +295,30 @@ def typed_search(cluster: ClusterSpec, cost: CostModel,
     """The best per-type layout (time, plan) that beats ``incumbent_s``, and how many layouts were priced
     (``solver.baselines.whale_search``'s contract: what ``solver.planner`` seeds its search with).
 
-    (TP degree, micro-batch size) pairs in order of their fluid bound (every group computing its blocks
-    nonstop, ``solver.milp.fluid_lower_bound_s``); a pair whose bound cannot beat the best so far is skipped."""
-    L, G = cost.model.num_layers, cost.settings.global_batch_size
+    The uniform layouts of every (TP degree, micro-batch size) pair first (``_Layouts.uniform_layouts``), then
+    the descent from the ``DESCENT_PAIRS`` pairs whose best of them is fastest."""
     pairs = []
     for t, b in tp_and_micro_batch(cluster, cost):
-        layouts = _Layouts(cluster, cost, t, b)
-        rate = sum(c.count / c.fastest_block_s for c in layouts.classes)
-        pairs.append((G // b * L / rate if rate else float("inf"), t, b, layouts))
-    best, tried = None, 0
-    for fluid_s, t, b, layouts in sorted(pairs, key=lambda p: p[:3]):
-        beat = min([s for s in (incumbent_s, best[0] if best else None) if s is not None], default=None)
-        if beat is not None and fluid_s >= beat:
-            continue
-        got = layouts.descend(beat)
-        tried += len(layouts.priced)
-        if got is not None and (beat is None or got[0] < beat):
+        pairs.append((None, t, b, _Layouts(cluster, cost, t, b)))
+    # every pair's uniform layouts in order of their bound (``bound_s``), each priced only if it could beat the
+    # best of them so far: the descent starts from each pair's best one found
+    uniform = sorted((layouts.bound_s(trial), k, trial) for k, (_, _, _, layouts) in enumerate(pairs)
+                     for trial in layouts.uniform_layouts())
+    found: dict[int, tuple[tuple[float, Plan], tuple[Choice, ...]]] = {}
+    for bound_s, k, trial in uniform:
+        bar = min((f[0][0] for f in found.values()), default=None)
+        if bar is not None and bound_s >= bar:
+            break
+        got = pairs[k][3].price(trial, bar)
+        if got is not None and (k not in found or got[0] < found[k][0][0]):
+            found[k] = (got, trial)
+    starts = [(start, pairs[k][3]) for k, start in found.items()]
+    best = None
+    for start, layouts in sorted(starts, key=lambda s: s[0][0][0])[:DESCENT_PAIRS]:
+        got = layouts.descend(start)
+        if best is None or got[0] < best[0]:
             best = got
+    tried = sum(len(p[3].priced) for p in pairs)
+    if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
+        best = None
     return best, tried

@@ -84,3 +84,34 @@ def test_large_1024_at_a_small_batch_runs_each_type_apart_and_beats_whale():
             # a pipeline's p micro-batches need at least 2p - 1 stage times of its L / p blocks
             fastest = (2 * depth - 1) * -(-model.num_layers // depth) * cls.fastest_block_s
             assert fastest > plan.estimate.pipeline_s, (cls.gpu, depth)
+
+
+@pytest.mark.parametrize("case", ["two-types", "random-large-1", "random-large-3"])
+def test_the_bounds_that_prune_layouts_never_exceed_their_estimate(case):
+    """A layout is priced only if its bounds could beat the best: a bound above its estimate would lose plans."""
+    from randomclusters import random_large_cluster
+
+    from solver.typed import OFF, _Layouts
+
+    if case == "two-types":
+        cluster, settings = _two_types(4, 4), TrainingSettings(global_batch_size=64, micro_batch_sizes=[1, 2])
+    else:
+        cluster, settings = random_large_cluster(int(case.rsplit("-", 1)[1]))
+    cost = CostModel(cluster, SMALL_MODEL, settings)
+    checked = 0
+    for t in settings.tp_degrees:
+        for b in settings.micro_batch_sizes:
+            if settings.global_batch_size % b or not SMALL_MODEL.tp_divides(t) or t > max(n.count for n in cluster.nodes):
+                continue
+            layouts = _Layouts(cluster, cost, t, b)
+            trials = layouts.uniform_layouts() + [tuple(opts[k % len(opts)] if k % 3 else OFF
+                                                       for k, opts in enumerate(layouts.options, start=j))
+                                                  for j in range(4)]
+            for choices in trials:
+                got = layouts.price(choices, None)
+                if got is None:
+                    continue
+                assert layouts.bound_s(choices) <= got[0] * (1 + 1e-9)
+                assert layouts.synced_bound_s(choices) <= got[0] * (1 + 1e-9)
+                checked += 1
+    assert checked >= 3

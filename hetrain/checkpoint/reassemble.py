@@ -28,15 +28,11 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name)
+from hetrain.checkpoint import PEER_SILENCE_S, PEER_TOKEN_ENV
 from hetrain.errors import HetrainError
 from hetrain.spec.specs import ModelSpec
 
 CHUNK_BYTES = 8 << 20
-PEER_TOKEN_ENV = "HETRAIN_PEER_TOKEN"
-# Seconds without a byte before a peer counts as gone and its files are taken from another source: a live
-# peer answers within milliseconds on any link, and a timeout on silence, not on the whole transfer, lets a
-# multi-GB shard over a slow link finish.
-PEER_SILENCE_S = 10.0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hetrain.checkpoint.reassemble import PEER_SILENCE_S, PEER_TOKEN_ENV
+from hetrain.checkpoint import PEER_SILENCE_S, PEER_TOKEN_ENV
 from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir

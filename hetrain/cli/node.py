@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from hetrain.checkpoint.reassemble import PEER_TOKEN_ENV
+from hetrain.checkpoint import PEER_TOKEN_ENV
 from hetrain.cli.common import err, user_errors
 from hetrain.errors import HetrainError
 from hetrain.files import check_output_dir

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hetrain.checkpoint.reassemble import PEER_SILENCE_S
+from hetrain.checkpoint import PEER_SILENCE_S
 from hetrain.cli.common import MAX_TIMEOUT_S, err, out, say_note, user_errors
 from hetrain.cost.notice import MIN_CHECKPOINT_S
 from hetrain.errors import HetrainError
