@@ -100,7 +100,11 @@ def _sync_scopes(cluster: ClusterSpec, space: Space, copies: int = 1) -> list[Sc
         crossing = len(sub) > 1 or copies > 1  # on copies of the cluster a ring goes on to the others' nodes
         if copies > 1:
             bw = min(bw, cluster.inter_node_bandwidth_gbps)
-        if crossing and any(cluster.node_by_name[n].shares_nic for n in sub):
+        if copies > 1 and any(cluster.node_by_name[n].shares_nic for n in sub):
+            # every GPU's ring leaves its node for the other copies', all at once through one NIC: shared by each
+            # GPU a plan puts there (``CostModel._sync_rings``: fewer only where a node's groups hold one bucket)
+            bw /= max(cluster.node_by_name[n].count for n in sub)
+        elif crossing and any(cluster.node_by_name[n].shares_nic for n in sub):
             bw /= space.tp  # a stage's TP ranks all-reduce across nodes at once, through one NIC
         scopes.append(Scope(label, avail, bw))
         if small and len(sub) > 1 and copies == 1:

@@ -36,12 +36,14 @@ DESCENT_ROUNDS = 2
 # Stages a recompute mode may be raised on per layout when the whole estimate finds a GPU over its memory
 # (the probe's per-stage choice does not see the sync's chunk): tries before the layout is given up.
 RECOMPUTE_TRIES = 2
-# (TP degree, micro-batch size) pairs the descent starts from, those whose best uniform layout is fastest: on
-# the benchmark clusters the pair of the best uniform layout was the best pair after the descent too, and each
-# descent on 10,240 GPUs costs a few seconds.
-DESCENT_PAIRS = 2
+# The descents start from the fastest DESCENT_STARTS uniform layouts (every type at one depth) of any (TP degree,
+# micro-batch size), among those within START_WITHIN of the fastest: the descent is local, and from one start it
+# stopped at 4.51 s on large-1024 with bf16 gradients where a start it did not try led to 3.90 s.
+DESCENT_STARTS = 2
+START_WITHIN = 0.05
 
 
+_UNPRICED = object()
 # A type's choice: (depth, side by side), depth 0 where it sits out (``_groups`` for the two placements).
 Choice = tuple[int, bool]
 OFF: Choice = (0, False)
@@ -135,31 +137,48 @@ class _Layouts:
         self.M = cost.settings.global_batch_size // b
         self.classes = group_classes(cluster, cost, t, b)
         self.options = [_choices(c, cost.model.num_layers, self.M) for c in self.classes]
-        self.priced: dict[tuple[Choice, ...], tuple[float, Plan] | None] = {}
+        # per layout: (seconds, plan), None (does not fit), or the bound that pruned it (``price``)
+        self.priced: dict[tuple[Choice, ...], tuple[float, Plan] | float | None] = {}
         self._terms: dict[tuple[int, Choice], tuple | None] = {}
+        self._counts: dict[tuple[int, Choice], int] = {}
 
     def price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
-        """(iteration seconds, plan) of the layout, None where it does not fit or cannot beat ``beat_s``."""
-        if choices not in self.priced:
-            self.priced[choices] = self._price(choices, beat_s)
-        return self.priced[choices]
+        """(iteration seconds, plan) of the layout, None where it does not fit or cannot beat ``beat_s``. A layout
+        pruned before is priced again only for a bar above the bound that pruned it (a descent from a slower
+        start walks through layouts that an earlier, faster one could skip)."""
+        got = self.priced.get(choices, _UNPRICED)
+        if isinstance(got, float):
+            if beat_s is not None and got >= beat_s:
+                return None
+            got = _UNPRICED
+        if got is _UNPRICED:
+            got = self.priced[choices] = self._price(choices, beat_s)
+        return got if isinstance(got, tuple) else None
+
+    def pipelines_of(self, cls: GroupClass, choice: Choice) -> int:
+        """How many pipelines ``cls`` runs at ``choice`` (cached: every bound asks)."""
+        key = (cls.index, choice)
+        if key not in self._counts:
+            self._counts[key] = len(_groups(cls, self.t, choice))
+        return self._counts[key]
 
     def bound_s(self, choices: tuple[Choice, ...]) -> float:
-        """No layout of these depths is faster: each pipeline's stages at its type's fastest seconds per block
-        (no embedding, head, sends or sync), 1F1B's (d - 1) fill and at least d micro-batches each, the M
-        micro-batches spread as if divisible (``allocate_microbatches``' fluid limit)."""
+        """No layout of these depths is faster, before any estimate: each pipeline's stages at its type's fastest
+        seconds per block (no embedding, head or sends), 1F1B's (d - 1) fill and at least d micro-batches each,
+        the M micro-batches spread as if divisible (``allocate_microbatches``' fluid limit); then the slowest
+        pipeline's first stage runs its rings (``_rings_s``), the least of any type's at least."""
         L, rate, fill, longest, stages = self.cost.model.num_layers, 0.0, 0.0, 0.0, 0
-        for cls, choice in zip(self.classes, choices):
-            d = choice[0]
-            if not d:
-                continue
-            n = len(_groups(cls, self.t, choice))
+        used = [(cls, c, self.pipelines_of(cls, c)) for cls, c in zip(self.classes, choices) if c != OFF]
+        for cls, (d, _), n in used:
             tau = math.ceil(L / d) * cls.fastest_block_s
             rate, fill, stages = rate + n / tau, fill + n * (d - 1), stages + n * d
             longest = max(longest, (2 * d - 1) * tau) if n else longest
         if stages > self.M or not rate:
             return math.inf
-        return max(longest, (self.M + fill) / rate)
+        D = sum(n for _, _, n in used)
+        common = min(_even_split(L, d)[0][1] for _, (d, _), _ in used)
+        rings = min(self._rings_s(cls, _even_split(L, d)[0][1], n, D, common) for cls, (d, _), n in used)
+        return max(longest, (self.M + fill) / rate) + rings
 
     def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
         """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill) and its GPUs' longest
@@ -180,15 +199,18 @@ class _Layouts:
                 probe.post_s)
         return self._terms[key]
 
-    def _price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
-        if beat_s is not None and self.bound_s(choices) >= beat_s:
-            return None
+    def _price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | float | None:
+        """``price``'s answer, or where ``beat_s`` prunes the layout, the bound that did (a float)."""
+        bound_s = self.bound_s(choices)
+        if beat_s is not None and bound_s >= beat_s:
+            return bound_s
         split = self.allocation(choices)
         if split is None:
             return None
         used, parts, counts = split
-        if beat_s is not None and self._synced_bound_s(used, parts, counts) >= beat_s:
-            return None
+        synced_s = self._synced_bound_s(used, parts, counts)
+        if beat_s is not None and synced_s >= beat_s:
+            return synced_s
         bumps: dict[str, int] = {}
         pipes = [p for i, c in used for p in self._type_pipelines(i, c, bumps)]
         for _ in range(RECOMPUTE_TRIES + 1):
@@ -232,7 +254,7 @@ class _Layouts:
         replicas than a node holds groups) over the default link at most, shared by at least a stage's TP ranks
         where its node shares a NIC (as ``solver.baselines._first_sync_bound_s``); no sync where links are
         overridden (their speeds are not known here)."""
-        cl, t, L, lat = self.cluster, self.t, self.cost.model.num_layers, self.cost.latency_s
+        L = self.cost.model.num_layers
         D, at, ends = len(counts), 0, 0.0
         first_blocks = [_even_split(L, c[0])[0][1] for _, c in used]
         common = min(first_blocks)
@@ -240,16 +262,20 @@ class _Layouts:
             n, terms = part[0], part[1]
             pipe_s = max(m * x + f for m, (x, f) in zip(counts[at:at + n], terms))
             at += n
-            cls = self.classes[i]
-            ring_s = 0.0
-            if not cl.links and D > max(cls.groups_per_node):
-                bw = cl.inter_node_bandwidth_gbps / (t if any(cl.node_by_name[x].shares_nic for x in cls.nodes) else 1)
-                own = self.cost.grad_bytes(blocks, True, blocks == L, t)
-                shared = self.cost.grad_bytes(common, True, common == L, t)
-                ring_s = max(ring_allreduce_s(shared, D, bw, lat), ring_allreduce_s(own, n, bw, lat)
-                             if n > max(cls.groups_per_node) else 0.0)
-            ends = max(ends, pipe_s + ring_s)
+            ends = max(ends, pipe_s + self._rings_s(self.classes[i], blocks, n, D, common))
         return ends + max(part[2] for part in parts)
+
+    def _rings_s(self, cls: GroupClass, blocks: int, n: int, D: int, common: int) -> float:
+        """Seconds a first stage of ``cls`` (``blocks`` blocks, the embedding) all-reduces at least once its
+        pipeline ends: the ``common`` first blocks among all D pipelines, its own among at least its type's n."""
+        cl, t, L, lat = self.cluster, self.t, self.cost.model.num_layers, self.cost.latency_s
+        if cl.links or D <= max(cls.groups_per_node):
+            return 0.0
+        bw = cl.inter_node_bandwidth_gbps / (t if any(cl.node_by_name[x].shares_nic for x in cls.nodes) else 1)
+        shared = ring_allreduce_s(self.cost.grad_bytes(common, True, common == L, t), D, bw, lat)
+        own = (ring_allreduce_s(self.cost.grad_bytes(blocks, True, blocks == L, t), n, bw, lat)
+               if n > max(cls.groups_per_node) else 0.0)
+        return max(shared, own)
 
     def _type_pipelines(self, i: int, choice: Choice, bumps: dict[str, int],
                         groups: list | None = None) -> list[PipelinePlan]:
@@ -265,9 +291,18 @@ class _Layouts:
 
     def uniform_layouts(self) -> list[tuple[Choice, ...]]:
         """The layouts of one depth for every type (whale's shape, unmixed; each type's groups in turn, or side
-        by side): the type at the deepest of its choices up to that one."""
-        return list(dict.fromkeys(tuple(max(c for c in opts if c <= choice) for opts in self.options)
-                                  for choice in sorted({c for opts in self.options for c in opts[1:]})))
+        by side), the type at the deepest of its choices up to that one; and each with its slowest types left out,
+        one more at a time (a type too slow for the batch sits out: a descent rarely finds that from a layout that
+        uses it, where the other types' depths suit it)."""
+        by_speed = sorted(range(len(self.classes)), key=lambda i: self.classes[i].fastest_block_s)
+        out = []
+        for choice in sorted({c for opts in self.options for c in opts[1:]}):
+            full = [max(c for c in opts if c <= choice) for opts in self.options]
+            for kept in range(len(by_speed), 0, -1):
+                trial = tuple(full[i] if i in by_speed[:kept] else OFF for i in range(len(full)))
+                if any(c != OFF for c in trial):
+                    out.append(trial)
+        return list(dict.fromkeys(out))
 
     def descend(self, start: tuple[tuple[float, Plan], tuple[Choice, ...]]) -> tuple[float, Plan]:
         """Coordinate descent from ``start``: each type's choice in turn, kept where the plan is faster. Each step
@@ -295,30 +330,29 @@ def typed_search(cluster: ClusterSpec, cost: CostModel,
     """The best per-type layout (time, plan) that beats ``incumbent_s``, and how many layouts were priced
     (``solver.baselines.whale_search``'s contract: what ``solver.planner`` seeds its search with).
 
-    The uniform layouts of every (TP degree, micro-batch size) pair first (``_Layouts.uniform_layouts``), then
-    the descent from the ``DESCENT_PAIRS`` pairs whose best of them is fastest."""
+    The uniform layouts of every (TP degree, micro-batch size) pair first (``_Layouts.uniform_layouts``), then a
+    descent from each of the ``DESCENT_STARTS`` fastest of them."""
     pairs = []
     for t, b in tp_and_micro_batch(cluster, cost):
         pairs.append((None, t, b, _Layouts(cluster, cost, t, b)))
-    # every pair's uniform layouts in order of their bound (``bound_s``), each priced only if it could beat the
-    # best of them so far: the descent starts from each pair's best one found
+    # every pair's uniform layouts in order of their bound (``bound_s``), each priced only if it could come within
+    # START_WITHIN of the best of them so far: the descents start from the fastest DESCENT_STARTS of them
     uniform = sorted((layouts.bound_s(trial), k, trial) for k, (_, _, _, layouts) in enumerate(pairs)
                      for trial in layouts.uniform_layouts())
-    found: dict[int, tuple[tuple[float, Plan], tuple[Choice, ...]]] = {}
+    found: list[tuple[float, int, tuple[Choice, ...], Plan]] = []
     for bound_s, k, trial in uniform:
-        bar = min((f[0][0] for f in found.values()), default=None)
+        bar = min(f[0] for f in found) * (1 + START_WITHIN) if found else None
         if bar is not None and bound_s >= bar:
             break
         got = pairs[k][3].price(trial, bar)
-        if got is not None and (k not in found or got[0] < found[k][0][0]):
-            found[k] = (got, trial)
-    starts = [(start, pairs[k][3]) for k, start in found.items()]
+        if got is not None:
+            found.append((got[0], k, trial, got[1]))
     best = None
-    for start, layouts in sorted(starts, key=lambda s: s[0][0][0])[:DESCENT_PAIRS]:
-        got = layouts.descend(start)
+    for seconds, k, trial, plan in sorted(found, key=lambda f: f[0])[:DESCENT_STARTS]:
+        got = pairs[k][3].descend(((seconds, plan), trial))
         if best is None or got[0] < best[0]:
             best = got
-    tried = sum(len(p[3].priced) for p in pairs)
+    tried = sum(1 for p in pairs for got in p[3].priced.values() if not isinstance(got, float))
     if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
         best = None
     return best, tried
