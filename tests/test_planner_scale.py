@@ -93,7 +93,7 @@ def test_a_slice_prices_its_plan_as_the_whole_cluster_prices_the_copies():
 
 
 def test_a_plan_from_a_baseline_where_the_milp_finds_none_prints(monkeypatch, tmp_path):
-    """The MILP finding nothing is not the end: a baseline's plan is a plan, and the CLI prints it."""
+    """The MILP finding nothing is not the end: a seed's plan is a plan, and the CLI prints it."""
     import solver.planner as planner
     from conftest import EXAMPLES
 
@@ -108,6 +108,6 @@ def test_a_plan_from_a_baseline_where_the_milp_finds_none_prints(monkeypatch, tm
     cluster = load_cluster(EXAMPLES / "clusters/paper-12gpu.yaml")
     r = make_plan("hetrain", cluster, load_model(EXAMPLES / "models/gpt-6.7b.yaml"),
                   TrainingSettings(global_batch_size=128))
-    assert r.plan.solver.model_extra["scope"] in ("megatron's layout", "whale's layout")
+    assert r.plan.solver.model_extra["scope"] in ("megatron's layout", "whale's layout", "per-type pipelines")
     assert "found none" in r.plan.solver.model_extra["claim"]
     assert "hetrain planner the MILP found no plan" in summary_line(r.plan, r.estimate)
