@@ -6,14 +6,17 @@ fastest groups down, so a pipeline of 8 H100 stages beside 8 A100 stages idles t
 gpt-30b, global batch 512: 20.7 % of the capacity lost to stage imbalance), and the slow types get the
 same depth as the fast ones. The MILP plans such clusters by a slice (``solver.symmetry``) holding one
 H100 node, where no H100 pipeline of its own exists. Here each type (``solver.space.group_classes``) runs
-pipelines of one depth d (its blocks split evenly, its groups in turn) or sits out, which is also how a
-type too slow for the batch is left out: a pipeline of p stages needs p micro-batches and at least
-(2p - 1) stage times, which on large-1024's RTX 3090s is longer than the whole iteration without them.
+pipelines of one depth d (its blocks split evenly; its groups in turn, or side by side over the same nodes)
+or sits out, which is also how a type too slow for the batch is left out: a pipeline of p stages needs p
+micro-batches and at least (2p - 1) stage times, which on large-1024's RTX 3090s is longer than all the other
+pipelines take.
 
-The depths are searched by coordinate descent (each type's depth in turn, kept where the plan is faster),
-every layout priced by the cost model itself: its pipelines first without the gradient sync, a bound,
-then whole. Depths divide the model's blocks where they can, so the types' stage boundaries line up and
-each gradient bucket spans whole stages.
+The choices are searched by coordinate descent (each type's choice in turn, kept where the plan is faster)
+from the fastest uniform layouts (every type at one depth, the slowest types left out one at a time). Every
+layout is priced by the cost model itself, cheapest first: an analytic bound (each type's fastest blocks and
+the rings its first stages cannot hide), then the types' pipelines from one estimate of each type's block of
+them, then the whole plan. Depths divide the model's blocks where they can, so the types' stage boundaries
+line up and each gradient bucket spans whole stages.
 """
 
 from __future__ import annotations

@@ -115,3 +115,28 @@ def test_the_bounds_that_prune_layouts_never_exceed_their_estimate(case):
                 assert layouts.synced_bound_s(choices) <= got[0] * (1 + 1e-9)
                 checked += 1
     assert checked >= 3
+
+
+def test_a_types_pipelines_priced_from_one_block_match_all_of_them_estimated():
+    """``type_terms`` estimates one block of a type's pipelines (those sharing nodes) where the blocks are alike."""
+    from hetrain.cost.pipeline import pipeline_terms
+    from solver.baselines import _plan
+    from solver.typed import _Layouts
+
+    cluster = _two_types(4, 6)
+    settings = TrainingSettings(global_batch_size=256, micro_batch_sizes=[1])
+    cost = CostModel(cluster, SMALL_MODEL, settings)
+    layouts = _Layouts(cluster, cost, 1, 1)
+    checked = 0
+    for i, options in enumerate(layouts.options):
+        for choice in options[1:]:
+            got = layouts.type_terms(i, choice)
+            if got is None:
+                continue
+            pipes = layouts._type_pipelines(i, choice, {})
+            whole = cost.estimate(_plan(cost, cluster, 1, 1, pipes), with_sync=False)
+            assert got[0] == len(pipes)
+            expected = [x for pe in whole.pipelines for x in pipeline_terms(pe.stage_s, pe.p2p_s)]
+            assert [x for terms in got[1] for x in terms] == pytest.approx(expected, rel=1e-12)
+            checked += 1
+    assert checked >= 6
