@@ -42,6 +42,18 @@ def test_plan_json_and_planner_choice(cli):
     assert json.loads(r.stdout)["solver"]["planner"] == "megatron"
 
 
+def test_plan_with_bf16_gradients_records_them_and_syncs_in_half_the_time(cli):
+    """--grad-reduce bf16: the plan says so (training then reduces in bf16) and its sync is priced at half the bytes."""
+    args = ("plan", "--cluster", str(EXAMPLES / "clusters/paper-12gpu.yaml"), "--model",
+            str(EXAMPLES / "models/gpt-6.7b.yaml"), "--global-batch-size", "64", "--planner", "megatron", "--json")
+    fp32, bf16 = (json.loads(cli(*args, *extra).stdout) for extra in ((), ("--grad-reduce", "bf16")))
+    assert fp32["training"]["grad_reduce"] == "fp32" and bf16["training"]["grad_reduce"] == "bf16"
+    assert bf16["predicted"]["sync_and_optimizer_s"] < fp32["predicted"]["sync_and_optimizer_s"]
+    bad = cli(*args, "--grad-reduce", "fp16")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --grad-reduce: expected input should be 'fp32' or 'bf16', got 'fp16'"]
+
+
 def test_estimate_rejects_bad_hand_written_plans(cli, tmp_path):
     cluster = str(EXAMPLES / "clusters/paper-12gpu.yaml")
     model = {"name": "m", "num_layers": 4, "hidden_size": 1024, "num_heads": 8, "seq_length": 512,

@@ -17,14 +17,14 @@ from hetrain.files import check_output_file, write_text_atomic
 
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
-              recompute: str, no_recompute: bool):
+              recompute: str, no_recompute: bool, grad_reduce: str = "fp32"):
     from hetrain.spec.specs import TrainingSettings, describe_validation_error
     from pydantic import ValidationError
 
     if no_recompute and recompute not in ("auto", "none"):
         raise HetrainError(f"--no-recompute contradicts --recompute {recompute}: give one of them")
     kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
-                    "activation_recompute": "none" if no_recompute else recompute}
+                    "activation_recompute": "none" if no_recompute else recompute, "grad_reduce": grad_reduce}
     if micro_batch_size is not None:
         kwargs["micro_batch_sizes"] = [micro_batch_size]
     if tp:
@@ -42,7 +42,7 @@ def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int
 
 
 _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_sizes[0]": "--micro-batch-size",
-                    "tp_degrees": "--tp", "activation_recompute": "--recompute"}
+                    "tp_degrees": "--tp", "activation_recompute": "--recompute", "grad_reduce": "--grad-reduce"}
 
 
 def capacity_line(cost, plan, est) -> str:
@@ -71,10 +71,14 @@ def plan(
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    grad_reduce: Annotated[str, typer.Option(help="dtype of the gradient all-reduce between pipelines: fp32, or "
+                                                   "bf16 (half the bytes: where the sync binds, as on large "
+                                                   "clusters with one NIC per node); training follows the plan")] = "fp32",
     recompute: Annotated[str, typer.Option(help="activation recompute: auto (the planner picks per stage: none "
                                                  "where memory allows, else selective, else full), none, selective or full")] = "auto",
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="keep all activations (= --recompute none)")] = False,
-    planner: Annotated[str, typer.Option(help="hetrain (the MILP search seeded with the baselines' layouts), milp (the search alone), "
+    planner: Annotated[str, typer.Option(help="hetrain (the MILP search seeded with the baselines' layouts and per-type "
+                                                     "pipelines), milp (the search alone), "
                                                      "megatron, whale or exhaustive")] = "hetrain",
     profile: Annotated[Path | None, typer.Option(help="measured profile JSON (hetrain.profile/v1)")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="write the plan JSON here")] = None,
@@ -107,7 +111,7 @@ def plan(
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute)
+    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce)
     prof = load_profile(profile) if profile else None
     if request is not None:
         return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json)
