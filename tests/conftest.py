@@ -17,6 +17,37 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           cwd=cwd or ROOT, env=env, timeout=300)
 
 
+# What every rank process of ``spawn_ranks`` needs and would otherwise import anew (torch, DTensor and
+# the pipelining schedules: 3-5 s of CPU per process on the 2-core CI machine): imported once, in the
+# forkserver the ranks are forked from.
+RANK_PRELOAD = ["torch.distributed", "hetrain.runtime.trainer"]
+
+
+def _rank_main(rank: int, env: dict[str, str], fn, *args) -> None:
+    """A forked rank under the environment its parent has now (the forkserver's dates from its start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, each rank forked from a preloaded forkserver.
+
+    The same contract as spawn (``fn(rank, *args)`` in a new process per rank, all joined, a failing
+    rank fails the call with its traceback) and the same rank processes, each with its own memory and
+    gloo group; only the imports are shared, made in the forkserver before any rank (or thread) of
+    torch exists, which is what makes forking it safe. The forkserver is started on first use and
+    serves the whole session.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(_rank_main, args=(dict(os.environ), fn, *args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
 @pytest.fixture
 def cli():
     return run_cli

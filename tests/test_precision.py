@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ckpt_helpers import TINY, metrics, plan, run
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, spawn_ranks
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
@@ -141,7 +140,7 @@ def wire(tmp_path_factory) -> dict[str, list[dict]]:
         p.write(out / f"plan-{grad_reduce}.json")
         paths.append(str(out / f"plan-{grad_reduce}.json"))
     world = build_layout(p).world_size
-    mp.spawn(_wire_worker, args=(world, [_free_port() for _ in paths], paths, str(out)), nprocs=world, join=True)
+    spawn_ranks(_wire_worker, (world, [_free_port() for _ in paths], paths, str(out)), nprocs=world)
     return {g: [json.loads((out / f"plan-{g}-rank{r}.json").read_text()) for r in range(world)] for g in GRAD_REDUCES}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, ROOT, run_cli
+from conftest import EXAMPLES, ROOT, run_cli, spawn_ranks
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource
@@ -268,11 +268,9 @@ def _vocab_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_vocab_parallel_loss_and_embedding_match_the_whole_vocabulary(tmp_path: Path):
     """Each rank's loss is the whole vocabulary's, each rank's gradient its columns' of the whole one;
     each rank's embedding lookup is the whole table's, its weight gradient its rows' of the whole one."""
-    import torch.multiprocessing as mp
-
     from hetrain.runtime.loss import vocab_parallel_lm_loss
 
-    mp.spawn(_vocab_parallel_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    spawn_ranks(_vocab_parallel_worker, (3, free_port(), str(tmp_path)), nprocs=3)
     for vocab, counts in zip(VOCABS, ([4, 4, 3], [2, 2, 0])):
         logits, targets = _vocab_case(vocab)
         logits.requires_grad_()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import spawn_ranks
 from hetrain.spec.arithmetic import sync_chunks
 
 SHAPES = [(13, 5), (7,), (40, 3), (2, 2), (9, 11)]  # 65, 7, 120, 4, 99 elements
@@ -72,7 +72,7 @@ def synced(tmp_path_factory) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, (port, str(out)), nprocs=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
