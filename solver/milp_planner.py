@@ -229,7 +229,9 @@ class _Search:
         begin = top + [s for s in firsts.values() if not any(s is r for r in top)]
         per_start = max(10, IMPROVE_DEVICE_SCORES // self.cluster.num_devices // max(1, len(begin)))
         if self.cluster.num_devices > IMPROVE_ALL_STARTS_UP_TO:
-            begin = [s for s in begin if s[0] <= self.best[0] * (1 + IMPROVE_WITHIN)]
+            # the bar is the best plan here or from elsewhere (``beat_s``): by slice the seeds' plan
+            bar = min(self.best[0], self.outside_s if self.outside_s is not None else math.inf)
+            begin = [s for s in begin if s[0] <= bar * (1 + IMPROVE_WITHIN)]
         for _, space, chosen in begin:
             found = improve(self.cluster, self.cost, space, chosen, max_scores=per_start)
             if found is not None and found[0] < self.best[0] * (1 - 1e-9):
