@@ -24,7 +24,7 @@ from solver.common import PlanResult
 from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import NothingBetter, plan_milp
 from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
-from solver.symmetry import SLICE_ABOVE_GPUS, Slice, replicate, slice_of
+from solver.symmetry import Slice, replicate, slice_of
 from solver.typed import typed_search
 
 
@@ -35,7 +35,7 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
 
     On a cluster planned whole the seeds search with the MILP's plan as incumbent, so they score only layouts
     that could beat it (``megatron_search``: exact lower bounds first): a few estimates when the MILP's plan is
-    already better. By slice (over ``SLICE_ABOVE_GPUS``) the seeds come first and the slice's MILP searches only
+    already better. By slice (over ``solver.symmetry.SLICE_ABOVE_GPUS``) the seeds come first and the slice's MILP searches only
     for plans that beat their best: there the seeds win (large-1024, 10,240 GPUs), and the MILP's pruning saves
     most of its second. Where the MILP finds nothing, a seed's plan is still one.
     """

@@ -81,7 +81,7 @@ def _groups(cls: GroupClass, t: int, choice: Choice) -> list[list[tuple[str, lis
 def _block_size(pipes: list[list[tuple[str, list[int]]]]) -> int | None:
     """How many pipelines make each block of nodes that no pipeline outside it touches, where every block has as
     many in the same pattern (the type's pipelines then repeat block by block, alike); None where they do not."""
-    sizes, nodes, pattern = [], set(), None
+    sizes, nodes = [], set()
     for pipe in pipes:
         mine = {node for node, _ in pipe}
         if sizes and mine & nodes:
@@ -90,9 +90,8 @@ def _block_size(pipes: list[list[tuple[str, list[int]]]]) -> int | None:
             sizes.append(1)
             nodes = set()
         nodes |= mine
-    first = {node for pipe in pipes[:sizes[0]] for node, _ in pipe} if sizes else set()
-    pattern = len(first)
-    if not sizes or len(set(sizes)) > 1 or len({node for pipe in pipes for node, _ in pipe}) != pattern * len(sizes):
+    block_nodes = len({node for pipe in pipes[:sizes[0]] for node, _ in pipe}) if sizes else 0
+    if not sizes or len(set(sizes)) > 1 or len({node for pipe in pipes for node, _ in pipe}) != block_nodes * len(sizes):
         return None
     return sizes[0]
 
@@ -335,27 +334,25 @@ def typed_search(cluster: ClusterSpec, cost: CostModel,
 
     The uniform layouts of every (TP degree, micro-batch size) pair first (``_Layouts.uniform_layouts``), then a
     descent from each of the ``DESCENT_STARTS`` fastest of them."""
-    pairs = []
-    for t, b in tp_and_micro_batch(cluster, cost):
-        pairs.append((None, t, b, _Layouts(cluster, cost, t, b)))
+    pairs = [_Layouts(cluster, cost, t, b) for t, b in tp_and_micro_batch(cluster, cost)]
     # every pair's uniform layouts in order of their bound (``bound_s``), each priced only if it could come within
     # START_WITHIN of the best of them so far: the descents start from the fastest DESCENT_STARTS of them
-    uniform = sorted((layouts.bound_s(trial), k, trial) for k, (_, _, _, layouts) in enumerate(pairs)
+    uniform = sorted((layouts.bound_s(trial), k, trial) for k, layouts in enumerate(pairs)
                      for trial in layouts.uniform_layouts())
     found: list[tuple[float, int, tuple[Choice, ...], Plan]] = []
     for bound_s, k, trial in uniform:
         bar = min(f[0] for f in found) * (1 + START_WITHIN) if found else None
         if bar is not None and bound_s >= bar:
             break
-        got = pairs[k][3].price(trial, bar)
+        got = pairs[k].price(trial, bar)
         if got is not None:
             found.append((got[0], k, trial, got[1]))
     best = None
     for seconds, k, trial, plan in sorted(found, key=lambda f: f[0])[:DESCENT_STARTS]:
-        got = pairs[k][3].descend(((seconds, plan), trial))
+        got = pairs[k].descend(((seconds, plan), trial))
         if best is None or got[0] < best[0]:
             best = got
-    tried = sum(1 for p in pairs for got in p[3].priced.values() if not isinstance(got, float))
+    tried = sum(1 for layouts in pairs for got in layouts.priced.values() if not isinstance(got, float))
     if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
         best = None
     return best, tried
