@@ -35,9 +35,9 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
 
     On a cluster planned whole the seeds search with the MILP's plan as incumbent, so they score only layouts
     that could beat it (``megatron_search``: exact lower bounds first): a few estimates when the MILP's plan is
-    already better. By slice (over ``solver.symmetry.SLICE_ABOVE_GPUS``) the seeds come first and the slice's MILP searches only
-    for plans that beat their best: there the seeds win (large-1024, 10,240 GPUs), and the MILP's pruning saves
-    most of its second. Where the MILP finds nothing, a seed's plan is still one.
+    already better. By slice (over ``solver.symmetry.SLICE_ABOVE_GPUS``) the seeds come first and the slice's
+    MILP searches only for plans that beat their best: there the seeds win (large-1024, 10,240 GPUs), and the
+    MILP's pruning saves most of its second. Where the MILP finds nothing, a seed's plan is still one.
     """
     t0 = time.perf_counter()
     part = slice_of(cluster, cost.settings)

@@ -91,7 +91,8 @@ def _block_size(pipes: list[list[tuple[str, list[int]]]]) -> int | None:
             nodes = set()
         nodes |= mine
     block_nodes = len({node for pipe in pipes[:sizes[0]] for node, _ in pipe}) if sizes else 0
-    if not sizes or len(set(sizes)) > 1 or len({node for pipe in pipes for node, _ in pipe}) != block_nodes * len(sizes):
+    all_nodes = len({node for pipe in pipes for node, _ in pipe})
+    if not sizes or len(set(sizes)) > 1 or all_nodes != block_nodes * len(sizes):
         return None
     return sizes[0]
 
