@@ -187,9 +187,7 @@ def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_f
                 msgs.advance(b)
         return True
 
-    _play(S, step)
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise HetrainError(f"eager 1F1B with in_flight {list(in_flight)} did not finish")  # a bug, not a user error
+    _play(step, pos, orders, f"eager 1F1B with in_flight {list(in_flight)}")
     # a stage leaves the schedule once its last input gradient has gone through (the runtime waits for it)
     clock = [max(c, done[k - 1][("grad", M - 1)]) if k else c for k, c in enumerate(clock)]
     total = max(clock)
@@ -252,9 +250,7 @@ def interleaved_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds
         pos[r] += 1
         return True
 
-    _play(depth, step)
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise HetrainError("interleaved 1F1B play did not finish")  # a bug, not a user error
+    _play(step, pos, orders, "interleaved 1F1B play")
     # a device leaves the schedule once its last input gradient has gone through
     ends = [max([clock[r], *(arrive[("grad", j - 1, M - 1)] for j in range(r, P, depth) if j)]) for r in range(depth)]
     total = max(ends)
@@ -352,20 +348,22 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
         pos[k] += 1
         return True
 
-    _play(S, step)
-    if any(p < len(a) for p, a in zip(pos, plans)):
-        raise HetrainError("torch's 1F1B play did not finish")  # a bug, not a user error
+    _play(step, pos, plans, "torch's 1F1B play")
     return max(clock)
 
 
-def _play(num_stages: int, step) -> None:
-    """Let every stage take steps (``step(k)``: True if stage k could) in turn until none can."""
+def _play(step, pos: list[int], orders: list, what: str) -> None:
+    """Let every stage take steps (``step(k)``: True if stage k could) in turn until none can; each stage k must
+    then have taken all of ``orders[k]`` (``pos[k]``: how many it took), else the order deadlocks: a bug in the
+    play (HetrainError naming ``what``), not a user error."""
     moved = True
     while moved:
         moved = False
-        for k in range(num_stages):
+        for k in range(len(orders)):
             while step(k):
                 moved = True
+    if any(p < len(o) for p, o in zip(pos, orders)):
+        raise HetrainError(f"{what} did not finish")
 
 
 def _one_f_one_b_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
