@@ -20,7 +20,7 @@ from hetrain.checkpoint.reassemble import Source, reassemble
 from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.rundir import live_offer_file
 from hetrain.runtime.launch import worker_pids
-from test_notice_switch import AFTER, planner, start_old_run
+from test_notice_switch import AFTER, OLD_STEPS, planner, start_old_run
 
 pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
 
@@ -39,7 +39,9 @@ def metric_steps(run_dir: Path) -> list[dict]:
 
 
 def test_a_live_switch_trains_on_as_a_restore_from_disk_would(tmp_path: Path, s3):
-    thread, _, cfg, run_dir = start_old_run(tmp_path, s3, "live", bucket=BUCKET)
+    # Checkpoints only when asked and at the end: with keep=2, a periodic one among the new plan's
+    # steps (e.g. step 99 after a switch at step 97) would prune the emergency step from the nodes.
+    thread, _, cfg, run_dir = start_old_run(tmp_path, s3, "live", every_steps=OLD_STEPS, bucket=BUCKET)
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=5, live=True)
     thread.join(60)
@@ -50,8 +52,7 @@ def test_a_live_switch_trains_on_as_a_restore_from_disk_would(tmp_path: Path, s3
     assert [r["step"] for r in result.records] == list(range(step + 1, step + 1 + AFTER))
     assert [r["step"] for r in metric_steps(run_dir)] == list(range(step + 1 + AFTER))
     assert not worker_pids(run_dir, None)
-    # the emergency checkpoint still reached every node's disk, behind the switch (the bucket's copy
-    # is pruned by then: the new plan's checkpoints at steps 99 and its last are the two it keeps)
+    # the emergency checkpoint still reached every node's disk, behind the switch
     nodes = [Source(n, cfg.node_root(n)) for n in ("a", "b", "c")]
     restored = reassemble(nodes[0].manifest(step, 5), nodes, None, str(tmp_path / "restored"))
     # the same new plan resumed from that checkpoint on disk trains the same steps to the same losses
