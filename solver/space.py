@@ -28,7 +28,6 @@ from hetrain.cost.collectives import collective_steps
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import drain_ahead_s, pipeline_terms
 from hetrain.cost.stage import UnitCosts
-from hetrain.cost.costmodel import PARAM_GATHER_BYTES
 from hetrain.spec.specs import ClusterSpec, OptimizerStateMode, RecomputeMode
 
 
@@ -434,7 +433,8 @@ class _TemplateBuilder:
         sharded = units[0].replicas > 1
         return Template(order, tuple(blocks), stage_s, p2p, grads, opts, ahead, len(classes), cost.latency_s,
                         tuple(u.recompute for u in units), tuple(u.optimizer_state for u in units),
-                        tuple(n * PARAM_GATHER_BYTES for n in params) if sharded else (), cost.sync_copies)
+                        tuple(cost.gather_bytes(blocks[k], k == 0, k == S - 1, tp) for k in range(S)) if sharded else (),
+                        cost.sync_copies)
 
     def build(self, members: tuple[int, ...]) -> Template | None:
         orders = self._orders(members)

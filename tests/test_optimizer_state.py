@@ -74,16 +74,25 @@ def test_an_offloaded_stage_keeps_no_moments_and_steps_on_the_host():
     assert off.opt_s_per_param == pytest.approx(8 / 12e9 + 28 / 39e9)
 
 
-def test_a_sharded_plan_by_hand():
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_sharded_plan_by_hand(precision):
     """Four one-stage pipelines: each GPU keeps 1/4 of the moments of all its parameters, its all-reduce becomes a
-    reduce-scatter and an all-gather of the fp32 parameters (the same bytes: fp32 gradients), and it steps 1/4."""
-    cost = CostModel(CLUSTER, MODEL, SETTINGS)
+    reduce-scatter of the fp32 gradients and an all-gather of the parameters, and it steps 1/4. The all-gather
+    moves the projections' and the head's weights in the compute dtype (bf16: 2 bytes, what autocast reads of
+    them; ``hetrain.runtime.zero``), the norms and embeddings in fp32; under fp32 the all-reduce's bytes."""
+    settings = SETTINGS.model_copy(update={"precision": precision})
+    cost = CostModel(CLUSTER, MODEL, settings)
     whole, sharded = cost.estimate(_plan(None)), cost.estimate(_plan("sharded"))
     params = cost.stage_params(4, True, True, 1)
     for d in whole.peak_memory_gb:
         assert whole.peak_memory_gb[d] - sharded.peak_memory_gb[d] == pytest.approx(0.75 * 8 * params / GB)
     ar = ring_allreduce_s(params * 4, 4, 100, cost.latency_s)  # one bucket: embedding, blocks, head together
-    rs = ag = ring_allgather_s(params * 4, 4, 100, cost.latency_s)
+    rs = ring_allgather_s(params * 4, 4, 100, cost.latency_s)
+    h, low = 1024, 2 if precision == "bf16" else 4
+    blocks = 4 * ((12 * h * h + 9 * h) * low + 4 * h * 4)  # projections (with the biases counted), two LayerNorms
+    gathered = blocks + (1000 + 512) * h * 4 + 1000 * h * low + 2 * h * 4  # embeddings; head and its LayerNorm
+    assert gathered == (params * 4 if precision == "fp32" else pytest.approx(params * 2, rel=0.11))
+    ag = ring_allgather_s(gathered, 4, 100, cost.latency_s)
     assert whole.sync_s["a/0"] == pytest.approx(ar)
     assert sharded.sync_s["a/0"] == pytest.approx(rs + ag)
     step = params * 2 * 16 / (2039 * GB)

@@ -158,8 +158,9 @@ def test_milp_matches_exhaustive_on_random_small_clusters(random_results):
     ratios = {seed: h.estimate.iteration_time_s / e.estimate.iteration_time_s for seed, _, _, h, e in random_results}
     # the exhaustive optimum is a lower bound over the same space before schedules are chosen; both planners choose
     # them for their best candidate (of each optimizer-state family: solver.milp_planner.plan_milp), and a plan
-    # behind can gain more from them (seed 22: a sharded plan with ZB-H1, 0.75 % ahead of the referee's)
-    assert min(ratios.values()) >= 1 - 0.01, {s: round(r, 4) for s, r in ratios.items() if r < 1 - 1e-9}
+    # behind can gain more from them (seed 22: both sharded, the MILP's plan with ZB-H1 1.8 % ahead of the
+    # referee's, 0.75 % before the all-gather moved its projections' weights in bf16, which it gains more from)
+    assert min(ratios.values()) >= 1 - 0.02, {s: round(r, 4) for s, r in ratios.items() if r < 1 - 1e-9}
     # the issue's criterion: every cluster within 1 % of the exhaustive optimum
     assert max(ratios.values()) <= 1.01, {s: round(r, 4) for s, r in ratios.items() if r > 1.01}
 

@@ -21,7 +21,8 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan, validate_plan_structure
 from hetrain.runtime.data import TokenSource
 from hetrain.runtime.model import GPT, lm_loss
-from hetrain.runtime.zero import row_range
+from hetrain.runtime.zero import autocast_only, row_range
+from hetrain.spec.specs import load_model
 
 STEPS = 3
 CLIP = 1.0  # RunConfig's max_grad_norm: clipping is on in every run below
@@ -72,25 +73,56 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], to
 
 
 @pytest.mark.slow
-def test_offloaded_whole_or_its_share_matches_replicated_under_bf16(tmp_path: Path):
-    """Pipeline 0's one stage offloaded: blocks 0-2 beside a replicated holder (its whole state on the
-    host, the replicated holder's all-reduce), blocks 3-5 beside an offloaded one (each its share on the
-    host: host state and master, gradient rows copied in, weights copied out), under bf16 autocast
-    with fp32 master weights: the replicated plan's weights, AdamW state and losses (two replicas per
-    bucket: the same sums, to the bit; measured equal). Unclipped: the global norm, summed from row
-    shares here and from whole tensors there, differs in its last float32 bits (1e-7), which bf16's
-    8-bit roundings of the next forward magnify to 1 % in three steps (measured); the clipping itself
-    is checked in fp32 by the test below."""
-    p = with_modes(ASYM_TP1, [["offloaded"], [None, "offloaded"]])
+def test_offloaded_or_sharded_state_matches_replicated_under_bf16(tmp_path: Path):
+    """Under bf16 autocast with fp32 master weights, two plans against the replicated plan's weights, AdamW
+    state and losses (two replicas per bucket: the same sums, to the bit; measured equal):
+
+    - offloaded: pipeline 0's one stage offloaded, blocks 0-2 beside a replicated holder (its whole state
+      on the host, the replicated holder's all-reduce), blocks 3-5 beside an offloaded one (each its share
+      on the host: host state and master, gradient rows copied in, weights copied out);
+    - sharded: every stage, so after each step the replicas gather the projections' rows in bf16, the
+      norms' and embeddings' in fp32 (``runtime.zero``): what each replica computes with is still the
+      owner's weight, and the dumped weights (gathered in fp32 first) are the replicated plan's; so
+      is a run resumed from its checkpoint after step 1 (the checkpoint, too, reads them in fp32).
+
+    Unclipped: the global norm, summed from row shares here and from whole tensors there, differs in its
+    last float32 bits (1e-7), which bf16's 8-bit roundings of the next forward magnify to 1 % in three
+    steps (measured); the clipping itself is checked in fp32 by the test below."""
     options = {"precision": "bf16", "max_grad_norm": None}
-    records = run(p, tmp_path / "offloaded", steps=STEPS, dump=True, **options)
     replicated = run(ASYM_TP1, tmp_path / "replicated", steps=STEPS, dump=True, **options)
-    state = dumped_state(p, tmp_path / "offloaded")
-    assert any(n.endswith("exp_avg_sq") for n in state) and all(t.dtype == torch.float32 for t in state.values())
-    assert_close(state, dumped_state(ASYM_TP1, tmp_path / "replicated"), tol=SAME_PLAN_TOL)
-    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in replicated], rel=SAME_PLAN_TOL)
-    # each gradient counted once in the norm (the whole bucket's by its first holder only)
-    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in replicated], rel=1e-5)
+    want = dumped_state(ASYM_TP1, tmp_path / "replicated")
+    checkpoint = CheckpointConfig(local_dir=str(tmp_path / "ckpt"), every_steps=2, keep=5, background=False)
+    for name, modes in (("offloaded", [["offloaded"], [None, "offloaded"]]),
+                        ("sharded", [["sharded"], ["sharded", "sharded"]]),
+                        ("resumed", [["sharded"], ["sharded", "sharded"]])):
+        p = with_modes(ASYM_TP1, modes)
+        if name == "resumed":  # from the sharded run's checkpoint
+            records = run(p, tmp_path / name, steps=STEPS, start_step=2, dump=True,
+                          resume_from=str(tmp_path / "ckpt" / step_name(1)), **options)
+            replicated = replicated[2:]
+        else:
+            records = run(p, tmp_path / name, steps=STEPS, dump=True,
+                          **options, **({"checkpoint": checkpoint} if name == "sharded" else {}))
+        state = dumped_state(p, tmp_path / name)
+        assert any(n.endswith("exp_avg_sq") for n in state) and all(t.dtype == torch.float32 for t in state.values())
+        assert_close(state, want, tol=SAME_PLAN_TOL)
+        assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in replicated], rel=SAME_PLAN_TOL)
+        # each gradient counted once in the norm (the whole bucket's by its first holder only)
+        assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in replicated], rel=1e-5)
+
+
+def test_only_the_projections_weights_are_gathered_rounded():
+    """``autocast_only``: the weights only ``nn.Linear`` holds (a GPT's and a Llama's projections and LM head),
+    not the norms, the embeddings, or a weight tied to an embedding."""
+    for arch in ("gpt-tiny", "llama-tiny"):
+        model = GPT(load_model(str(Path(__file__).parents[1] / "examples" / "models" / f"{arch}.yaml")))
+        names = {n for n, _ in model.named_parameters()}
+        rounded = {n for n, p in model.named_parameters() if id(p) in autocast_only(model)}
+        assert rounded == {n for n in names if re.search(r"\.w[qkvo123]\.weight$|^head\.weight$", n)}, arch
+        assert all(re.search(r"embedding\.weight$|norm\.(weight|bias)$", n) for n in names - rounded), arch
+    tied = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    assert autocast_only(tied) == set()
 
 
 @pytest.mark.slow

@@ -34,10 +34,11 @@ Optimizer step: opt_d, per parameter the GPU holds (``hetrain.cost.stage``).
 Sharded optimizer state (ZeRO-1: a bucket whose every holder's ``optimizer_state`` is sharded or
     offloaded, D > 1): its all-reduce becomes a reduce-scatter of the gradients, where the
     all-reduce ran (overlapping the drain as above), each replica steps its 1/D share (opt_d / D),
-    and then an all-gather of the updated parameters (fp32, ``PARAM_GATHER_BYTES``):
+    and then an all-gather of the updated parameters (``gather_bytes``: the matrix multiplies' weights
+    in the compute dtype, which is all autocast ever reads of them, the norms and the embedding fp32):
         rs(bucket) = (D-1)/D * P_bucket B_grad / t / (bw_min / share) + lat ceil(log2 D),
-        ag(bucket) = (D-1)/D * P_bucket 4 / t / (bw_min / share) + lat ceil(log2 D),
-    the same bytes as the all-reduce where gradients are fp32. The all-gather waits for the step
+        ag(bucket) = (D-1)/D * G_bucket / t / (bw_min / share) + lat ceil(log2 D),
+    G_bucket about P_bucket B_act: under bf16, 3/4 of the all-reduce's bytes together. The all-gather waits for the step
     and the next forward waits for it: it overlaps nothing. Every GPU runs its all-gathers in the
     bucket order, each when all its GPUs have stepped (played as the reduce-scatters are).
 
@@ -71,12 +72,9 @@ from hetrain.cost.stage import unit_costs as stage_unit_costs
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import SHARDS_STATE, Plan, holders_shard_state
 from hetrain.profiling.profile import Profile, RuntimeOverheads
-from hetrain.spec.arithmetic import block_params, embed_params, head_params, train_flops_per_sequence
+from hetrain.spec.arithmetic import (block_norm_params, block_params, embed_params, head_norm_params, head_params,
+                                     train_flops_per_sequence)
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
-
-# bytes per parameter a sharded bucket all-gathers after the step: the runtime's parameters are fp32
-# (hetrain.runtime.precision), each replica's updated share of them
-PARAM_GATHER_BYTES = 4
 
 
 @dataclass
@@ -140,6 +138,9 @@ class CostModel:
         if profile is not None and profile.model.model_dump() != model.model_dump():
             raise HetrainError(f"profile was measured on model '{profile.model.name}', not '{model.name}'")
         self._unit_cache: dict[tuple, UnitCosts] = {}
+        # interleaved pipelines' peaks of micro-batches in flight, by their shape: a search estimates plan after
+        # plan with the same pipelines (their plays are remembered in ``hetrain.cost.pipeline``)
+        self._held: dict[tuple, list[int]] = {}
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
@@ -201,6 +202,15 @@ class CostModel:
 
     def grad_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         return self.stage_params(num_blocks, first, last, tp) * self.grad_wire_bytes
+
+    def gather_bytes(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
+        """Bytes a sharded stage's all-gather after the step moves per TP rank (all replicas' shares): the
+        matrix multiplies' weights in the compute dtype, the only precision autocast reads them in
+        (``hetrain.runtime.zero``), the norms and the embedding, read as they are, in fp32."""
+        m, low = self.model, self.settings.activation_bytes
+        block = (block_params(m) - block_norm_params(m)) * low + block_norm_params(m) * 4
+        head = (head_params(m) - head_norm_params(m)) * low + head_norm_params(m) * 4
+        return num_blocks * block / tp + (embed_params(m, tp) * 4 if first else 0) + (head / tp if last else 0)
 
     def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
         """Parameters one rank holds: its shard of the blocks, the embedding and the head (as the runtime)."""
@@ -287,16 +297,18 @@ class CostModel:
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
 
-    @staticmethod
-    def _chunks_held(pipe) -> list[int]:
+    def _chunks_held(self, pipe) -> list[int]:
         """Interleaved: per stage entry (chunk), its micro-batches in flight at its device's peak; [] otherwise."""
         if not pipe.interleaved:
             return []
-        held = [0] * len(pipe.stages)
-        for k in range(pipe.depth):
-            for j, n in zip(pipe.chunks_of(k), pipe.chunk_held(k)):
-                held[j] = n
-        return held
+        key = (pipe.depth, pipe.num_microbatches, tuple(st.layers[1] - st.layers[0] for st in pipe.stages))
+        if key not in self._held:
+            held = [0] * len(pipe.stages)
+            for k in range(pipe.depth):
+                for j, n in zip(pipe.chunks_of(k), pipe.chunk_held(k)):
+                    held[j] = n
+            self._held[key] = held
+        return list(self._held[key])
 
     def _interleaved_devices(self, plan: Plan, pipe, held: list[int], sharded: set[int], peak: dict[str, float],
                              opt: dict[str, float]) -> None:
@@ -403,7 +415,7 @@ class CostModel:
         if self.data_replicas(plan) == 1 or not any(st.optimizer_state in SHARDS_STATE
                                                for p in plan.pipelines for st in p.stages):
             return set()
-        whole = {id(st) for _, stages, _ in self._sync_buckets(plan)
+        whole = {id(st) for _, stages, *_ in self._sync_buckets(plan)
                  if not holders_shard_state(stages) for st in stages}
         return {id(st) for p in plan.pipelines for st in p.stages
                 if st.optimizer_state in SHARDS_STATE and id(st) not in whole}
@@ -413,26 +425,28 @@ class CostModel:
         pipeline: nothing syncs), what bounds the sync's chunk (``UnitCosts.sync_chunk_numel``)."""
         out: dict[int, float] = {}
         if self.data_replicas(plan) > 1:
-            for _, stages, num_bytes in self._sync_buckets(plan):
+            for _, stages, num_bytes, _ in self._sync_buckets(plan):
                 for st in stages:
                     out[id(st)] = max(out.get(id(st), 0.0), num_bytes / self.grad_wire_bytes)
         return out
 
-    def _sync_buckets(self, plan: Plan) -> list[tuple[tuple[int, ...], list, float]]:
-        """The gradient sync's buckets, (key, the stages holding them, one per pipeline; bytes per TP rank),
-        in the order every rank runs them (``hetrain.plan.layout``): the embedding, the blocks, the head,
-        with neighbours of the same holders merged."""
+    def _sync_buckets(self, plan: Plan) -> list[tuple[tuple[int, ...], list, float, float]]:
+        """The gradient sync's buckets, (key, the stages holding them, one per pipeline; gradient bytes per TP
+        rank; the bytes its all-gather moves where it shards, ``gather_bytes``), in the order every rank runs
+        them (``hetrain.plan.layout``): the embedding, the blocks, the head, with neighbours of the same holders
+        merged."""
         D, t, m = len(plan.pipelines), plan.tp, self.model
-        act = self.grad_wire_bytes
-        buckets: list[tuple[tuple[int, ...], list, float]] = []
+        buckets: list[tuple[tuple[int, ...], list, float, float]] = []
 
-        def add(stages, num_bytes):
+        def add(stages, blocks: int, first: bool, last: bool):
             key = tuple(id(st) for st in stages)
+            num_bytes, gathered = self.grad_bytes(blocks, first, last, t), self.gather_bytes(blocks, first, last, t)
             if buckets and buckets[-1][0] == key:
-                num_bytes += buckets.pop()[2]
-            buckets.append((key, stages, num_bytes))
+                _, _, before, gathered_before = buckets.pop()
+                num_bytes, gathered = num_bytes + before, gathered + gathered_before
+            buckets.append((key, stages, num_bytes, gathered))
 
-        add([p.stages[0] for p in plan.pipelines], embed_params(m, t) * act)
+        add([p.stages[0] for p in plan.pipelines], 0, True, False)
         # blocks between two consecutive stage starts (of any pipeline) have the same holders
         cuts = sorted({st.layers[0] for p in plan.pipelines for st in p.stages} | {m.num_layers})
         at = [0] * D  # per pipeline: its stage holding the current blocks
@@ -442,8 +456,8 @@ class CostModel:
                 while pipe.stages[at[p]].layers[1] <= lo:
                     at[p] += 1
                 holders.append(pipe.stages[at[p]])
-            add(holders, (hi - lo) * block_params(m) * act / t)
-        add([p.stages[-1] for p in plan.pipelines], head_params(m) * act / t)
+            add(holders, hi - lo, False, False)
+        add([p.stages[-1] for p in plan.pipelines], 0, False, True)
         return buckets
 
     def _sync_rings(self, plan: Plan, node_of: dict[str, str]) -> list[tuple[list[str], float, float]]:
@@ -464,11 +478,11 @@ class CostModel:
         # (a TP group sits on one node, ``validate_plan``: each TP rank's ring of a bucket has the same nodes)
         crossing_gpus: dict[str, set[str]] = {}
         crossing_buckets: dict[str, set[tuple]] = {}
-        rings = []  # per bucket: (its TP ranks' device lists, their nodes, bytes, sharded)
-        for key, stages, num_bytes in buckets:
+        rings = []  # per bucket: (its TP ranks' device lists, their nodes, bytes, its all-gather's where it shards)
+        for key, stages, num_bytes, gathered in buckets:
             ring_nodes = frozenset(node_of[st.devices[0]] for st in stages)
             rings.append(([[st.devices[r] for st in stages] for r in range(t)], ring_nodes, num_bytes,
-                          holders_shard_state(stages)))
+                          gathered if holders_shard_state(stages) else None))
             if len(ring_nodes) > 1 or copies > 1:  # a copy's ring goes on to the other copies' nodes
                 for st in stages:
                     node = node_of[st.devices[0]]
@@ -480,15 +494,16 @@ class CostModel:
                  for n in crossing_gpus}
         slowest: dict[frozenset, float] = {}
         out = []
-        for per_rank, ring_nodes, num_bytes, sharded in rings:
-            seconds = self._ring_s(ring_nodes, num_bytes, sharded, share, slowest, D)
+        for per_rank, ring_nodes, num_bytes, gathered in rings:
+            seconds = self._ring_s(ring_nodes, num_bytes, gathered, share, slowest, D)
             out.extend((devs, *seconds) for devs in per_rank)
         return out
 
-    def _ring_s(self, ring_nodes: frozenset, num_bytes: float, sharded: bool, share: dict[str, int],
+    def _ring_s(self, ring_nodes: frozenset, num_bytes: float, gathered: float | None, share: dict[str, int],
                 slowest: dict[frozenset, float], D: int) -> tuple[float, float]:
         """One ring's (seconds after backward, seconds after the step) over ``ring_nodes``' slowest link, split
-        by the busiest node's ``share``; ``slowest`` caches the links' minimum per node set."""
+        by the busiest node's ``share``; ``gathered``: a sharded bucket's all-gather bytes (None: all-reduced);
+        ``slowest`` caches the links' minimum per node set."""
         if ring_nodes not in slowest:
             slowest[ring_nodes] = self.cluster.min_bandwidth_gbps(ring_nodes)
         bw = slowest[ring_nodes]
@@ -496,9 +511,8 @@ class CostModel:
             bw = min(bw, self.cluster.inter_node_bandwidth_gbps)
         if len(ring_nodes) > 1 or self.sync_copies > 1:
             bw /= max(share[n] for n in ring_nodes)
-        if sharded:  # reduce-scatter the gradients, all-gather the fp32 parameters after the step
-            return (ring_allgather_s(num_bytes, D, bw, self.latency_s),
-                    ring_allgather_s(num_bytes / self.grad_wire_bytes * PARAM_GATHER_BYTES, D, bw, self.latency_s))
+        if gathered is not None:  # reduce-scatter the gradients, all-gather the parameters after the step
+            return ring_allgather_s(num_bytes, D, bw, self.latency_s), ring_allgather_s(gathered, D, bw, self.latency_s)
         return ring_allreduce_s(num_bytes, D, bw, self.latency_s), 0.0
 
     def check_memory(self, est: Estimate) -> None:

@@ -38,7 +38,7 @@ from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
                                          sync_gradients)
-from hetrain.runtime.precision import GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
+from hetrain.runtime.precision import COMPUTE_DTYPE, GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
 from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
 from hetrain.runtime.pretrained import load_pretrained
@@ -198,7 +198,8 @@ class Trainer:
         if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
             self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
                                       param_group=adamw_defaults(lr, config.weight_decay, impl),
-                                      counted=self.norm_params)
+                                      counted=self.norm_params,
+                                      compute_dtype=None if self.precision == "fp32" else COMPUTE_DTYPE[self.precision])
             self.optimizer = self.zero
             return impl
         # Multi-tensor kernels take DTensors or plain tensors, not both in one list: under TP the
@@ -401,6 +402,8 @@ class Trainer:
                     saved = time.perf_counter()
                     # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
                     # live switch's served from memory (committed behind); the others stall for the snapshot
+                    if self.zero is not None:  # the checkpoint reads the parameters whole: the owners' fp32 rows
+                        self.zero.exact_params()
                     ckpt.save(step, wait=requested, live_offer=live)
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
@@ -491,6 +494,7 @@ class Trainer:
             tensors = dict(self.model.named_parameters())
             names = {p: n for n, p in self.model.named_parameters()}
             if self.zero is not None:  # gathered whole from the replicas' shares (collective)
+                self.zero.exact_params()
                 tensors.update(self.zero.whole_state())
             for p, state in self.optimizer.state.items() if self.zero is None else ():
                 for key, value in state.items():

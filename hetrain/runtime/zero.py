@@ -14,7 +14,13 @@ the bucket's ``d``-th pipeline. Each step then
    replicated stages' ``torch.optim.AdamW``);
 3. all-gathers the updated rows, so every replica holds the whole parameters again.
 
-The reduce-scatter and all-gather carry together what the all-reduce did. ``offloaded`` keeps
+Under bf16 or fp16 the rows of the matrix multiplies' weights travel in the compute dtype, as
+Megatron's distributed optimizer gathers its 16-bit parameters: autocast reads those weights only
+through their 16-bit copy, so a replica holding the owner's rows rounded computes exactly what the
+owner computes, while the owner keeps its own rows (the fp32 master) as they are. The norms and the
+embedding, read in fp32, travel in fp32. The reduce-scatter then carries what the all-reduce did
+and the all-gather about half as much again; before anything reads the parameters whole (a
+checkpoint, a dump) ``ShardedAdamW.exact_params`` gathers the rows in fp32 once. ``offloaded`` keeps
 the share and an fp32 master copy of its rows in host memory and runs the step on the CPU:
 the gradient rows are copied in, the updated rows copied out before the all-gather.
 
@@ -68,9 +74,12 @@ class ShardBucket:
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None, share: int,
                  group_shares: list[int], mesh: DeviceMesh | None, *, offload: bool, fused: bool,
                  sum_group: dist.ProcessGroup | None = None, counts_norm: bool = True,
-                 chunk_numel: int = GRAD_SYNC_CHUNK_NUMEL) -> None:
+                 chunk_numel: int = GRAD_SYNC_CHUNK_NUMEL, gather_dtypes: list[torch.dtype | None] | None = None) -> None:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # per parameter, the dtype its rows travel in after the step (None: its own, fp32)
+        self.gather_dtypes = gather_dtypes or [None] * len(self.params)
+        self._gather_plan: dict[tuple[int, bool], list] = {}
         self.group, self.share, self.group_shares = group, share, group_shares
         # a whole (unsharded) bucket whose other holders keep their state replicated: its gradients are
         # all-reduced over ``sum_group`` as theirs are (the same collective), and only the first holder
@@ -194,33 +203,64 @@ class ShardBucket:
                 rows.copy_(master)
         self.grads = None
         if self.group is not None:  # the only share is the whole parameter, updated in place (or copied out above)
-            self.gather(local, [t.detach() for t in self._mine(local)])
+            self.gather(local, [t.detach() for t in self._mine(local)], rounded=True)
 
     @torch.no_grad()
-    def gather(self, whole: list[torch.Tensor], mine: list[torch.Tensor]) -> None:
+    def gather(self, whole: list[torch.Tensor], mine: list[torch.Tensor], rounded: bool = False) -> None:
         """Fill every share's rows of ``whole`` (one tensor per parameter) from the replica owning it, a chunk
-        at a time; ``mine``: this rank's rows (of ``whole`` or from elsewhere, e.g. its optimizer state)."""
+        at a time; ``mine``: this rank's rows (of ``whole`` or from elsewhere, e.g. its optimizer state).
+        ``rounded``: each parameter's rows in its ``gather_dtypes`` entry (after a step), else as they are."""
         if self.group is None:
             for rows, src in zip(self._mine(whole), mine):
                 rows.copy_(src)
             return
         for c, (first, end) in enumerate(self.param_chunks):
-            self._gather_chunk(whole, mine, c, first, end)
+            for dtype, members, counts in self._gather_groups(c, first, end, rounded):
+                self._gather_params(whole, mine, members, counts, dtype)
 
-    def _gather_chunk(self, whole: list[torch.Tensor], mine: list[torch.Tensor], chunk: int, first: int,
-                      end: int) -> None:
-        dtype, length = whole[0].dtype, self.chunk_len[chunk]
-        pad = length - self.chunk_counts[chunk][self.share]
-        own = torch.cat([t.reshape(-1).to(whole[0].device, dtype) for t in mine[first:end]]
-                        + ([whole[0].new_zeros(pad)] if pad else []))
+    def _gather_groups(self, chunk: int, first: int, end: int, rounded: bool) -> list:
+        """Chunk ``chunk``'s parameters by the dtype their rows travel in: (dtype (None: their own), their
+        indices, per share its elements), one all-gather each."""
+        key = (chunk, rounded)
+        if key not in self._gather_plan:
+            dtypes = [self.gather_dtypes[i] if rounded else None for i in range(first, end)]
+            groups = []
+            for dtype in dict.fromkeys(dtypes):
+                members = [i for i, d in zip(range(first, end), dtypes) if d == dtype]
+                counts = [sum((self.rows[s][i][1] - self.rows[s][i][0]) * self.row_numel[i] for i in members)
+                          for s in range(self.shares)]
+                groups.append((dtype, members, counts))
+            self._gather_plan[key] = groups
+        return self._gather_plan[key]
+
+    def _gather_params(self, whole: list[torch.Tensor], mine: list[torch.Tensor], members: list[int],
+                       counts: list[int], dtype: torch.dtype | None) -> None:
+        device, own_dtype = whole[members[0]].device, whole[members[0]].dtype
+        dtype = dtype or own_dtype
+        length = max(counts)
+        pad = length - counts[self.share]
+        own = torch.cat([mine[i].reshape(-1).to(device, dtype) for i in members]
+                        + ([torch.zeros(pad, dtype=dtype, device=device)] if pad else []))
         out = own.new_empty(length * self.shares)
         _all_gather_flat(out, own, group=self.group)
         del own
         for at, s in enumerate(self.group_shares):
+            if s == self.share and dtype != own_dtype:  # rounded: this rank's own rows are the master, kept whole
+                continue
             part, offset = out[at * length:(at + 1) * length], 0
-            for t, (lo, hi), n in zip(whole[first:end], self.rows[s][first:end], self.row_numel[first:end]):
+            for i in members:
+                t, (lo, hi), n = whole[i], self.rows[s][i], self.row_numel[i]
                 t[lo:hi].copy_(part[offset:offset + (hi - lo) * n].view(hi - lo, *t.shape[1:]))
                 offset += (hi - lo) * n
+
+    @torch.no_grad()
+    def exact_params(self) -> None:
+        """Every replica's parameters to the owners' fp32 rows again (collective), where the last step gathered
+        some rounded: before anything reads them whole. The next step's gather rounds them again."""
+        if self.group is None or all(d is None for d in self.gather_dtypes):
+            return
+        local = [local_tensor(p) for p in self.params]
+        self.gather(local, [t.detach() for t in self._mine(local)])
 
     def as_checkpoint(self, i: int, value: torch.Tensor) -> torch.Tensor:
         """``value`` (this rank's rows of parameter ``i``'s state) as the whole parameter's DTensor for DCP."""
@@ -266,6 +306,12 @@ class ShardedAdamW:
     def step(self, coef: float) -> None:
         for b in self.buckets:
             b.step(coef, self.param_groups[0])
+
+    def exact_params(self) -> None:
+        """The parameters whole and exact on every replica (collective on each bucket's replicas): what a
+        checkpoint or a dump must read, after a step that gathered some rows rounded (module doc)."""
+        for b in self.buckets:
+            b.exact_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model.parameters():
@@ -344,12 +390,26 @@ def bucket_shards(layout: Layout, bucket: SyncBucket) -> bool:
                                for r in bucket.ranks)
 
 
+def autocast_only(model: nn.Module) -> set[int]:
+    """``id`` of each parameter only ``nn.Linear`` modules hold: under autocast a matrix multiply reads it, and
+    nothing else does, through its 16-bit copy. A parameter another module also holds (a tied weight, an
+    embedding, a norm) is read as it is."""
+    linear, other = set(), set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            (linear if isinstance(module, nn.Linear) else other).add(id(p))
+    return linear - other
+
+
 def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessGroups, *, offload: bool,
-                  param_group: dict, counted: list[nn.Parameter]) -> ShardedAdamW:
+                  param_group: dict, counted: list[nn.Parameter],
+                  compute_dtype: torch.dtype | None = None) -> ShardedAdamW:
     """This rank's ``ShardedAdamW``: one ``ShardBucket`` per gradient bucket it holds (one for the whole
     stage in a one-pipeline plan, where it is its layers' only holder). ``counted``: the parameters
-    whose gradient norm this rank counts (replicated TP parameters once per TP group)."""
+    whose gradient norm this rank counts (replicated TP parameters once per TP group). ``compute_dtype``:
+    autocast's (None: fp32 runs), which the matrix multiplies' weights are gathered in after a step."""
     names = {p: n for n, p in model.named_parameters()}
+    rounded = autocast_only(model) if compute_dtype is not None else set()
     fused = bool(param_group.get("fused"))
     device_type = "cpu" if offload else next(model.parameters()).device.type
     tp_mesh = DeviceMesh.from_group(groups.tp, device_type) if layout.plan.tp > 1 else None
@@ -370,5 +430,6 @@ def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessG
         dist_ranks = [groups.dist_rank[r] for r in b.ranks]  # in pipeline order: share s is pipeline s's
         group_shares = [dist_ranks.index(r) for r in dist.get_process_group_ranks(group)]
         buckets.append(ShardBucket([(names[p], p) for p in params], group, b.ranks.index(role.rank), group_shares,
-                                   _replica_mesh(layout, b, groups, device_type), offload=offload, fused=fused))
+                                   _replica_mesh(layout, b, groups, device_type), offload=offload, fused=fused,
+                                   gather_dtypes=[compute_dtype if id(p) in rounded else None for p in params]))
     return ShardedAdamW(model, buckets, counted, param_group)

@@ -44,8 +44,18 @@ def embed_params(model: ModelSpec, tp: int = 1) -> int:
 
 
 def head_params(model: ModelSpec) -> int:
-    norm = 2 * model.hidden_size if model.arch == "gpt" else model.hidden_size  # LayerNorm / RMSNorm
-    return model.vocab_size * model.hidden_size + norm
+    return model.vocab_size * model.hidden_size + head_norm_params(model)
+
+
+def block_norm_params(model: ModelSpec) -> int:
+    """The block's norm parameters (GPT: two LayerNorms' weights and biases; Llama: two RMSNorm weights): the
+    only ones of a block no matrix multiply reads, so the only ones autocast does not round to 16 bits."""
+    return 4 * model.hidden_size if model.arch == "gpt" else 2 * model.hidden_size
+
+
+def head_norm_params(model: ModelSpec) -> int:
+    """The final norm's parameters (LayerNorm's weight and bias / RMSNorm's weight), beside the LM head."""
+    return 2 * model.hidden_size if model.arch == "gpt" else model.hidden_size
 
 
 def total_params(model: ModelSpec) -> int:
