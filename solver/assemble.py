@@ -285,14 +285,49 @@ def _eager_choice(cost: CostModel, plan: Plan, pipe: PipelinePlan, pe, bws: list
 
 def _if_faster(plan: Plan, est: Estimate, pipes: list[PipelinePlan], cost: CostModel) -> tuple[Plan, Estimate]:
     """The plan with ``pipes`` and its estimate if some pipeline changed and the cost model predicts it faster
-    and within memory; else the plan as it was."""
+    and within memory, its micro-batches split again for the pipelines' new times (``rebalance_microbatches``:
+    a schedule that speeds up only some pipelines gains nothing until they take more of the batch); else the
+    plan as it was."""
     if all(a is b for a, b in zip(pipes, plan.pipelines)):
         return plan, est
     changed = plan.model_copy(update={"pipelines": pipes})
     changed_est = cost.estimate(changed)
+    if not changed_est.over_capacity():
+        changed, changed_est = rebalance_microbatches(changed, cost, changed_est)
     if changed_est.over_capacity() or changed_est.iteration_time_s >= est.iteration_time_s:
         return plan, est
     return changed, changed_est
+
+
+def rebalance_microbatches(plan: Plan, cost: CostModel, est: Estimate) -> tuple[Plan, Estimate]:
+    """The plan with its micro-batches split again across its pipelines (``allocate_microbatches``) by each one's
+    time under its schedule, T_p(m) ~ m tau_p + fill_p from two plays (m_p and m_p + its depth: exact for
+    1F1B's closed form, the steady state of the played schedules), and its estimate, where that is faster and
+    fits; else as it was. Interleaved pipelines keep theirs (torch's rounds divide them); each keeps at least a
+    micro-batch per stage, an eager one at least its first stage's count in flight."""
+    pipes = plan.pipelines
+    movable = [i for i, p in enumerate(pipes) if not p.interleaved]
+    if len(movable) < 2:
+        return plan, est
+    taus, fills, least = [], [], []
+    for i in movable:
+        pipe, played = pipes[i], est.pipelines[i]
+        depth, m = len(pipe.stages), pipe.num_microbatches
+        tau = (cost.pipeline_time_at_s(pipe, played, m + depth) - played.time_s) / depth
+        taus.append(max(tau, 1e-12))
+        fills.append(played.time_s - m * tau)
+        least.append(max(depth, pipe.stages[0].in_flight or 0))
+    counts = allocate_microbatches(taus, fills, sum(pipes[i].num_microbatches for i in movable), least)
+    if counts is None or all(pipes[i].num_microbatches == c for i, c in zip(movable, counts)):
+        return plan, est
+    changed = list(pipes)
+    for i, c in zip(movable, counts):
+        changed[i] = pipes[i].model_copy(update={"num_microbatches": c})
+    trial = plan.model_copy(update={"pipelines": changed})
+    trial_est = cost.estimate(trial)
+    if trial_est.over_capacity() or trial_est.iteration_time_s >= est.iteration_time_s * (1 - 1e-9):
+        return plan, est
+    return trial, trial_est
 
 
 def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:

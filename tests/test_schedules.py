@@ -121,6 +121,48 @@ def test_the_planner_runs_zb_h1_where_it_is_faster_and_fits():
     assert not est.over_capacity()
 
 
+def test_a_schedule_that_speeds_up_some_pipelines_takes_more_of_the_batch():
+    """Two pipelines the batch was split between for 1F1B (4 A100 stages; 2 V100 stages); ZB-H1 on the A100
+    one alone leaves the plan's time where it was, the V100 pipeline ending last. Split again for their
+    new times (``rebalance_microbatches``), the A100 pipeline takes micro-batches from the V100 one: the
+    same batch, the plan faster, each pipeline still a micro-batch per stage, and the estimate the
+    cost model's own."""
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+    from solver.assemble import allocate_microbatches, rebalance_microbatches
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
+                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
+    settings = TrainingSettings(global_batch_size=46, activation_recompute=False)
+    cost = CostModel(cluster, model, settings)
+
+    def stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
+        return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+
+    pipes = [PipelinePlan(num_microbatches=23, stages=stages("a", "A100-80G", [0, 2, 4, 6, 8])),
+             PipelinePlan(num_microbatches=23, stages=stages("b", "V100-32G", [0, 4, 8]))]
+    plan = Plan(model=model, cluster="c", global_batch_size=46, micro_batch_size=1, tp=1, training=settings,
+                pipelines=pipes)
+    played = cost.estimate(plan).pipelines  # 1F1B: T(m) = m tau + fill, split as the planners split it
+    counts = allocate_microbatches([p.bottleneck_s for p in played],
+                                   [p.time_s - 23 * p.bottleneck_s for p in played], 46, [4, 2])
+    split = plan.model_copy(update={"pipelines": [p.model_copy(update={"num_microbatches": c})
+                                                  for p, c in zip(pipes, counts)]})
+    zb = split.model_copy(update={"pipelines": [split.pipelines[0].model_copy(update={"schedule": "zb-h1"}),
+                                                split.pipelines[1]]})
+    before, zb_est = cost.estimate(split), cost.estimate(zb)
+    assert zb_est.iteration_time_s == pytest.approx(before.iteration_time_s, rel=1e-3)  # the V100 one binds
+    again, est = rebalance_microbatches(zb, cost, zb_est)
+    got = [p.num_microbatches for p in again.pipelines]
+    assert counts == [37, 9] and sum(got) == 46 and got[0] > counts[0] and got[1] >= 2, (counts, got)
+    assert est.iteration_time_s < zb_est.iteration_time_s * 0.98 and not est.over_capacity()
+    assert est.iteration_time_s == pytest.approx(cost.estimate(again).iteration_time_s)
+    assert rebalance_microbatches(again, cost, est)[0] is again  # split for its times already: unchanged
+
+
 @pytest.mark.slow  # imports torch.distributed.pipelining (10 s on a loaded machine)
 def test_a_measured_split_prices_the_weight_gradient_and_what_splitting_costs():
     """The profiler times torch's split backward of a block (input then weight gradient); the cost model

@@ -354,6 +354,12 @@ class CostModel:
             self._schedule_s(pipe, pe.stage_s, pe.backward_s, pe.weight_s, pe.p2p_s, trace=ops)
         return ops
 
+    def pipeline_time_at_s(self, pipe, played: PipelineEstimate, num_microbatches: int) -> float:
+        """``pipe``'s time under its schedule with ``num_microbatches`` instead of its own, its stages and sends as
+        ``estimate`` priced them (``played``): what a planner re-splitting the batch needs, one play."""
+        changed = pipe.model_copy(update={"num_microbatches": num_microbatches})
+        return self._schedule_s(changed, played.stage_s, played.backward_s, played.weight_s, played.p2p_s)[1]
+
     def _schedule_s(self, pipe, stage_s: list[float], backward_s: list[float], weight_s: list[float],
                     p2p: list[float], trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
         """(tau, T_pipe, when each stage ends its part) of one pipeline under its schedule; ``trace``: its ops."""
