@@ -203,18 +203,25 @@ class _Search:
     def aligned(self, space: Space) -> None:
         """Copies of one template line up stage by stage, so each block's gradient all-reduce can stay
         inside one node: the MILP's per-scope link model cannot see that, the cost model can. Only
-        those whose time without any gradient sync would beat the best plan are worth scoring."""
+        those whose time with the least sync they can have would beat the best plan are worth scoring:
+        none inside a slice's own nodes, and on a slice of a larger cluster (``CostModel.sync_copies``)
+        every ring goes on to the other copies' nodes, at best over the default inter-node link, shared by
+        a stage's TP ranks where every node has one NIC (``CostModel._sync_rings``)."""
         M = self.cost.settings.global_batch_size // space.micro_batch_size
+        across = None
+        if self.cost.sync_copies > 1:
+            one_nic = all(n.shares_nic for n in self.cluster.nodes)
+            across = self.cluster.inter_node_bandwidth_gbps / (space.tp if one_nic else 1)
         aligned = []
         for tpl in space.templates:
             most = min(tpl.max_copies(space.available), M // len(tpl.classes))  # a micro-batch per stage
             if most < 1:
                 continue
             for copies in {most, *range(1, min(most, ALIGNED_COPIES) + 1)} - set(range(tpl.min_pipelines)):
-                no_sync_s = math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + max(tpl.opt_s)
-                aligned.append((no_sync_s, copies, tpl))
-        for no_sync_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
-            if self.beat_s is not None and no_sync_s >= self.beat_s:
+                post_s = tpl.post_s(copies, across) if across is not None else max(tpl.opt_s)
+                aligned.append((math.ceil(M / copies) * tpl.tau_s + tpl.fill_s + post_s, copies, tpl))
+        for least_s, copies, tpl in sorted(aligned, key=lambda a: a[0]):
+            if self.beat_s is not None and least_s >= self.beat_s:
                 break
             self.consider(space, [tpl] * copies, "aligned copies", None, 0.0)
 
