@@ -141,6 +141,7 @@ class CostModel:
         # interleaved pipelines' peaks of micro-batches in flight, by their shape: a search estimates plan after
         # plan with the same pipelines (their plays are remembered in ``hetrain.cost.pipeline``)
         self._held: dict[tuple, list[int]] = {}
+        self._part_bytes: dict[int, list[tuple[float, float]]] = {}  # per TP degree (``_sync_buckets``)
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
@@ -443,10 +444,16 @@ class CostModel:
         merged."""
         D, t, m = len(plan.pipelines), plan.tp, self.model
         buckets: list[tuple[tuple[int, ...], list, float, float]] = []
+        if t not in self._part_bytes:  # (gradient, all-gather) bytes of the embedding, a block, the head
+            self._part_bytes[t] = [(self.grad_bytes(n, first, last, t), self.gather_bytes(n, first, last, t))
+                                   for n, first, last in ((0, True, False), (1, False, False), (0, False, True))]
+        parts = self._part_bytes[t]
+        block, block_gathered = parts[1]
 
         def add(stages, blocks: int, first: bool, last: bool):
             key = tuple(id(st) for st in stages)
-            num_bytes, gathered = self.grad_bytes(blocks, first, last, t), self.gather_bytes(blocks, first, last, t)
+            num_bytes, gathered = ((blocks * block, blocks * block_gathered) if not (first or last)
+                                   else parts[0] if first else parts[2])
             if buckets and buckets[-1][0] == key:
                 _, _, before, gathered_before = buckets.pop()
                 num_bytes, gathered = num_bytes + before, gathered + gathered_before
