@@ -99,6 +99,9 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
                             (["slow/0"], slow, slow_blocks), (["slow/1"], slow, slow_blocks)])]
     pairs = [(global_batch // 4, [(["fast/0"], fast, two_thirds), (["slow/0"], slow, L - two_thirds)]),
              (global_batch // 4, [(["fast/1"], fast, two_thirds), (["slow/1"], slow, L - two_thirds)])]
+    even = 2 * round(L / 3)  # gpt-tiny's 6 blocks: 4 + 2, as pairs; gpt-small's 8: 6 + 2 (pairs' 5 + 3 do not halve)
+    even_pairs = [(m, [(devices, gpu, even if gpu == fast else L - even) for devices, gpu, _ in stages])
+                  for m, stages in pairs]
     return {
         "pipeline of 4": plan(1, 1, four),
         "pipeline of 4, eager": plan(1, 1, four, in_flight=[7, 5, 3, 1]),  # two more in flight per boundary
@@ -106,8 +109,9 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
         "2 x (fast -> slow), eager": plan(1, 2, pairs, in_flight=[3, 1]),
         "pipeline of 4, zb-h1": plan(1, 1, four, schedule="zb-h1"),
         "2 x (fast -> slow), zb-h1": plan(1, 2, pairs, schedule="zb-h1"),
-        # interleaved 1F1B, two chunks per device (the fast one's 2/3 of the blocks, the slow one's 1/3, halved)
-        "2 x (fast -> slow), interleaved": _interleaved(plan(1, 2, pairs), 2),
+        # interleaved 1F1B, two chunks per device (the fast one's about 2/3 of the blocks, the slow one's the rest,
+        # each an even number, halved)
+        "2 x (fast -> slow), interleaved": _interleaved(plan(1, 2, even_pairs), 2),
         # two pipelines of different depth: three stages beside one
         "3 stages + 1, zb-h1": plan(1, 1, [(global_batch * 3 // 4, [(["fast/0"], fast, L - 2 * slow_blocks),
                                                                   (["slow/0"], slow, slow_blocks),

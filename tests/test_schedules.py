@@ -254,6 +254,11 @@ def test_interleaved_plans_are_checked_in_one_line():
         with pytest.raises(HetrainError, match=message) as err:
             validate_plan_structure(p)
         assert "\n" not in str(err.value)
+    # cutting a pipeline into chunks: every stage's blocks divide by v (the chunks would leave blocks out)
+    odd = PipelinePlan(num_microbatches=4, stages=[StagePlan(devices=["n/0"], gpu="T4", layers=(0, 2)),
+                                                   StagePlan(devices=["n/1"], gpu="T4", layers=(2, 5))])
+    with pytest.raises(HetrainError, match=r"^stages\[1\]: 3 blocks do not divide into 2 chunks for interleaved 1F1B$"):
+        odd.interleave(2)
 
 
 def test_an_interleaved_device_holds_its_chunks_in_one_role_and_its_buckets_follow_each_chunk():

@@ -89,6 +89,10 @@ class PipelinePlan(BaseModel):
         as many blocks, cut into v equal chunks laid round-robin (chunk j on device j mod p), the embedding on
         the first device and the head on the last as before. Each stage's blocks must divide by v."""
         p = len(self.stages)
+        odd = next((k for k, st in enumerate(self.stages) if (st.layers[1] - st.layers[0]) % v), None)
+        if odd is not None:
+            raise HetrainError(f"stages[{odd}]: {self.stages[odd].layers[1] - self.stages[odd].layers[0]} blocks do not "
+                               f"divide into {v} chunks for interleaved 1F1B")
         sizes = [(self.stages[j % p].layers[1] - self.stages[j % p].layers[0]) // v for j in range(p * v)]
         stages, start = [], 0
         for j, n in enumerate(sizes):
