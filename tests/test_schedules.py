@@ -21,6 +21,23 @@ def _plan(schedule: str | None, counts=(None, None, None, None), microbatches: i
                 pipelines=[PipelinePlan(num_microbatches=microbatches, stages=stages, schedule=schedule)])
 
 
+def _a100_v100(global_batch_size: int):
+    """(model, cluster, settings): an 8-block model on a node of 4 A100s and one of 2 V100s, no recompute."""
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
+    cluster = ClusterSpec.model_validate({
+        "name": "c", "inter_node_bandwidth_gbps": 200,
+        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
+                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
+    return model, cluster, TrainingSettings(global_batch_size=global_batch_size, activation_recompute=False)
+
+
+def _stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
+    """One stage per GPU of ``node`` in turn, blocks ``cuts[k]`` to ``cuts[k + 1]``."""
+    return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
+
+
 def test_a_plan_without_a_schedule_means_what_it_meant():
     assert _plan(None).pipelines[0].schedule_name == "1f1b"
     eager = _plan(None, (7, 5, 3, 1)).pipelines[0]
@@ -74,19 +91,11 @@ def test_the_planner_runs_zb_h1_where_it_is_faster_and_fits():
     within its memory. On GPUs too small to hold the micro-batches ZB-H1 keeps waiting for their weight
     gradient, the pipeline keeps its schedule."""
     from hetrain.cost.costmodel import CostModel
-    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+    from hetrain.spec.specs import ClusterSpec
     from solver.assemble import choose_schedules
 
-    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
-    cluster = ClusterSpec.model_validate({
-        "name": "c", "inter_node_bandwidth_gbps": 200,
-        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
-                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
-    settings = TrainingSettings(global_batch_size=24, activation_recompute=False)
-
-    def stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
-        return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
-
+    model, cluster, settings = _a100_v100(24)
+    stages = _stages
     plan = Plan(model=model, cluster="c", global_batch_size=24, micro_batch_size=1, tp=1, training=settings,
                 pipelines=[PipelinePlan(num_microbatches=16, stages=stages("a", "A100-80G", [0, 2, 4, 6, 8])),
                            PipelinePlan(num_microbatches=8, stages=stages("b", "V100-32G", [0, 4, 8]))])
@@ -128,20 +137,11 @@ def test_a_schedule_that_speeds_up_some_pipelines_takes_more_of_the_batch():
     same batch, the plan faster, each pipeline still a micro-batch per stage, and the estimate the
     cost model's own."""
     from hetrain.cost.costmodel import CostModel
-    from hetrain.spec.specs import ClusterSpec, TrainingSettings
     from solver.assemble import allocate_microbatches, rebalance_microbatches
 
-    model = ModelSpec(name="m", num_layers=8, hidden_size=2048, num_heads=16, seq_length=1024, vocab_size=32000)
-    cluster = ClusterSpec.model_validate({
-        "name": "c", "inter_node_bandwidth_gbps": 200,
-        "nodes": [{"name": "a", "gpu": "A100-80G", "count": 4, "intra_node_bandwidth_gbps": 300},
-                  {"name": "b", "gpu": "V100-32G", "count": 2, "intra_node_bandwidth_gbps": 150}]})
-    settings = TrainingSettings(global_batch_size=46, activation_recompute=False)
+    model, cluster, settings = _a100_v100(46)
     cost = CostModel(cluster, model, settings)
-
-    def stages(node: str, gpu: str, cuts: list[int]) -> list[StagePlan]:
-        return [StagePlan(devices=[f"{node}/{k}"], gpu=gpu, layers=(lo, hi)) for k, (lo, hi) in enumerate(zip(cuts, cuts[1:]))]
-
+    stages = _stages
     pipes = [PipelinePlan(num_microbatches=23, stages=stages("a", "A100-80G", [0, 2, 4, 6, 8])),
              PipelinePlan(num_microbatches=23, stages=stages("b", "V100-32G", [0, 4, 8]))]
     plan = Plan(model=model, cluster="c", global_batch_size=46, micro_batch_size=1, tp=1, training=settings,
