@@ -18,9 +18,10 @@ Under bf16 or fp16 the rows of the matrix multiplies' weights travel in the comp
 Megatron's distributed optimizer gathers its 16-bit parameters: autocast reads those weights only
 through their 16-bit copy, so a replica holding the owner's rows rounded computes exactly what the
 owner computes, while the owner keeps its own rows (the fp32 master) as they are. The norms and the
-embedding, read in fp32, travel in fp32. The reduce-scatter then carries what the all-reduce did
-and the all-gather about half as much again; before anything reads the parameters whole (a
-checkpoint, a dump) ``ShardedAdamW.exact_params`` gathers the rows in fp32 once. ``offloaded`` keeps
+embedding, read in fp32, travel in fp32. The reduce-scatter carries half the all-reduce's bytes
+and the all-gather then about a quarter (fp32 runs: half again); before anything reads the
+parameters whole (a checkpoint, a dump) ``ShardedAdamW.exact_params`` gathers the rows in fp32
+once. ``offloaded`` keeps
 the share and an fp32 master copy of its rows in host memory and runs the step on the CPU:
 the gradient rows are copied in, the updated rows copied out before the all-gather.
 
