@@ -229,7 +229,8 @@ def eager_in_flight(plan: Plan, cost: CostModel, est: Estimate | None = None) ->
     sharded = cost.sharded_stages(plan)
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
-        if S < 2 or _sends_cost_s(pe.stage_s, pe.p2p_s, m) < EAGER_MIN_GAIN * est.iteration_time_s:
+        if S < 2 or pipe.schedule_name == "gpipe" or _sends_cost_s(pe.stage_s, pe.p2p_s, m) < \
+                EAGER_MIN_GAIN * est.iteration_time_s:
             continue
         key = (tuple((st.gpu, st.layers, st.recompute, st.optimizer_state, id(st) in sharded) for st in pipe.stages), m,
                tuple(pe.p2p_s), tuple(pe.stage_s))
@@ -304,7 +305,8 @@ def rebalance_microbatches(plan: Plan, cost: CostModel, est: Estimate) -> tuple[
     time under its schedule, T_p(m) ~ m tau_p + fill_p from two plays (m_p and m_p + its depth: exact for
     1F1B's closed form, the steady state of the played schedules), and its estimate, where that is faster and
     fits; else as it was. Interleaved pipelines keep theirs (torch's rounds divide them); each keeps at least a
-    micro-batch per stage, an eager one at least its first stage's count in flight."""
+    micro-batch per stage, an eager one at least its first stage's count in flight, a GPipe one at least one
+    (``PipelinePlan.with_microbatches``: under 1F1B where it gets a micro-batch per stage)."""
     pipes = plan.pipelines
     movable = [i for i, p in enumerate(pipes) if not p.interleaved]
     if len(movable) < 2:
@@ -316,13 +318,13 @@ def rebalance_microbatches(plan: Plan, cost: CostModel, est: Estimate) -> tuple[
         tau = (cost.pipeline_time_at_s(pipe, played, m + depth) - played.time_s) / depth
         taus.append(max(tau, 1e-12))
         fills.append(played.time_s - m * tau)
-        least.append(max(depth, pipe.stages[0].in_flight or 0))
+        least.append(1 if pipe.schedule_name == "gpipe" else max(depth, pipe.stages[0].in_flight or 0))
     counts = allocate_microbatches(taus, fills, sum(pipes[i].num_microbatches for i in movable), least)
     if counts is None or all(pipes[i].num_microbatches == c for i, c in zip(movable, counts)):
         return plan, est
     changed = list(pipes)
     for i, c in zip(movable, counts):
-        changed[i] = pipes[i].model_copy(update={"num_microbatches": c})
+        changed[i] = pipes[i].with_microbatches(c)
     trial = plan.model_copy(update={"pipelines": changed})
     trial_est = cost.estimate(trial)
     if trial_est.over_capacity() or trial_est.iteration_time_s >= est.iteration_time_s * (1 - 1e-9):
@@ -383,7 +385,7 @@ def zero_bubble_pipelines(plan: Plan, cost: CostModel, est: Estimate | None = No
     sharded = cost.sharded_stages(plan)
     for p, (pipe, pe) in enumerate(zip(plan.pipelines, est.pipelines)):
         S, m = len(pipe.stages), pipe.num_microbatches
-        if S < 2 or pipe.schedule_name == "zb-h1":
+        if S < 2 or pipe.schedule_name in ("zb-h1", "gpipe"):
             continue
         key = (tuple((st.gpu, st.layers, st.recompute, st.in_flight, st.optimizer_state, id(st) in sharded)
                      for st in pipe.stages), m, tuple(pe.p2p_s), tuple(pe.stage_s))

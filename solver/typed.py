@@ -7,9 +7,11 @@ gpt-30b, global batch 512: 20.7 % of the capacity lost to stage imbalance), and 
 same depth as the fast ones. The MILP plans such clusters by a slice (``solver.symmetry``) holding one
 H100 node, where no H100 pipeline of its own exists. Here each type (``solver.space.group_classes``) runs
 pipelines of one depth d (its blocks split evenly; its groups in turn, or side by side over the same nodes)
-or sits out, which is also how a type too slow for the batch is left out: a pipeline of p stages needs p
-micro-batches and at least (2p - 1) stage times, which on large-1024's RTX 3090s is longer than all the other
-pipelines take.
+or sits out, which is also how a type too slow for the batch is left out: a pipeline of p stages takes at least
+p stage times (one micro-batch, forward and back), which may be longer than all the other pipelines take. A
+pipeline given fewer micro-batches than stages runs GPipe (``PipelinePlan.with_microbatches``): torch's 1F1B
+needs one per stage, which kept large-1024's RTX 3090s out (at least 2p - 1 stage times) where a few
+micro-batches each in GPipe pipelines of 8 make the plan 2.6 % faster.
 
 The choices are searched by coordinate descent (each type's choice in turn, kept where the plan is faster)
 from the fastest uniform layouts (every type at one depth, the slowest types left out one at a time). Every
@@ -61,6 +63,16 @@ def _choices(cls: GroupClass, num_layers: int, max_depth: int) -> list[Choice]:
     return [OFF] + [(d, False) for d in depths] + [(d, True) for d in depths if several and 1 < d <= len(cls.nodes)]
 
 
+def _nested(choices: tuple[Choice, ...]) -> bool:
+    """The depths used divide one another (8, 16, 48 on 48 blocks; not 16 and 24). Why the family keeps to them:
+    a shallower type's stage then spans whole stages of each deeper one, so a gradient bucket's ring waits for
+    its holders' backwards only. Depths that do not nest chain the rings through the model (a stage of 2 blocks
+    waits for a ring of a 3-block stage that waits for the next: ``CostModel._sync_rings``' order): on
+    gen-10240x8 every such layout priced 5.0-8.5 s against 4.4 s, and pricing them took most of the search."""
+    depths = sorted({d for d, _ in choices if d})
+    return all(b % a == 0 for a, b in zip(depths, depths[1:]))
+
+
 def _groups(cls: GroupClass, t: int, choice: Choice) -> list[list[tuple[str, list[int]]]]:
     """The type's TP groups as pipelines of the chosen depth. In turn: a node's groups one after another, so a
     pipeline's sends stay inside a node where they can. Side by side (nodes alike): each pipeline takes one
@@ -97,11 +109,12 @@ def _block_size(pipes: list[list[tuple[str, list[int]]]]) -> int | None:
     return sizes[0]
 
 
-def _stages(cost: CostModel, cls: GroupClass, t: int, b: int, pipe: list, bumps: dict[str, int]) -> list[StagePlan]:
-    """One pipeline's stages, each at the least recompute that holds its blocks and 1F1B's in-flight
-    micro-batches (``_least_modes``), ``bumps`` modes more on the devices named there; [] where none fits."""
+def _stages(cost: CostModel, cls: GroupClass, t: int, b: int, pipe: list, bumps: dict[str, int],
+            gpipe: int | None = None) -> list[StagePlan]:
+    """One pipeline's stages, each at the least recompute that holds its blocks and its in-flight micro-batches
+    (``_least_modes``), ``bumps`` modes more on the devices named there; [] where none fits."""
     split, modes = _even_split(cost.model.num_layers, len(pipe)), cost.settings.recompute_modes
-    least = _least_modes(cost, cls, t, b, len(pipe))
+    least = _least_modes(cost, cls, t, b, len(pipe), gpipe)
     if least is None:
         return []
     stages = []
@@ -112,18 +125,20 @@ def _stages(cost: CostModel, cls: GroupClass, t: int, b: int, pipe: list, bumps:
     return stages
 
 
-def _least_modes(cost: CostModel, cls: GroupClass, t: int, b: int, depth: int) -> tuple[int, ...] | None:
+def _least_modes(cost: CostModel, cls: GroupClass, t: int, b: int, depth: int,
+                 gpipe: int | None = None) -> tuple[int, ...] | None:
     """Per stage of a pipeline of ``depth`` groups of ``cls``: the index of the least recompute mode that holds
-    its blocks and 1F1B's in-flight micro-batches (stage k holds depth - k); None where some stage fits none.
+    its blocks and its in-flight micro-batches (1F1B: stage k holds depth - k; ``gpipe``: GPipe's micro-batches,
+    every stage all of them); None where some stage fits none.
     Cached on the class: copies of a pipeline, and every layout giving the type that depth, ask again."""
-    key = ("typed", t, b, depth)
+    key = ("typed", t, b, depth, gpipe)
     if key not in cls._options:
         split, modes, out = _even_split(cost.model.num_layers, depth), cost.settings.recompute_modes, []
         for k in range(depth):
             first, last, blocks = k == 0, k == depth - 1, split[k][1] - split[k][0]
             units = [cost.unit_costs(cls.gpu, cls.intra_bw_gbps, t, b, m) for m in modes]
             fits = [i for i, u in enumerate(units)
-                    if u.stage_memory_bytes(blocks, first, last, depth - k) <= u.capacity_bytes]
+                    if u.stage_memory_bytes(blocks, first, last, gpipe or depth - k) <= u.capacity_bytes]
             if not fits:
                 out = None
                 break
@@ -144,6 +159,8 @@ class _Layouts:
         self.priced: dict[tuple[Choice, ...], tuple[float, Plan] | float | None] = {}
         self._terms: dict[tuple[int, Choice], tuple | None] = {}
         self._counts: dict[tuple[int, Choice], int] = {}
+        self._pipes: dict[tuple[int, Choice, int | None], list[PipelinePlan]] = {}
+        self.class_of_node = {node: i for i, cls in enumerate(self.classes) for node in cls.nodes}
 
     def price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
         """(iteration seconds, plan) of the layout, None where it does not fit or cannot beat ``beat_s``. A layout
@@ -167,16 +184,16 @@ class _Layouts:
 
     def bound_s(self, choices: tuple[Choice, ...]) -> float:
         """No layout of these depths is faster, before any estimate: each pipeline's stages at its type's fastest
-        seconds per block (no embedding, head or sends), 1F1B's (d - 1) fill and at least d micro-batches each,
-        the M micro-batches spread as if divisible (``allocate_microbatches``' fluid limit); then the slowest
-        pipeline's first stage runs its rings (``_rings_s``), the least of any type's at least."""
-        L, rate, fill, longest, stages = self.cost.model.num_layers, 0.0, 0.0, 0.0, 0
+        seconds per block (no embedding, head or sends), 1F1B's (d - 1) fill and at least one micro-batch each
+        (d stage times), the M micro-batches spread as if divisible (``allocate_microbatches``' fluid limit);
+        then the slowest pipeline's first stage runs its rings (``_rings_s``), the least of any type's at least."""
+        L, rate, fill, longest = self.cost.model.num_layers, 0.0, 0.0, 0.0
         used = [(cls, c, self.pipelines_of(cls, c)) for cls, c in zip(self.classes, choices) if c != OFF]
         for cls, (d, _), n in used:
             tau = math.ceil(L / d) * cls.fastest_block_s
-            rate, fill, stages = rate + n / tau, fill + n * (d - 1), stages + n * d
-            longest = max(longest, (2 * d - 1) * tau) if n else longest
-        if stages > self.M or not rate:
+            rate, fill = rate + n / tau, fill + n * (d - 1)
+            longest = max(longest, d * tau) if n else longest
+        if sum(n for _, _, n in used) > self.M or not rate:
             return math.inf
         D = sum(n for _, _, n in used)
         common = min(_even_split(L, d)[0][1] for _, (d, _), _ in used)
@@ -204,6 +221,8 @@ class _Layouts:
 
     def _price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | float | None:
         """``price``'s answer, or where ``beat_s`` prunes the layout, the bound that did (a float)."""
+        if not _nested(choices):
+            return None
         bound_s = self.bound_s(choices)
         if beat_s is not None and bound_s >= beat_s:
             return bound_s
@@ -215,31 +234,56 @@ class _Layouts:
         if beat_s is not None and synced_s >= beat_s:
             return synced_s
         bumps: dict[str, int] = {}
-        pipes = [p for i, c in used for p in self._type_pipelines(i, c, bumps)]
+        hit: set[int] = set()  # types with a recompute bumped: built again
         for _ in range(RECOMPUTE_TRIES + 1):
-            plan = _plan(self.cost, self.cluster, self.t, self.b,
-                         [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)])
+            pipes = self._pipelines(used, counts, bumps, hit)
+            if pipes is None:  # some stage fits no recompute
+                return None
+            plan = _plan(self.cost, self.cluster, self.t, self.b, pipes)
             est = self.cost.estimate(plan)
             over = est.over_capacity()
             if not over:
                 return est.iteration_time_s, plan
             for d in over:  # the sync's chunk or the step's temporaries: one more recompute there
                 bumps[d] = bumps.get(d, 0) + 1
-            pipes = [p for i, c in used for p in self._type_pipelines(i, c, bumps)]
-            if len(pipes) != len(counts):  # some stage fits no recompute
-                return None
+            hit |= {self.class_of_node[d.rsplit("/", 1)[0]] for d in over}
         return None
+
+    def _pipelines(self, used: list[tuple[int, Choice]], counts: list[int], bumps: dict[str, int],
+                   hit: set[int]) -> list[PipelinePlan] | None:
+        """The layout's pipelines with their micro-batches (``PipelinePlan.with_microbatches``: GPipe where fewer
+        than the stages, its stages' recompute then for that many in flight); types in ``hit`` at ``bumps``."""
+        out, at = [], 0
+        for i, choice in used:
+            n = self.pipelines_of(self.classes[i], choice)
+            for j, m in enumerate(counts[at:at + n]):
+                gpipe = m if m < choice[0] else None
+                built = self._type_pipelines(i, choice, bumps, gpipe=gpipe) if i in hit else \
+                    self._built(i, choice, gpipe)
+                if len(built) != n:
+                    return None
+                out.append(built[j].with_microbatches(m))
+            at += n
+        return out
+
+    def _built(self, i: int, choice: Choice, gpipe: int | None) -> list[PipelinePlan]:
+        """``_type_pipelines`` of type ``i`` at ``choice`` with no recompute bumped, built once: every layout that
+        gives the type this choice asks again (10,240 GPUs: thousands of stages a layout)."""
+        key = (i, choice, gpipe)
+        if key not in self._pipes:
+            self._pipes[key] = self._type_pipelines(i, choice, {}, gpipe=gpipe)
+        return self._pipes[key]
 
     def allocation(self, choices: tuple[Choice, ...]) -> tuple[list[tuple[int, Choice]], list, list[int]] | None:
         """The types used (index, choice), their terms (``type_terms``) and each pipeline's micro-batches,
-        fastest finish first (``allocate_microbatches``); None where a type does not fit or the batch is short."""
+        fastest finish first (``allocate_microbatches``, at least one each: GPipe takes fewer than its stages);
+        None where a type does not fit or the batch is short."""
         used = [(i, c) for i, c in enumerate(choices) if c != OFF]
         parts = [self.type_terms(i, c) for i, c in used]
         if any(part is None for part in parts):
             return None
         terms = [x for part in parts for x in part[1]]  # 1F1B: T(m) = m tau + fill
-        depths = [c[0] for (_, c), part in zip(used, parts) for _ in range(part[0])]
-        counts = allocate_microbatches([x for x, _ in terms], [(x + f) - x for x, f in terms], self.M, depths)
+        counts = allocate_microbatches([x for x, _ in terms], [(x + f) - x for x, f in terms], self.M)
         return None if counts is None else (used, parts, counts)
 
     def synced_bound_s(self, choices: tuple[Choice, ...]) -> float | None:
@@ -281,12 +325,12 @@ class _Layouts:
         return max(shared, own)
 
     def _type_pipelines(self, i: int, choice: Choice, bumps: dict[str, int],
-                        groups: list | None = None) -> list[PipelinePlan]:
-        """Type ``i``'s pipelines at ``choice`` (or of ``groups``, some of them), 1F1B's fewest micro-batches each;
-        [] where a stage fits none."""
+                        groups: list | None = None, gpipe: int | None = None) -> list[PipelinePlan]:
+        """Type ``i``'s pipelines at ``choice`` (or of ``groups``, some of them), 1F1B's fewest micro-batches each,
+        their stages' recompute for 1F1B or for ``gpipe`` micro-batches under GPipe; [] where a stage fits none."""
         cls, pipes = self.classes[i], []
         for groups in _groups(cls, self.t, choice) if groups is None else groups:
-            stages = _stages(self.cost, cls, self.t, self.b, groups, bumps)
+            stages = _stages(self.cost, cls, self.t, self.b, groups, bumps, gpipe)
             if not stages:
                 return []
             pipes.append(PipelinePlan.model_construct(num_microbatches=len(stages), stages=stages))

@@ -133,6 +133,29 @@ def test_zero_bubble_h1_matches_single_process(tmp_path: Path):
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
+def test_gpipe_with_fewer_microbatches_than_stages_matches_single_process(tmp_path: Path):
+    """GPipe (torch's ``ScheduleGPipe``), the schedule of a pipeline given fewer micro-batches than stages (a slow
+    type's, ``solver.typed``): three stages, one recomputing, with 2 micro-batches beside a 1F1B pipeline of
+    two stages with 6; the same gradients, parameters and losses as one process (a micro-batch lost or run
+    twice in the fill would show)."""
+    spec = load_model(TINY)
+
+    def stage(device: str, layers: list[int], recompute: str = "none") -> dict:
+        return {"devices": [device], "gpu": "cpu", "layers": layers, "recompute": recompute}
+
+    plan = Plan.model_validate({
+        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
+        "global_batch_size": 8, "micro_batch_size": 1, "tp": 1,
+        "pipelines": [
+            {"num_microbatches": 2, "schedule": "gpipe",
+             "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4], "selective"), stage("a/2", [4, 6])]},
+            {"num_microbatches": 6, "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6])]},
+        ],
+    })
+    assert plan.pipelines[0].depth > plan.pipelines[0].num_microbatches
+    train_and_match_single_process(tmp_path, plan, TINY)
+
+
 def test_zero_bubble_h1_under_tensor_parallelism_matches_single_process(tmp_path: Path):
     """ZB-H1 on the TP 2 asymmetric plan: the second stage (no recompute) splits its backward over
     DTensor blocks, the vocabulary-split head's weight gradient waits for W too."""

@@ -67,6 +67,42 @@ def test_schedules_are_checked_in_one_line(tmp_path: Path):
     assert "pipelines[0].schedule" in str(err.value) and "got 'zb-h2'" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_gpipe_takes_fewer_micro_batches_than_stages_and_holds_them_all():
+    """The one schedule a pipeline with fewer micro-batches than stages may run (torch's 1F1B refuses it): the
+    check says so in one line, GPipe holds every micro-batch on every stage, and the count sets the schedule."""
+    with pytest.raises(HetrainError, match=r"^pipelines\[0\]: 3 micro-batches for 4 stages; the 1F1B schedules "
+                                           r"need at least one per stage \(schedule gpipe takes fewer\)$"):
+        validate_plan_structure(_plan(None, microbatches=3))
+    gpipe = _plan("gpipe", microbatches=3)
+    validate_plan_structure(gpipe)
+    assert [gpipe.pipelines[0].in_flight(k) for k in range(4)] == [3, 3, 3, 3]
+    with pytest.raises(HetrainError, match=r"in_flight is for schedule eager-1f1b, not gpipe"):
+        validate_plan_structure(_plan("gpipe", (7, 5, 3, 1)))
+    pipe = _plan(None).pipelines[0]
+    assert pipe.with_microbatches(3).schedule == "gpipe"
+    assert pipe.with_microbatches(3).with_microbatches(4).schedule is None  # 1F1B: the same time, fewer held
+    zb = _plan("zb-h1").pipelines[0]
+    assert zb.with_microbatches(6).schedule == "zb-h1" and zb.with_microbatches(6).num_microbatches == 6
+
+
+def test_gpipe_plays_as_torch_runs_it():
+    """Equal stages without sends: (m + S - 1)(f + b), what 1F1B takes (its fill is most of it where m < S), each
+    stage ending its backwards one backward after the next one. With sends, each receive is posted only after
+    the compute before it (``ScheduleGPipe``): a message to stage k + 1 waits for both, so every forward past
+    the first stage pays its send (two stages, m = 2, f = 1, b = 2, e = 0.5 by hand)."""
+    from hetrain.cost.pipeline import gpipe_pipeline_s, one_f_one_b_play_s
+
+    for S, m in ((8, 3), (4, 4), (4, 9), (1, 2)):
+        _, total, ends = gpipe_pipeline_s([3.0] * S, [2.0] * S, [0.0] * (S - 1), m)
+        assert total == (m + S - 1) * 3.0 and ends == [total - 2.0 * k for k in range(S)]
+        if m >= S:
+            assert one_f_one_b_play_s([3.0] * S, [2.0] * S, [0.0] * (S - 1), m) == total
+    # stage 0: F0 0-1, F1 1-2; act 0 arrives 1.5, stage 1: F0 1.5-2.5, F1: act 1 sent at 2, posted at 2.5: 3.0-4.0;
+    # stage 1 B0 4-6, B1 6-8; grad 0 at 6.5 (stage 0 posted at 2), stage 0 B0 6.5-8.5; grad 1 8.5-9.0, B1 9.0-11.0
+    _, total, ends = gpipe_pipeline_s([3.0, 3.0], [2.0, 2.0], [0.5], 2)
+    assert total == 11.0 and ends == [11.0, 9.0]
+
+
 def test_zero_bubble_order_defers_stage_ks_weight_gradients_by_k():
     """Stage 1 of 3 (2 in flight, W one backward late): every micro-batch's F, B, W once, W after its B,
     and no more than 3 micro-batches between their F and their W."""

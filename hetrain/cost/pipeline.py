@@ -1,4 +1,5 @@
-r"""The time of one pipeline: 1F1B in closed form, eager 1F1B and torch's 1F1B played out op by op.
+r"""The time of one pipeline: 1F1B in closed form; eager 1F1B, ZB-H1, interleaved 1F1B, torch's 1F1B and
+GPipe played out op by op.
 
 Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetrain.cost.collectives``):
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
@@ -119,11 +120,11 @@ def schedule_held(schedule: str, num_stages: int, k: int, num_microbatches: int 
     has run and backward not (their activations), and, under ZB-H1, those whose input gradient has run
     and weight gradient not (activations and the gradients W needs: ``UnitCosts.stage_memory_bytes``,
     which counts them only where the stage splits its backward). 1F1B: S - k; eager: ``in_flight``;
-    ZB-H1: S - k (or ``in_flight``) + k pending, as many in all as 1F1B's first stage; at most
-    ``num_microbatches`` (None: no cap).
+    ZB-H1: S - k (or ``in_flight``) + k pending, as many in all as 1F1B's first stage; GPipe: all of
+    them; at most ``num_microbatches`` (None: no cap).
     """
     cap = num_microbatches if num_microbatches is not None else 1 << 30
-    n = min(in_flight or num_stages - k, cap)
+    n = min(in_flight or (cap if schedule == "gpipe" else num_stages - k), cap)
     return n, (min(k, cap - n) if schedule == "zb-h1" else 0)
 
 
@@ -316,11 +317,35 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
     then each gradient with the next activation and each activation with the next gradient); a
     message takes e_k once both ends have posted it. ``trace``: as in ``eager_pipeline_s``.
     """
+    return max(_torch_play(_one_f_one_b_actions, stage_s, backward_s, p2p_s, num_microbatches, trace))
+
+
+@_played_once
+def gpipe_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_microbatches: int,
+                     trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, when each stage ends its part) of torch's ``ScheduleGPipe``, played out op by op.
+
+    The schedule of a pipeline with fewer micro-batches than stages (torch's 1F1B refuses those): every
+    stage runs all its forwards, then all its backwards, so it holds every micro-batch's activations at its
+    peak (``PipelinePlan.in_flight``). With m < S that is fewer than 1F1B's first stage holds, and the time
+    is 1F1B's, (m - 1) tau + sum c_k + the sends: the fill is most of it. A receive is posted just before
+    the compute that needs it, a send right after the compute that made it and waited for at the end of
+    its phase (``_gpipe_actions``); a message takes e_k once both ends have posted it."""
+    clock = _torch_play(_gpipe_actions, stage_s, backward_s, p2p_s, num_microbatches, trace)
+    total, M = max(clock), num_microbatches
+    fill = sum(stage_s) + 2 * sum(p2p_s)
+    return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
+def _torch_play(actions: Callable, stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_microbatches: int,
+                trace: list[Op] | None) -> list[float]:
+    """When each stage ends a schedule of torch's whose posts, waits and computes on stage k of S are
+    ``actions(S, k, M)``: each runs them in order; a wait holds until its messages are through."""
     S, M = len(stage_s), num_microbatches
     fwd = [c - b for c, b in zip(stage_s, backward_s)]
     posted: dict[tuple, dict[str, float]] = {}  # (kind, boundary, micro-batch) -> {"send": t, "recv": t}
     clock = [0.0] * S
-    plans = [_one_f_one_b_actions(S, k, M) for k in range(S)]
+    plans = [actions(S, k, M) for k in range(S)]
     pos = [0] * S
 
     def done_at(msg) -> float | None:
@@ -348,8 +373,8 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
         pos[k] += 1
         return True
 
-    _play(step, pos, plans, "torch's 1F1B play")
-    return max(clock)
+    _play(step, pos, plans, f"the play of {actions.__name__}")
+    return clock
 
 
 def _play(step, pos: list[int], orders: list, what: str) -> None:
@@ -413,6 +438,27 @@ def _one_f_one_b_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
         acts.append(("post", pending))
         b += 1
     acts.append(("wait", [msg for msg, _ in pending]))
+    return acts
+
+
+def _gpipe_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
+    """Stage k's posts, waits and computes in torch's ``ScheduleGPipe._step_microbatches`` (torch 2.13): each
+    forward's receive posted and waited right before it, its send posted right after; the forwards' sends
+    waited before the backwards, which go the same way, their sends waited at the end."""
+    acts: list[tuple[str, object]] = []
+    for kind, recv_from, send_to in (("F", k - 1 if k else None, k if k < S - 1 else None),
+                                     ("B", k if k < S - 1 else None, k - 1 if k else None)):
+        msg = "act" if kind == "F" else "grad"
+        sent: list = []
+        for i in range(M):
+            if recv_from is not None:
+                acts.append(("post", [((msg, recv_from, i), "recv")]))
+                acts.append(("wait", [(msg, recv_from, i)]))
+            acts.append((kind, i))
+            if send_to is not None:
+                acts.append(("post", [((msg, send_to, i), "send")]))
+                sent.append((msg, send_to, i))
+        acts.append(("wait", sent))
     return acts
 
 

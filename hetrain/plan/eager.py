@@ -13,8 +13,9 @@ from typing import Literal, get_args
 
 # A pipeline's schedule (``hetrain.plan.schema.PipelinePlan.schedule``): torch's 1F1B, eager 1F1B
 # (``in_flight`` per stage), ZB-H1 (backward split into input and weight gradients, W filling the drain),
-# interleaved 1F1B (Megatron's virtual stages: each rank runs several chunks of the model)
-Schedule = Literal["1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b"]
+# interleaved 1F1B (Megatron's virtual stages: each rank runs several chunks of the model), GPipe (all
+# forwards, then all backwards: the one that takes fewer micro-batches than the pipeline has stages)
+Schedule = Literal["1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b", "gpipe"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 

@@ -66,7 +66,9 @@ class PipelinePlan(BaseModel):
         "the weight gradient, stage k running its weight gradients k backwards late to fill the drain; "
         "hetrain.runtime.pipeline.ScheduleZeroBubbleH1), interleaved-1f1b (Megatron's virtual stages, torch's "
         "ScheduleInterleaved1F1B: stages lists the p * virtual_stages chunks in model order, chunk j on the "
-        "devices of chunk j mod p). Absent: eager-1f1b where the stages set in_flight, else 1f1b")
+        "devices of chunk j mod p), gpipe (torch's ScheduleGPipe: all forwards, then all backwards, every "
+        "micro-batch's activations held; the one that takes fewer micro-batches than stages). Absent: "
+        "eager-1f1b where the stages set in_flight, else 1f1b")
     virtual_stages: PositiveInt | None = Field(
         default=None, description="chunks per device under interleaved-1f1b (v >= 2): the pipeline has "
         "len(stages) / v devices (p), each running v chunks; absent otherwise")
@@ -100,6 +102,15 @@ class PipelinePlan(BaseModel):
             start += n
         return self.model_copy(update={"stages": stages, "schedule": "interleaved-1f1b", "virtual_stages": v})
 
+    def with_microbatches(self, m: int) -> PipelinePlan:
+        """This pipeline with ``m`` micro-batches. Under torch's 1F1B or GPipe the schedule follows the count:
+        GPipe where they are fewer than its stages (torch's 1F1B needs one per stage), 1F1B where a GPipe
+        pipeline gets as many (the same time, and 1F1B holds fewer activations). Other schedules keep theirs."""
+        schedule = self.schedule
+        if self.schedule_name in ("1f1b", "gpipe"):
+            schedule = "gpipe" if m < self.depth else None if schedule == "gpipe" else schedule
+        return self.model_copy(update={"num_microbatches": m, "schedule": schedule})
+
     def chunk_held(self, k: int) -> list[int]:
         """Interleaved: per chunk of device stage k, the micro-batches in flight at its peak of activations
         (torch's order, ``hetrain.plan.eager.interleaved_held``, chunks weighed by their blocks)."""
@@ -121,9 +132,11 @@ class PipelinePlan(BaseModel):
 
     def in_flight(self, k: int) -> int:
         """Micro-batches stage entry k keeps in flight: eager 1F1B's count, interleaved its chunk's at the
-        device's peak (``chunk_held``), else 1F1B's S - k, at most the pipeline's."""
+        device's peak (``chunk_held``), GPipe all of them, else 1F1B's S - k, at most the pipeline's."""
         if self.interleaved:
             return self.chunk_held(k % self.depth)[k // self.depth]
+        if self.schedule == "gpipe":
+            return self.num_microbatches
         return min(self.stages[k].in_flight or len(self.stages) - k, self.num_microbatches)
 
     def weight_pending(self, k: int) -> int:
@@ -239,10 +252,10 @@ def validate_plan_structure(plan: Plan) -> None:
             raise HetrainError(
                 f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
             )
-        if pipe.num_microbatches < pipe.depth:  # torch.distributed.pipelining's 1F1B refuses it
+        if pipe.num_microbatches < pipe.depth and pipe.schedule != "gpipe":  # torch's 1F1B refuses it
             raise HetrainError(
                 f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {pipe.depth} stages; the 1F1B "
-                f"schedule needs at least one per stage"
+                f"schedules need at least one per stage (schedule gpipe takes fewer)"
             )
         _check_in_flight(pi, pipe)
     _check_optimizer_state(plan)
@@ -327,7 +340,7 @@ def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
     Each stage keeping more in flight than the next is what lets a stage post its receives early
     without waiting on a peer that waits on it (``hetrain.runtime.pipeline``)."""
     counts = [st.in_flight for st in pipe.stages]
-    if pipe.schedule in ("1f1b", "zb-h1", "interleaved-1f1b") and any(c is not None for c in counts):
+    if pipe.schedule in ("1f1b", "zb-h1", "interleaved-1f1b", "gpipe") and any(c is not None for c in counts):
         at = next(si for si, c in enumerate(counts) if c is not None)
         raise HetrainError(f"pipelines[{pi}].stages[{at}]: in_flight is for schedule eager-1f1b, not {pipe.schedule}; "
                            f"remove it or set the pipeline's schedule to eager-1f1b")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
 from hetrain.checkpoint.save import Checkpointer, load_training_state
@@ -183,6 +183,8 @@ class Trainer:
             split = not role.is_first and recompute in ("none", False)
             return ScheduleZeroBubbleH1(stage, role.num_microbatches, role.num_stages, role.stage, split,
                                         loss_fn=self._loss, scale_grads=False, weight_timer=self.meter.weight_work)
+        if pipe.schedule_name == "gpipe":  # all forwards, then all backwards: fewer micro-batches than stages
+            return ScheduleGPipe(stage, role.num_microbatches, loss_fn=self._loss, scale_grads=False)
         if pipe.eager:  # eager 1F1B: more in flight, sends that do not block (``hetrain.runtime.pipeline``)
             return ScheduleEager1F1B(stage, role.num_microbatches, [st.in_flight for st in pipe.stages],
                                      role.stage, loss_fn=self._loss, scale_grads=False)
