@@ -48,8 +48,9 @@ WARMUP_STEPS = 5
 LINK_MBIT = 200  # the shaped group's node link: 25 MB/s, where gpt-small's sends and gradient sync show
 SLOW_LINK_MBIT = 10  # 1.25 MB/s: a stage's send takes about as long as its compute (do sends overlap it?)
 # hand-made plans whose sends cross the link, sync does not; in torch's 1F1B and in eager 1F1B (sends overlap compute)
-MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "pipeline of 4, zb-h1", "2 x (fast -> slow)",
-               "2 x (fast -> slow), eager", "2 x (fast -> slow), zb-h1", "2 x (fast -> slow), interleaved")
+MULTI_STAGE = ("pipeline of 4", "pipeline of 4, eager", "pipeline of 4, zb-h1", "pipeline of 4, gpipe",
+               "2 x (fast -> slow)", "2 x (fast -> slow), eager", "2 x (fast -> slow), zb-h1",
+               "2 x (fast -> slow), interleaved")
 GROUPS = {  # name: (model file, global batch, shaped link in Mbit/s or None for loopback, plans or None for all)
     "tiny": ("gpt-tiny.yaml", 16, None, None),
     "small": ("gpt-small.yaml", 16, None, None),
@@ -109,6 +110,10 @@ def hand_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> dic
         "2 x (fast -> slow), eager": plan(1, 2, pairs, in_flight=[3, 1]),
         "pipeline of 4, zb-h1": plan(1, 1, four, schedule="zb-h1"),
         "2 x (fast -> slow), zb-h1": plan(1, 2, pairs, schedule="zb-h1"),
+        # GPipe (all forwards, then all backwards), as a slow type's pipeline with fewer micro-batches than stages
+        # runs it; here at the other plans' micro-batch of 1 (a larger one is priced from a profile taken at 1, a
+        # difference of its own)
+        "pipeline of 4, gpipe": plan(1, 1, four, schedule="gpipe"),
         # interleaved 1F1B, two chunks per device (the fast one's about 2/3 of the blocks, the slow one's the rest,
         # each an even number, halved)
         "2 x (fast -> slow), interleaved": _interleaved(plan(1, 2, even_pairs), 2),
@@ -345,7 +350,8 @@ def describe(plan: Plan) -> str:
     """tp, micro-batch, and per pipeline its stages (node x blocks), micro-batches and eager 1F1B's counts."""
     def pipeline(p) -> str:
         eager = f" in flight {'/'.join(str(s.in_flight) for s in p.stages)}" if p.eager else \
-            (" zb-h1" if p.schedule_name == "zb-h1" else f" interleaved v={p.virtual_stages}" if p.interleaved else "")
+            (f" {p.schedule_name}" if p.schedule_name in ("zb-h1", "gpipe") else
+             f" interleaved v={p.virtual_stages}" if p.interleaved else "")
         return "+".join(f"{s.devices[0].split('/')[0]}x{s.layers[1] - s.layers[0]}" for s in p.stages) \
             + f" ({p.num_microbatches}{eager})"
     return f"tp{plan.tp} mb{plan.micro_batch_size} " + " / ".join(pipeline(p) for p in plan.pipelines)

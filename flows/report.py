@@ -49,7 +49,8 @@ def pipelines_markdown(plan: Plan, est: Estimate, title: str) -> str:
         stages = "  ->  ".join(f"[{'+'.join(s.devices)} {s.gpu} | blocks {s.layers[0]}-{s.layers[1]}]"
                                for s in pipe.stages)
         eager = (f", eager 1F1B in flight {'/'.join(str(s.in_flight) for s in pipe.stages)}"
-                 if pipe.eager else ", ZB-H1" if pipe.schedule_name == "zb-h1" else "")
+                 if pipe.eager else ", ZB-H1" if pipe.schedule_name == "zb-h1"
+                 else ", GPipe" if pipe.schedule_name == "gpipe" else "")
         lines.append(f"pipeline {p}: {stages}   x {pipe.num_microbatches} micro-batches{eager}")
     lines.append("```")
     return "\n".join(lines)

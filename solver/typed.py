@@ -11,7 +11,7 @@ or sits out, which is also how a type too slow for the batch is left out: a pipe
 p stage times (one micro-batch, forward and back), which may be longer than all the other pipelines take. A
 pipeline given fewer micro-batches than stages runs GPipe (``PipelinePlan.with_microbatches``): torch's 1F1B
 needs one per stage, which kept large-1024's RTX 3090s out (at least 2p - 1 stage times) where a few
-micro-batches each in GPipe pipelines of 8 make the plan 2.6 % faster.
+micro-batches each in GPipe pipelines of 8 make the plan 3.8 % faster.
 
 The choices are searched by coordinate descent (each type's choice in turn, kept where the plan is faster)
 from the fastest uniform layouts (every type at one depth, the slowest types left out one at a time). Every
@@ -255,14 +255,15 @@ class _Layouts:
         than the stages, its stages' recompute then for that many in flight); types in ``hit`` at ``bumps``."""
         out, at = [], 0
         for i, choice in used:
-            n = self.pipelines_of(self.classes[i], choice)
+            n, variants = self.pipelines_of(self.classes[i], choice), {}
             for j, m in enumerate(counts[at:at + n]):
                 gpipe = m if m < choice[0] else None
-                built = self._type_pipelines(i, choice, bumps, gpipe=gpipe) if i in hit else \
-                    self._built(i, choice, gpipe)
-                if len(built) != n:
+                if gpipe not in variants:
+                    variants[gpipe] = self._type_pipelines(i, choice, bumps, gpipe=gpipe) if i in hit else \
+                        self._built(i, choice, gpipe)
+                if len(variants[gpipe]) != n:
                     return None
-                out.append(built[j].with_microbatches(m))
+                out.append(variants[gpipe][j].with_microbatches(m))
             at += n
         return out
 
