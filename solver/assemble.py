@@ -20,7 +20,8 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
                           minimum: Sequence[int] | None = None) -> list[int] | None:
     """Micro-batches per pipeline minimising max_p(m_p tau_p + fill_p), each m_p >= minimum[p] (default 1).
 
-    The runtime's 1F1B schedule needs a micro-batch per stage: callers pass each pipeline's depth.
+    torch's 1F1B needs a micro-batch per stage: callers pass each 1F1B pipeline's depth; 1 where a pipeline may
+    run GPipe with fewer (``PipelinePlan.with_microbatches``).
 
     Greedy is exact here: every pipeline's finish time grows with each micro-batch it takes,
     so giving the next micro-batch to whichever pipeline would finish earliest never hurts.

@@ -75,7 +75,8 @@ def replicated_plan(rentals: tuple[Rental, ...], cluster: ClusterSpec, reference
                 stages.append(len(pipe.stages))
     first = references[rentals[0].offer].plan
     counts = share_microbatches(times, stages, settings.global_batch_size // first.micro_batch_size)
-    pipelines = [p.model_copy(update={"num_microbatches": m}) for p, m in zip(pipes, counts) if m > 0]
+    # fewer micro-batches than a 1F1B pipeline's stages: GPipe (``PipelinePlan.with_microbatches``)
+    pipelines = [p.with_microbatches(m) for p, m in zip(pipes, counts) if m > 0]
     if not pipelines:
         raise NoPlanError("no pipeline of the offers' reference plans fits the rental")
     plan = first.model_copy(update={"cluster": cluster.name, "global_batch_size": settings.global_batch_size,

@@ -17,8 +17,8 @@ The choices are searched by coordinate descent (each type's choice in turn, kept
 from the fastest uniform layouts (every type at one depth, the slowest types left out one at a time). Every
 layout is priced by the cost model itself, cheapest first: an analytic bound (each type's fastest blocks and
 the rings its first stages cannot hide), then the types' pipelines from one estimate of each type's block of
-them, then the whole plan. Depths divide the model's blocks where they can, so the types' stage boundaries
-line up and each gradient bucket spans whole stages.
+them, then the whole plan. Depths divide the model's blocks where they can, and the types' depths divide one
+another (``_nested``), so the types' stage boundaries line up and each gradient bucket spans whole stages.
 """
 
 from __future__ import annotations
@@ -200,24 +200,38 @@ class _Layouts:
         rings = min(self._rings_s(cls, _even_split(L, d)[0][1], n, D, common) for cls, (d, _), n in used)
         return max(longest, (self.M + fill) / rate) + rings
 
-    def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
-        """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill) and its GPUs' longest
-        optimizer step, from an estimate without the sync of those pipelines alone: a type's pipelines compute
-        and send the same whatever the other types run (their nodes and NICs are their own), so a layout's
-        pipelines are priced from its types' terms without an estimate of the whole. Only the first block of
-        pipelines sharing nodes is estimated where every block is alike (``_block_size``): 10,240 GPUs are
-        160 alike nodes a type. None where a stage fits no recompute."""
+    def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float, list] | None:
+        """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill), its GPUs' longest
+        optimizer step, and each one's terms at the least recompute any count needs (GPipe with one micro-batch in
+        flight: what bounds a GPipe pipeline, whose recompute is sized for its count), from estimates without the
+        sync of those pipelines alone: a type's pipelines compute and send the same whatever the other types run
+        (their nodes and NICs are their own), so a layout's pipelines are priced from its types' terms without an
+        estimate of the whole. Only the first block of pipelines sharing nodes is estimated where every block is
+        alike (``_block_size``): 10,240 GPUs are 160 alike nodes a type. Where 1F1B's micro-batch per stage fits
+        no recompute the least terms stand in for its terms (the type can run GPipe only); None where neither fits."""
         key = (i, choice)
         if key not in self._terms:
             groups = _groups(self.classes[i], self.t, choice)
             block = _block_size(groups) or len(groups)
-            pipes = self._type_pipelines(i, choice, {}, groups[:block])
-            probe = self.cost.estimate(_plan(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False) \
-                if pipes else None
-            self._terms[key] = None if probe is None or probe.over_capacity() else (
-                len(groups), [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines] * (len(groups) // block),
-                probe.post_s)
+            copies = len(groups) // block
+            one_f_one_b, post = self._probe(i, choice, groups[:block], None)
+            least, least_post = self._probe(i, choice, groups[:block], 1)
+            self._terms[key] = None if least is None else (
+                len(groups), (one_f_one_b or least) * copies, post if one_f_one_b else least_post, least * copies)
         return self._terms[key]
+
+    def _probe(self, i: int, choice: Choice, groups: list, gpipe: int | None) -> tuple[list | None, float]:
+        """(the 1F1B terms of each of ``groups``' pipelines, their longest step) from one estimate without the sync,
+        their stages' recompute sized for 1F1B or for ``gpipe`` micro-batches under GPipe; (None, 0) where a stage
+        fits no recompute."""
+        pipes = self._type_pipelines(i, choice, {}, groups, gpipe=gpipe)
+        if gpipe is not None:
+            pipes = [p.with_microbatches(gpipe) for p in pipes]
+        probe = self.cost.estimate(_plan(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False) \
+            if pipes else None
+        if probe is None or probe.over_capacity():
+            return None, 0.0
+        return [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines], probe.post_s
 
     def _price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | float | None:
         """``price``'s answer, or where ``beat_s`` prunes the layout, the bound that did (a float)."""
@@ -306,9 +320,12 @@ class _Layouts:
         D, at, ends = len(counts), 0, 0.0
         first_blocks = [_even_split(L, c[0])[0][1] for _, c in used]
         common = min(first_blocks)
-        for (i, _), part, blocks in zip(used, parts, first_blocks):
-            n, terms = part[0], part[1]
-            pipe_s = max(m * x + f for m, (x, f) in zip(counts[at:at + n], terms))
+        for (i, (depth, _)), part, blocks in zip(used, parts, first_blocks):
+            n = part[0]
+            # a GPipe pipeline (fewer micro-batches than stages) at the least recompute: its own is sized for its
+            # count; GPipe takes at least 1F1B's closed form at the same stage times (each phase's bottleneck)
+            pipe_s = max(m * x + f for m, (x, f) in
+                         ((m, part[3][k] if m < depth else part[1][k]) for k, m in enumerate(counts[at:at + n])))
             at += n
             ends = max(ends, pipe_s + self._rings_s(self.classes[i], blocks, n, D, common))
         return ends + max(part[2] for part in parts)

@@ -98,9 +98,27 @@ def test_gpipe_plays_as_torch_runs_it():
         if m >= S:
             assert one_f_one_b_play_s([3.0] * S, [2.0] * S, [0.0] * (S - 1), m) == total
     # stage 0: F0 0-1, F1 1-2; act 0 arrives 1.5, stage 1: F0 1.5-2.5, F1: act 1 sent at 2, posted at 2.5: 3.0-4.0;
-    # stage 1 B0 4-6, B1 6-8; grad 0 at 6.5 (stage 0 posted at 2), stage 0 B0 6.5-8.5; grad 1 8.5-9.0, B1 9.0-11.0
+    # stage 1 B0 4-6, B1 6-8; grad 0 at 6.5 (stage 0 posted at 3, its act-1 send through), stage 0 B0 6.5-8.5;
+    # grad 1 8.5-9.0, B1 9.0-11.0
     _, total, ends = gpipe_pipeline_s([3.0, 3.0], [2.0, 2.0], [0.5], 2)
     assert total == 11.0 and ends == [11.0, 9.0]
+
+
+def test_gpipe_last_stage_holds_every_micro_batchs_logits_and_saved_loss():
+    """torch keeps each micro-batch's stage output in its forward cache until the backward, and the loss's graph
+    its fp32 softmax: under GPipe the last stage holds them for all m, where 1F1B's holds one."""
+    plan, cost = _one_pipeline(8, 4, False)
+    gpipe = plan.model_copy(update={"pipelines": [plan.pipelines[0].with_microbatches(3)],
+                                    "global_batch_size": 3})
+    assert gpipe.pipelines[0].schedule == "gpipe"
+    est = cost.estimate(gpipe)
+    u = cost.unit_costs("A100-80G", 300, 1, 1, None)
+    seq, vocab = plan.model.seq_length, plan.model.vocab_size
+    assert u.head_saved_bytes == seq * vocab * 4 and u.head_out_bytes > 0
+    one, three = (u.stage_memory_bytes(2, False, True, n) for n in (1, 3))
+    assert three - one == pytest.approx(2 * (2 * u.block_act_bytes + u.boundary_bytes + u.head_out_bytes
+                                             + u.head_saved_bytes))
+    assert est.peak_memory_gb["a/3"] * 1e9 == pytest.approx(three, rel=1e-6)
 
 
 def test_zero_bubble_order_defers_stage_ks_weight_gradients_by_k():

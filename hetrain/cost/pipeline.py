@@ -327,10 +327,11 @@ def gpipe_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_
 
     The schedule of a pipeline with fewer micro-batches than stages (torch's 1F1B refuses those): every
     stage runs all its forwards, then all its backwards, so it holds every micro-batch's activations at its
-    peak (``PipelinePlan.in_flight``). With m < S that is fewer than 1F1B's first stage holds, and the time
-    is 1F1B's, (m - 1) tau + sum c_k + the sends: the fill is most of it. A receive is posted just before
-    the compute that needs it, a send right after the compute that made it and waited for at the end of
-    its phase (``_gpipe_actions``); a message takes e_k once both ends have posted it."""
+    peak (``PipelinePlan.in_flight``). With m < S that is fewer than 1F1B's first stage holds. On equal stages
+    the time is 1F1B's, (m + S - 1) c; it is never less than 1F1B's closed form at the same stage times, and
+    more where the forwards' and the backwards' slowest stages differ (each phase pays its own). A receive is
+    posted just before the compute that needs it, a send right after the compute that made it and waited for
+    at the end of its phase (``_gpipe_actions``); a message takes e_k once both ends have posted it."""
     clock = _torch_play(_gpipe_actions, stage_s, backward_s, p2p_s, num_microbatches, trace)
     total, M = max(clock), num_microbatches
     fill = sum(stage_s) + 2 * sum(p2p_s)

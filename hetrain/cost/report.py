@@ -99,8 +99,9 @@ def _device_seconds(cost: CostModel, plan: Plan, pipe, pest, k: int, flops_per_s
         sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)
         own = work + sends
         waits = {"sends": mb * sends, "imbalance": (mb - 1) * (tau - own), "fill_drain": pest.time_s - (mb - 1) * tau - own}
-    else:  # eager 1F1B, ZB-H1 and interleaved, played out: sends overlap compute; what they still cost is a steady
-        # state above the slowest device, the rest of the device's idle time is fill and drain
+    else:  # eager 1F1B, ZB-H1, interleaved and GPipe, played out: what the sends still cost is a steady state above
+        # the slowest device (eager's overlap compute; GPipe's wait, each after its receive is posted), the rest of
+        # the device's idle time is fill and drain
         slowest = max(sum(pest.stage_s[j] for j in pipe.chunks_of(d)) for d in range(pipe.depth))
         waits = {"sends": (mb - 1) * max(0.0, tau - slowest), "imbalance": (mb - 1) * max(0.0, min(tau, slowest) - work)}
         waits["fill_drain"] = pest.time_s - mb * work - waits["sends"] - waits["imbalance"]

@@ -49,7 +49,8 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
         activation s b f B_act / t;
     stage boundaries: the received input and the sent output, s b h B_act each, per
         micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
-        on the last stage;
+        on the last stage, and for each further micro-batch in flight there (GPipe's last stage holds
+        them all) its logits and the loss's saved fp32 output;
     peak = reserve + states + max(activations, sync chunk, optimizer temporaries): each phase of
         a step holds one of them beyond the states (backward; the gradient sync; the step). The
         sync's chunk: its fp32 flat copy (+ the bf16 wire copy where the plan reduces in bf16) of at
@@ -142,6 +143,7 @@ class UnitCosts:
     capacity_bytes: float
     opt_s_per_param: float  # optimizer step seconds per parameter held
     head_out_bytes: float = 0.0  # the logits in the compute dtype
+    head_saved_bytes: float = 0.0  # what the loss saves for its backward: its fp32 (log-)softmax of the logits
     opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     # the gradient sync's transient (``sync_work_bytes``): bytes per element of its largest chunk; elements per
     # rank of a block, the embedding and the head, and of the largest tensor of each (a sharded bucket's chunks
@@ -217,8 +219,9 @@ class UnitCosts:
             mem += weight_pending * (num_blocks * (self.block_act_bytes + self.block_wgrad_bytes)
                                      + (0 if first else 1) * self.boundary_bytes
                                      + (self.head_wgrad_bytes if last else 0.0))
-        if last:  # the last micro-batch's logits stay referenced by the schedule through backward
-            mem += self.head_out_bytes
+        if last:  # each micro-batch in flight keeps its logits (the schedule's forward cache) and, but the one whose
+            # backward runs (``head_work_bytes``), the loss's fp32 output saved for backward: GPipe's last stage holds m
+            mem += in_flight * self.head_out_bytes + (in_flight - 1) * self.head_saved_bytes
         return mem + self._transient_bytes(last)
 
     def _transient_bytes(self, last: bool) -> float:
@@ -396,6 +399,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
         head_work_bytes=head_work,
         head_out_bytes=s * b * V * act / t,
+        head_saved_bytes=s * b * V * 4 / t,
         # backward's transient: what recompute rebuilds for the one block in backward (all it would
         # have saved but the kept input, which is counted above, plus the input's fp32 copy the
         # rebuilt norm saves), then its gradients
