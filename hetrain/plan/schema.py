@@ -105,7 +105,7 @@ class PipelinePlan(BaseModel):
     def with_microbatches(self, m: int) -> PipelinePlan:
         """This pipeline with ``m`` micro-batches. Under torch's 1F1B or GPipe the schedule follows the count:
         GPipe where they are fewer than its stages (torch's 1F1B needs one per stage), 1F1B where a GPipe
-        pipeline gets as many (1F1B holds fewer activations, and takes no longer). Other schedules keep theirs."""
+        pipeline gets as many (1F1B then holds fewer activations). Other schedules keep theirs."""
         schedule = self.schedule
         if self.schedule_name in ("1f1b", "gpipe"):
             schedule = "gpipe" if m < self.depth else None if schedule == "gpipe" else schedule
