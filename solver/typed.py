@@ -160,6 +160,7 @@ class _Layouts:
         self._terms: dict[tuple[int, Choice], tuple | None] = {}
         self._counts: dict[tuple[int, Choice], int] = {}
         self._pipes: dict[tuple[int, Choice, int | None], list[PipelinePlan]] = {}
+        self._least: dict[tuple[int, Choice], list[tuple[float, float]] | None] = {}
         self.class_of_node = {node: i for i, cls in enumerate(self.classes) for node in cls.nodes}
 
     def price(self, choices: tuple[Choice, ...], beat_s: float | None) -> tuple[float, Plan] | None:
@@ -200,25 +201,37 @@ class _Layouts:
         rings = min(self._rings_s(cls, _even_split(L, d)[0][1], n, D, common) for cls, (d, _), n in used)
         return max(longest, (self.M + fill) / rate) + rings
 
-    def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float, list] | None:
-        """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill), its GPUs' longest
-        optimizer step, and each one's terms at the least recompute any count needs (GPipe with one micro-batch in
-        flight: what bounds a GPipe pipeline, whose recompute is sized for its count), from estimates without the
-        sync of those pipelines alone: a type's pipelines compute and send the same whatever the other types run
+    def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
+        """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill) and its GPUs' longest
+        optimizer step, from an estimate without the sync of those pipelines alone: a type's pipelines compute and send the same whatever the other types run
         (their nodes and NICs are their own), so a layout's pipelines are priced from its types' terms without an
         estimate of the whole. Only the first block of pipelines sharing nodes is estimated where every block is
         alike (``_block_size``): 10,240 GPUs are 160 alike nodes a type. Where 1F1B's micro-batch per stage fits
-        no recompute the least terms stand in for its terms (the type can run GPipe only); None where neither fits."""
+        no recompute, the terms at the least recompute any count needs (``least_terms``: the type can run GPipe
+        only); None where neither fits."""
         key = (i, choice)
         if key not in self._terms:
             groups = _groups(self.classes[i], self.t, choice)
             block = _block_size(groups) or len(groups)
             copies = len(groups) // block
             one_f_one_b, post = self._probe(i, choice, groups[:block], None)
-            least, least_post = self._probe(i, choice, groups[:block], 1)
-            self._terms[key] = None if least is None else (
-                len(groups), (one_f_one_b or least) * copies, post if one_f_one_b else least_post, least * copies)
+            if one_f_one_b is None:  # GPipe only, if that
+                one_f_one_b, post = self._probe(i, choice, groups[:block], 1)
+                self._least[key] = None if one_f_one_b is None else one_f_one_b * copies
+            self._terms[key] = None if one_f_one_b is None else (len(groups), one_f_one_b * copies, post)
         return self._terms[key]
+
+    def least_terms(self, i: int, choice: Choice) -> list[tuple[float, float]]:
+        """Type ``i``'s pipelines' terms at ``choice`` at the least recompute any count needs (``type_terms``), each
+        a lower bound on its pipeline's under GPipe; asked only where a layout gives one fewer micro-batches than
+        stages (a second estimate of the type's pipelines)."""
+        key = (i, choice)
+        if key not in self._least:
+            groups = _groups(self.classes[i], self.t, choice)
+            block = _block_size(groups) or len(groups)
+            terms = self._probe(i, choice, groups[:block], 1)[0]  # fits wherever 1F1B's does: it holds less
+            self._least[key] = None if terms is None else terms * (len(groups) // block)
+        return self._least[key] or self.type_terms(i, choice)[1]
 
     def _probe(self, i: int, choice: Choice, groups: list, gpipe: int | None) -> tuple[list | None, float]:
         """(the 1F1B terms of each of ``groups``' pipelines, their longest step) from one estimate without the sync,
@@ -320,12 +333,14 @@ class _Layouts:
         D, at, ends = len(counts), 0, 0.0
         first_blocks = [_even_split(L, c[0])[0][1] for _, c in used]
         common = min(first_blocks)
-        for (i, (depth, _)), part, blocks in zip(used, parts, first_blocks):
+        for (i, (depth, _side)), part, blocks in zip(used, parts, first_blocks):
             n = part[0]
             # a GPipe pipeline (fewer micro-batches than stages) at the least recompute: its own is sized for its
             # count; GPipe takes at least 1F1B's closed form at the same stage times (each phase's bottleneck)
+            mine = counts[at:at + n]
+            least = self.least_terms(i, (depth, _side)) if min(mine) < depth else part[1]
             pipe_s = max(m * x + f for m, (x, f) in
-                         ((m, part[3][k] if m < depth else part[1][k]) for k, m in enumerate(counts[at:at + n])))
+                         ((m, least[k] if m < depth else part[1][k]) for k, m in enumerate(mine)))
             at += n
             ends = max(ends, pipe_s + self._rings_s(self.classes[i], blocks, n, D, common))
         return ends + max(part[2] for part in parts)
