@@ -110,26 +110,28 @@ def test_eager_1f1b_matches_single_process(tmp_path: Path):
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
+def _one_device_stage(device: str, layers: list[int], recompute: str = "none") -> dict:
+    return {"devices": [device], "gpu": "cpu", "layers": layers, "recompute": recompute}
+
+
+def _tiny_plan(pipelines: list[dict]) -> Plan:
+    """gpt-tiny, global batch 8 of micro-batches of 1, TP 1, over ``pipelines``."""
+    return Plan.model_validate({"schema": "hetrain.plan/v1", "model": load_model(TINY).model_dump(), "cluster": "test",
+                                "global_batch_size": 8, "micro_batch_size": 1, "tp": 1, "pipelines": pipelines})
+
+
 def test_zero_bubble_h1_matches_single_process(tmp_path: Path):
     """ZB-H1 (``hetrain.runtime.pipeline.ScheduleZeroBubbleH1``) on an asymmetric plan: a pipeline of three
     stages splitting their backward (stage k running its weight gradients k backwards late) beside one
     of two whose last stage recomputes (its backward runs whole); the same gradients, parameters and
     losses as one process (a weight gradient run twice, never, or on the wrong micro-batch's graph
     would show)."""
-    spec = load_model(TINY)
-
-    def stage(device: str, layers: list[int], recompute: str = "none") -> dict:
-        return {"devices": [device], "gpu": "cpu", "layers": layers, "recompute": recompute}
-
-    plan = Plan.model_validate({
-        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
-        "global_batch_size": 8, "micro_batch_size": 1, "tp": 1,
-        "pipelines": [
-            {"num_microbatches": 5, "schedule": "zb-h1",
-             "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4]), stage("a/2", [4, 6])]},
-            {"num_microbatches": 3, "schedule": "zb-h1", "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6], "full")]},
-        ],
-    })
+    stage = _one_device_stage
+    plan = _tiny_plan([
+        {"num_microbatches": 5, "schedule": "zb-h1",
+         "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4]), stage("a/2", [4, 6])]},
+        {"num_microbatches": 3, "schedule": "zb-h1", "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6], "full")]},
+    ])
     train_and_match_single_process(tmp_path, plan, TINY)
 
 
@@ -138,20 +140,12 @@ def test_gpipe_with_fewer_microbatches_than_stages_matches_single_process(tmp_pa
     type's, ``solver.typed``): three stages, one recomputing, with 2 micro-batches beside a 1F1B pipeline of
     two stages with 6; the same gradients, parameters and losses as one process (a micro-batch lost or run
     twice in the fill would show)."""
-    spec = load_model(TINY)
-
-    def stage(device: str, layers: list[int], recompute: str = "none") -> dict:
-        return {"devices": [device], "gpu": "cpu", "layers": layers, "recompute": recompute}
-
-    plan = Plan.model_validate({
-        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
-        "global_batch_size": 8, "micro_batch_size": 1, "tp": 1,
-        "pipelines": [
-            {"num_microbatches": 2, "schedule": "gpipe",
-             "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4], "selective"), stage("a/2", [4, 6])]},
-            {"num_microbatches": 6, "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6])]},
-        ],
-    })
+    stage = _one_device_stage
+    plan = _tiny_plan([
+        {"num_microbatches": 2, "schedule": "gpipe",
+         "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4], "selective"), stage("a/2", [4, 6])]},
+        {"num_microbatches": 6, "stages": [stage("b/0", [0, 3]), stage("b/1", [3, 6])]},
+    ])
     assert plan.pipelines[0].depth > plan.pipelines[0].num_microbatches
     train_and_match_single_process(tmp_path, plan, TINY)
 
