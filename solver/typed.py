@@ -203,33 +203,35 @@ class _Layouts:
 
     def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
         """Type ``i``'s pipelines at ``choice``: how many, each one's 1F1B terms (tau, fill) and its GPUs' longest
-        optimizer step, from an estimate without the sync of those pipelines alone: a type's pipelines compute and send the same whatever the other types run
-        (their nodes and NICs are their own), so a layout's pipelines are priced from its types' terms without an
-        estimate of the whole. Only the first block of pipelines sharing nodes is estimated where every block is
-        alike (``_block_size``): 10,240 GPUs are 160 alike nodes a type. None where a stage fits no recompute
-        with 1F1B's micro-batch per stage. (A type that would fit only under GPipe, with fewer, is not priced:
-        probing every such depth again took 1.4 s of gen-10240x8's 11 and found no faster plan on the benchmark
-        clusters.)"""
+        optimizer step, from an estimate without the sync of those pipelines alone: a type's pipelines compute
+        and send the same whatever the other types run (their nodes and NICs are their own), so a layout's
+        pipelines are priced from its types' terms without an estimate of the whole. None where a stage fits no
+        recompute with 1F1B's micro-batch per stage. (A type that would fit only under GPipe, with fewer, is not
+        priced: probing every such depth again took 1.4 s of gen-10240x8's 11 and found no faster plan on the
+        benchmark clusters.)"""
         key = (i, choice)
         if key not in self._terms:
-            groups = _groups(self.classes[i], self.t, choice)
-            block = _block_size(groups) or len(groups)
-            copies = len(groups) // block
-            one_f_one_b, post = self._probe(i, choice, groups[:block], None)
-            self._terms[key] = None if one_f_one_b is None else (len(groups), one_f_one_b * copies, post)
+            terms, post = self._probed(i, choice, None)
+            self._terms[key] = None if terms is None else (len(terms), terms, post)
         return self._terms[key]
 
     def least_terms(self, i: int, choice: Choice) -> list[tuple[float, float]]:
-        """Type ``i``'s pipelines' terms at ``choice`` at the least recompute any count needs (``type_terms``), each
-        a lower bound on its pipeline's under GPipe; asked only where a layout gives one fewer micro-batches than
-        stages (a second estimate of the type's pipelines)."""
+        """Type ``i``'s pipelines' terms at ``choice`` at the least recompute any count needs (GPipe with one in
+        flight), each a lower bound on its pipeline's under GPipe; asked only where a layout gives one fewer
+        micro-batches than stages (a second estimate of the type's pipelines). It fits wherever 1F1B does."""
         key = (i, choice)
         if key not in self._least:
-            groups = _groups(self.classes[i], self.t, choice)
-            block = _block_size(groups) or len(groups)
-            terms = self._probe(i, choice, groups[:block], 1)[0]  # fits wherever 1F1B's does: it holds less
-            self._least[key] = None if terms is None else terms * (len(groups) // block)
+            self._least[key] = self._probed(i, choice, 1)[0]
         return self._least[key] or self.type_terms(i, choice)[1]
+
+    def _probed(self, i: int, choice: Choice, gpipe: int | None) -> tuple[list | None, float]:
+        """``_probe`` of the type's pipelines at ``choice``: only the first block of pipelines sharing nodes is
+        estimated where every block is alike (``_block_size``; 10,240 GPUs are 160 alike nodes a type), its
+        terms repeated for the others."""
+        groups = _groups(self.classes[i], self.t, choice)
+        block = _block_size(groups) or len(groups)
+        terms, post = self._probe(i, choice, groups[:block], gpipe)
+        return (None if terms is None else terms * (len(groups) // block)), post
 
     def _probe(self, i: int, choice: Choice, groups: list, gpipe: int | None) -> tuple[list | None, float]:
         """(the 1F1B terms of each of ``groups``' pipelines, their longest step) from one estimate without the sync,
