@@ -368,13 +368,15 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
     act = st.activation_bytes
     flops = g.achievable_flops(st.precision)
     msg = b * s * h * act  # one activation tensor of a micro-batch
-    tp_ar = ring_allreduce_s(msg, t, bw, latency_s)
     entry = profile.lookup(gpu, t, b) if profile else None
+    # A profile timed on real TP groups has the all-reduces in its times (``Profile.includes_tp_comm``)
+    priced = entry is None or not profile.includes_tp_comm
+    tp_ar = ring_allreduce_s(msg, t, bw, latency_s) if priced else 0.0
     blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute)
     blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, profile, g, entry, t, b, flops, msg)
     # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
     # target logit + sum of exponentials (8)
-    head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8))
+    head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8)) if priced else 0.0
 
     # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
     # gate's, the up projection's and silu's
@@ -387,7 +389,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         block_s=blk_compute + (6 if recompute == "full" else 4) * tp_ar
         + (overheads.tp_block_s * (4 / 3 if recompute == "full" else 1) if overheads is not None and t > 1 else 0.0),
         # the vocabulary-split embedding sums its fp32 outputs over the TP group
-        embed_s=embed_compute + ring_allreduce_s(b * s * h * RESIDUAL_BYTES, t, bw, latency_s),
+        embed_s=embed_compute + (ring_allreduce_s(b * s * h * RESIDUAL_BYTES, t, bw, latency_s) if priced else 0.0),
         head_s=head_compute + head_comm,
         # backward: the rest of the block's compute (recompute included) and its TP all-reduces
         # (two, four under full recompute); the head's input-gradient all-reduce

@@ -23,7 +23,7 @@ mode the planner may choose per stage; profiles written before it lack it, and t
 derives the modes from the one that was measured. ``head_split``: the head times of a
 ``tp > 1`` entry are one rank's vocabulary shard (profiles without it timed the whole head).
 Tensor-parallel and pipeline communication are added by the cost model from the cluster's
-links. Entries are looked up by (GPU type, tp, micro-batch size); a missing entry falls back
+links (but the TP all-reduces of a profile taken on real TP groups: ``includes_tp_comm``). Entries are looked up by (GPU type, tp, micro-batch size); a missing entry falls back
 to the FLOP-based estimate. ``runtime`` gives, per GPU type,
 what the runtime costs besides compute (per step, per micro-batch, the optimizer step),
 measured by running the runtime itself on a stand-in model.
@@ -112,6 +112,12 @@ class Profile(BaseModel):
     # The head times of a tp > 1 entry are one rank's vocabulary shard. Profiles written before the
     # runtime split the head timed it whole at every tp: the cost model takes 1/tp of those.
     head_split: bool = False
+    # The times of a tp > 1 entry were taken on a real TP group and include its all-reduces (Megatron-style
+    # per-layer profilers, e.g. Sailor's: github.com/eth-easl/sailor). On PCIe nodes those all-reduces run far
+    # below the link's nominal bandwidth (Sailor's RTX 3090 node: 8-way TP forward 0.0375 s per block against
+    # 0.0089 / 8 s of compute), which only such a measurement knows: the cost model adds none for these entries.
+    # hetrain's own profiler times one rank's shard alone (False): the cost model prices the all-reduces.
+    includes_tp_comm: bool = False
 
     def lookup(self, gpu: str, tp: int, micro_batch_size: int) -> ProfileEntry | None:
         for entry in self.devices.get(gpu, []):
@@ -151,7 +157,7 @@ def merge_profiles(parts: list[Profile], source: str = "profiles") -> Profile:
     devices: dict[str, list[ProfileEntry]] = {}
     runtime: dict[str, RuntimeOverheads] = {}
     for part in parts:
-        for field in ("model", "precision", "activation_recompute", "head_split"):
+        for field in ("model", "precision", "activation_recompute", "head_split", "includes_tp_comm"):
             if getattr(part, field) != getattr(first, field):
                 raise HetrainError(f"{source}: profiles of {', '.join(part.devices)} and {', '.join(first.devices)} "
                                    f"differ in '{field}'")
