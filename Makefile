@@ -41,3 +41,4 @@ bench: setup
 	$(PY) bench/recovery.py
 	$(PY) bench/checkpoint_cost.py
 	$(PY) bench/gpu_step.py
+	$(PY) bench/sailor_mit.py

@@ -161,9 +161,9 @@ def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | No
         if claim:
             out.print(claim, highlight=False)
     if prof is None:
-        from hetrain.profiling.profile import ANALYTIC_NOTE
+        from hetrain.profiling.profile import analytic_note
 
-        err.print(f"note: {ANALYTIC_NOTE}", highlight=False, soft_wrap=True)
+        err.print(f"note: {analytic_note({n.gpu for n in cl.nodes})}", highlight=False, soft_wrap=True)
     if out_file:
         err.print(f"plan written to {out_file}", highlight=False)
 
@@ -237,6 +237,11 @@ def estimate(
         out.print(plan_table(pl, est, f"{plan_file} on {cl.name}"))
         out.print(summary_line(pl, est), highlight=False)
         out.print(capacity_line(cost, pl, est), highlight=False)
+    if profile is None:  # the plan is priced analytically: say how far such figures fell from measured ones
+        from hetrain.profiling.profile import analytic_note
+
+        err.print(f"note: {analytic_note({st.gpu for p in pl.pipelines for st in p.stages})}", highlight=False,
+                  soft_wrap=True)
     if est.over_capacity():
         try:
             cost.check_memory(est)

@@ -1,0 +1,91 @@
+"""The cost model against measured runs on a real mixed cluster (issue 51): Sailor's OPT-350M plans on nodes of
+8 RTX 3090, 8 RTX 2080 Ti and 8 Titan RTX (tests/fixtures/sailor_mit, converted by bench/sailor_convert.py from
+github.com/eth-easl/sailor), each run through what ``hetrain estimate --profile`` does. No training: a second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "sailor_mit"
+sys.path.insert(0, str(ROOT / "bench"))
+import sailor_mit  # noqa: E402  (bench/sailor_mit.py: the table in docs/benchmarks/real-clusters.md)
+
+sys.path.remove(str(ROOT / "bench"))
+# Sailor's own simulator reports 4-6 % on its validation runs; the issue's bar for hetrain is 10 %
+MEDIAN_ERROR = 0.10
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return sailor_mit.predict(FIXTURE)
+
+
+def test_median_error_on_the_measured_runs(rows):
+    used = [r for r in rows if "suspect" not in r]
+    assert len(used) == 8  # the one left out (N3_D1) carries N6_D2's figures to the last digit
+    assert sailor_mit.median_abs_error(rows) <= MEDIAN_ERROR, [(r["plan"], round(r["error"], 3)) for r in used]
+
+
+# Groups where the plan that really ran fastest is not predicted fastest yet. Real (predicted) seconds: 4 nodes,
+# N4_D2 66.1 (72.8) vs N4_D1 83.8 (72.1); 6 nodes, N6_D3 54.2 (59.0) vs N6_D2 59.5 (57.2). Measured, the
+# 3090 stage of the winners hides most of its sends over 1 GbE behind its compute (pipeline within 4-6 % of its
+# compute alone), which Megatron-DeepSpeed does and torch's 1F1B that hetrain runs and prices does not.
+NOT_YET = {4: "N4_D2 predicted 72.8 s vs N4_D1 72.1 s", 6: "N6_D3 predicted 59.0 s vs N6_D2 57.2 s"}
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.xfail(reason=NOT_YET[g], strict=True))
+                                   if g in NOT_YET else g for g in (2, 4, 6)])
+def test_really_fastest_plan_is_predicted_fastest(rows, group):
+    verdict = sailor_mit.group_verdicts(rows)[group]
+    assert verdict["predicted_fastest"] == verdict["fastest"], verdict
+
+
+def test_measured_tp_comm_is_not_priced_twice():
+    """A profile timed on real TP groups (Sailor's) has the all-reduces in its times; hetrain's prices them."""
+    from hetrain.cost.stage import unit_costs
+    from hetrain.cost.collectives import ring_allreduce_s
+    from hetrain.plan.schema import load_plan
+    from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster
+
+    plan, cluster = load_plan(FIXTURE / "plans" / "N4_D1.json"), load_cluster(FIXTURE / "cluster.json")
+    measured = load_profile(FIXTURE / "profile.json")
+    ours = measured.model_copy(update={"includes_tp_comm": False})
+    g, bw = cluster.gpu_type("RTX3090"), 5.0
+
+    def block_s(profile):
+        return unit_costs(plan.model, plan.settings(), profile, g, "RTX3090", bw, 8, 2, "none", latency_s=0.0,
+                          overheads=None, cpu_ranks=False).block_s
+
+    entry = measured.lookup("RTX3090", 8, 2)
+    assert block_s(measured) == pytest.approx(entry.block_forward_s + entry.block_backward_s)
+    tp_ar = ring_allreduce_s(2 * 2048 * 1024 * 4, 8, bw)  # one fp32 activation of micro-batch 2
+    assert block_s(ours) == pytest.approx(block_s(measured) + 4 * tp_ar)
+
+
+def test_hetrain_estimate_prints_what_the_table_says(rows):
+    """The command a user runs gives the prediction in the table; without a profile it states the error band."""
+    n4_d2 = next(r for r in rows if r["plan"] == "N4_D2")
+    args = ["estimate", "--plan", str(FIXTURE / "plans" / "N4_D2.json"), "--cluster", str(FIXTURE / "cluster.json")]
+    r = run_cli(*args, "--profile", str(FIXTURE / "profile.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["iteration_time_s"] == pytest.approx(n4_d2["predicted_s"], rel=1e-5)
+    assert "measured error of analytic" not in r.stderr
+    r = run_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "measured error of analytic step times: pcie-geforce -50% to -32%" in " ".join(r.stderr.split())
+
+
+def test_analytic_note_names_the_band_or_says_unmeasured():
+    from hetrain.profiling.profile import analytic_note
+
+    assert "hopper -14% to +13%" in analytic_note({"H100-SXM"})
+    assert "A100-80G never measured (measured GPUs: -50% to +13%)" in analytic_note({"A100-80G", "H100-SXM"})
