@@ -50,13 +50,17 @@ class SyncBucket:
     """Parameters one rank all-reduces with exactly the other ranks that hold them.
 
     ``layers`` is a half-open block range; ``embedding``/``head`` add the first/last stage's
-    extra parameters. ``ranks`` holds one rank per pipeline, all with the same TP rank.
+    extra parameters. ``ranks`` holds one rank per pipeline, all with the same TP rank; except
+    ``tied``: a tied model's one weight, held by every first and every last stage (Megatron's
+    embedding group, across the pipelines too), whose gradients sum over all of them: the
+    embedding's part from the first stages, the head's from the last, both on one-stage pipelines.
     """
 
     ranks: tuple[int, ...]
     layers: tuple[int, int]
     embedding: bool = False
     head: bool = False
+    tied: bool = False
 
 
 @dataclass
@@ -126,8 +130,21 @@ def build_layout(plan: Plan) -> Layout:
         nodes={n: [rank_of[d] for d in order if node_of[d] == n] for n in nodes},
         tp_groups=tp_groups,
         pp_groups=pp_groups,
-        buckets=_buckets(plan, stage_ranks) if len(plan.pipelines) > 1 else [],
+        buckets=_buckets(plan, stage_ranks) if len(plan.pipelines) > 1 else _tied_buckets(plan, stage_ranks),
     )
+
+
+def _tied_buckets(plan: Plan, stage_ranks: list[list[tuple[int, ...]]]) -> list[SyncBucket]:
+    """Per TP rank, the bucket of a tied model's weight: the ranks of every first and last stage (none for an
+    untied model, or one where each pipeline is one stage and the only one: the weight is one Parameter)."""
+    if not plan.model.tied:
+        return []
+    out = []
+    for j in range(plan.tp):
+        holders = tuple(sorted({r for stages in stage_ranks for r in (stages[0][j], stages[-1][j])}))
+        if len(holders) > 1:
+            out.append(SyncBucket(holders, (0, 0), tied=True))
+    return out
 
 
 def _buckets(plan: Plan, stage_ranks: list[list[tuple[int, ...]]]) -> list[SyncBucket]:
@@ -145,7 +162,8 @@ def _buckets(plan: Plan, stage_ranks: list[list[tuple[int, ...]]]) -> list[SyncB
     for j in range(plan.tp):
         first = tuple(stages[0][j] for stages in stage_ranks)
         last = tuple(stages[-1][j] for stages in stage_ranks)
-        items = [SyncBucket(first, (0, 0), embedding=True)]
+        tied = [b for b in _tied_buckets(plan, stage_ranks) if first[0] in b.ranks]
+        items = tied + [SyncBucket(first, (0, 0), embedding=True)]
         items += [SyncBucket(holders(lo, j), (lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
         items.append(SyncBucket(last, (plan.model.num_layers,) * 2, head=True))
         merged: list[SyncBucket] = []
@@ -153,7 +171,7 @@ def _buckets(plan: Plan, stage_ranks: list[list[tuple[int, ...]]]) -> list[SyncB
             if merged and merged[-1].ranks == b.ranks:
                 m = merged.pop()
                 b = SyncBucket(b.ranks, (min(m.layers[0], b.layers[0]), max(m.layers[1], b.layers[1])),
-                               m.embedding or b.embedding, m.head or b.head)
+                               m.embedding or b.embedding, m.head or b.head, m.tied or b.tied)
             merged.append(b)
         buckets += merged
     return buckets

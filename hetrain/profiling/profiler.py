@@ -87,11 +87,12 @@ def shard_block(spec: ModelSpec, tp: int) -> nn.Module:
         )
     block = make_block(spec)
     if tp > 1:
-        h = spec.hidden_size
-        hs, ks, fs = h // tp, spec.kv_size // tp, -(-spec.ffn_size // tp)
+        h, bias = spec.hidden_size, bool(spec.qkv_bias)  # Qwen 2's q/k/v bias, split with its projection
+        hs = (spec.q_size if spec.arch == "llama" else h) // tp
+        ks, fs = spec.kv_size // tp, -(-spec.ffn_size // tp)
         attn, mlp = block.attn, block.mlp
-        attn.wq = nn.Linear(h, hs, bias=False)
-        attn.wk, attn.wv = (nn.Linear(h, ks, bias=False) for _ in range(2))  # kv_heads / tp heads (llama)
+        attn.wq = nn.Linear(h, hs, bias=bias)
+        attn.wk, attn.wv = (nn.Linear(h, ks, bias=bias) for _ in range(2))  # kv_heads / tp heads (llama)
         attn.wo = nn.Linear(hs, h, bias=False)
         mlp.w1 = nn.Linear(h, fs, bias=False)
         if spec.arch == "llama":

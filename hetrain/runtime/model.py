@@ -9,8 +9,9 @@ same code.
 Blocks live in a ``ModuleDict`` keyed by their global index, so a pipeline stage is the
 same class holding a contiguous range of blocks and parameter names (``layers.7.attn.wq.weight``)
 are identical whichever plan built the stage: checkpoints and gradient buckets line up
-across plans. The embedding lives on the first stage, the final norm and LM head on the last
-(untied, so no weight is shared between stages).
+across plans. The embedding lives on the first stage, the final norm and LM head on the last.
+A tied model (``tie_embeddings``) has one weight for both: one Parameter where one stage holds
+both ends, else a copy on each end, drawn alike, whose gradients ``hetrain.runtime.tied`` sums.
 
 Initialisation is a pure function of (seed, parameter name): every stage, on every plan,
 starts from exactly the weights a single-process model would have.
@@ -19,16 +20,21 @@ starts from exactly the weights a single-process model would have.
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hetrain.spec.specs import RECOMPUTE_MODES, ModelSpec, RecomputeMode
+from hetrain.spec.specs import RECOMPUTE_MODES, ModelSpec, RecomputeMode, RopeScaling
 
 INIT_STD = 0.02
+# A tied model's one weight: the embedding's name on the first stage, the head's on the last (named_parameters
+# gives the first where one stage holds both)
+TIED_NAME, HEAD_NAME = "tok_embedding.weight", "head.weight"
 
 
 def _ops(*names: str) -> frozenset:
@@ -74,10 +80,11 @@ def run_block(block: nn.Module, x: torch.Tensor, recompute: RecomputeMode) -> to
 
 @torch.no_grad()
 def init_parameter(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
-    """Norm weights 1, norm biases 0, everything else N(0, INIT_STD) drawn from ``gen``."""
+    """Norm weights 1, biases 0 (norms' and Qwen's q/k/v: transformers starts them at 0 too), everything
+    else N(0, INIT_STD) drawn from ``gen``."""
     if name.endswith("norm.weight"):
         param.fill_(1.0)
-    elif name.endswith("norm.bias"):
+    elif name.endswith(".bias"):
         param.zero_()
     else:
         param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
@@ -128,35 +135,94 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> torch.Tensor:
+    """The rotation speed of each pair of the head dimension, ``(head_dim / 2,)``, fp32; Llama 3.1's scaling
+    (``RopeScaling``) as transformers computes it (``_compute_llama3_parameters``): long wavelengths slowed
+    ``factor`` times, short ones kept, a smooth blend between."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / scaling.low_freq_factor, original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's rotation angles, ``(seq_len, head_dim)``, in fp32.
 
     Computed where they are used rather than stored: a few thousand multiply-adds per block,
     nothing to checkpoint or shard, and the same values on every stage of every plan.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
+class _GradSummedOver(torch.autograd.Function):
+    """Forward: the weight as it is; backward: its gradient summed over a TP group.
+
+    For a replicated weight that each TP rank applies to its own heads (Qwen 3's q/k norms): each
+    rank's gradient is its heads' part, and the ranks must step with the whole one.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        if grad.device.type != "meta":
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class HeadNorm(nn.RMSNorm):
+    """RMSNorm over each attention head's ``head_dim`` values (Qwen 3's ``q_norm``/``k_norm``), one weight
+    shared by every head. ``tp_group`` (set by ``hetrain.runtime.parallelize``): the ranks whose heads share it."""
+
+    tp_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.tp_group is None else _GradSummedOver.apply(self.weight, self.tp_group)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention with rotary positions: ``num_kv_heads`` key/value heads, each shared
-    by ``num_heads / num_kv_heads`` query heads (under TP each rank holds a slice of both)."""
+    by ``num_heads / num_kv_heads`` query heads (under TP each rank holds a slice of both).
+
+    The families' switches (``ModelSpec``): a bias on q, k and v (``qkv_bias``, Qwen 2), an RMSNorm
+    over each q and k head before the rotation (``qk_norm``, Qwen 3), heads of ``head_size`` whatever
+    the hidden size, and Llama 3.1's rotary scaling (``rope_scaling``).
+    """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.head_dim, self.theta = spec.head_dim, spec.rope_base
-        h = spec.hidden_size
-        self.wq = nn.Linear(h, spec.num_heads * spec.head_dim, bias=False)
-        self.wk = nn.Linear(h, spec.kv_size, bias=False)
-        self.wv = nn.Linear(h, spec.kv_size, bias=False)
-        self.wo = nn.Linear(spec.num_heads * spec.head_dim, h, bias=False)
+        self.head_dim, self.theta, self.scaling = spec.head_dim, spec.rope_base, spec.rope_scaling
+        h, bias = spec.hidden_size, bool(spec.qkv_bias)
+        self.wq = nn.Linear(h, spec.q_size, bias=bias)
+        self.wk = nn.Linear(h, spec.kv_size, bias=bias)
+        self.wv = nn.Linear(h, spec.kv_size, bias=bias)
+        self.wo = nn.Linear(spec.q_size, h, bias=False)
+        self.q_norm = HeadNorm(spec.head_dim, eps=spec.eps) if spec.qk_norm else None
+        self.k_norm = HeadNorm(spec.head_dim, eps=spec.eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        cos, sin = (c.to(q.dtype) for c in rope_tables(t, self.head_dim, self.theta, x.device))
+        q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        cos, sin = (c.to(q.dtype) for c in rope_tables(t, self.head_dim, self.theta, x.device, self.scaling))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         group = q.shape[1] // k.shape[1]
         if group > 1:  # each key/value head serves `group` query heads
@@ -240,6 +306,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): make_block(spec) for a, b in chunks for i in range(a, b)})
         self.norm = final_norm(spec) if last else None
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
+        if spec.tied and first and last:  # one tensor; on different stages hetrain.runtime.tied sums their gradients
+            self.head.weight = self.tok_embedding.weight
 
     def chunk(self, lo: int, hi: int) -> GPT:
         """A view of blocks ``[lo, hi)`` of this module (its embedding where lo is 0, its head where hi is
@@ -271,7 +339,8 @@ class GPT(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic per parameter name, so any stage of any plan matches the full model."""
         for name, param in self.named_parameters():
-            init_parameter(name, param, torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())))
+            drawn_as = TIED_NAME if self.spec.tied and name == HEAD_NAME else name  # a tied head: the embedding's values
+            init_parameter(name, param, torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(drawn_as.encode())))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -49,9 +49,14 @@ def parallelize_stage(stage: GPT, tp_mesh: DeviceMesh) -> None:
         stage.tok_embedding = VocabParallelEmbedding(stage.tok_embedding, tp_mesh)
     for block in stage.layers.values():
         parallelize_module(block, tp_mesh, plan)
+        for norm in (getattr(block.attn, "q_norm", None), getattr(block.attn, "k_norm", None)):
+            if norm is not None:  # Qwen 3's head norms: each rank's heads give part of the gradient
+                norm.tp_group = tp_mesh.get_group()
     if stage.head is not None:
         # local logits out: hetrain.runtime.loss takes the loss from the shards
         parallelize_module(stage.head, tp_mesh, ColwiseParallel())
+        if stage.spec.tied and stage.tok_embedding is not None:  # one stage holds both ends: one weight again,
+            stage.head.weight = stage.tok_embedding.weight  # the embedding's rows, split alike (Shard(0))
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -167,7 +172,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def tied_weight(stage: GPT) -> nn.Parameter | None:
+    """A tied model's one weight on this stage: the embedding's (first stage), else the head's (last stage)."""
+    if not stage.spec.tied:
+        return None
+    if stage.tok_embedding is not None:
+        return stage.tok_embedding.weight
+    return stage.head.weight if stage.head is not None else None
+
+
+def norm_counted(stage: GPT, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """``params`` less a last stage's copy of the tied weight: the first stage's copy (the same gradient once
+    synced) counts it in the global gradient norm, once."""
+    if not stage.spec.tied or stage.tok_embedding is not None or stage.head is None:
+        return params
+    return [p for p in params if p is not stage.head.weight]
+
+
 def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
+    """This stage's parameters in ``bucket``; a tied weight only in the tied bucket (``SyncBucket.tied``)."""
     names = []
     if bucket.embedding and stage.tok_embedding is not None:
         names += ["tok_embedding"] + (["pos_embedding"] if stage.pos_embedding is not None else [])
@@ -175,7 +198,10 @@ def bucket_params(stage: GPT, bucket: SyncBucket) -> list[nn.Parameter]:
     names += [f"layers.{i}" for i in range(lo, hi) if str(i) in stage.layers]
     if bucket.head and stage.head is not None:
         names += ["norm", "head"]
-    return [p for n in names for p in stage.get_submodule(n).parameters()]
+    params = [p for n in names for p in stage.get_submodule(n).parameters()]
+    tied = tied_weight(stage)
+    params = [p for p in params if p is not tied] + ([tied] if bucket.tied and tied is not None else [])
+    return list({id(p): p for p in params}.values())  # a tied head and embedding on one stage: one weight, once
 
 
 @torch.no_grad()

@@ -36,8 +36,8 @@ from hetrain.runtime.instrument import TRACED_PHASES, AllocationTracker, StageMe
 from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
-from hetrain.runtime.parallelize import (bucket_params, local_tensor, parallelize_stage, scatter_gather_sends,
-                                         sync_gradients)
+from hetrain.runtime.parallelize import (bucket_params, local_tensor, norm_counted, parallelize_stage,
+                                         scatter_gather_sends, sync_gradients)
 from hetrain.runtime.precision import COMPUTE_DTYPE, GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
 from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
@@ -136,7 +136,9 @@ class Trainer:
                                      is_last=chunk.head is not None)
         self.lr_schedule = config.lr_schedule()
         # Replicated parameters (norms, GPT's positions) are counted once per TP group in the norm.
-        self.norm_params = [p for p in model.parameters() if isinstance(p, DTensor) or role.tp_rank == 0]
+        # A tied weight's last-stage copy is the first stage's once synced: counted there (``norm_counted``).
+        self.norm_params = norm_counted(model, [p for p in model.parameters()
+                                                if isinstance(p, DTensor) or role.tp_rank == 0])
         self.optimizer_state = self._optimizer_state_mode(config, plan, role)
         self.zero: ShardedAdamW | None = None
         impl = self._make_optimizer(layout, groups, self.lr_schedule.lr_at(config.start_step))

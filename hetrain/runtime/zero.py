@@ -372,8 +372,8 @@ class ShardedAdamW:
 def _replica_mesh(layout: Layout, bucket: SyncBucket, groups: ProcessGroups, device_type: str) -> DeviceMesh:
     """The (TP x replicas) mesh of a bucket's shares, columns in pipeline order (a share's index), built
     from the groups that exist (no new communicator): row ``j`` holds TP rank ``j`` of each replica."""
-    key = (bucket.layers, bucket.embedding, bucket.head)
-    same = [b for b in layout.buckets if (b.layers, b.embedding, b.head) == key]
+    key = (bucket.layers, bucket.embedding, bucket.head, bucket.tied)
+    same = [b for b in layout.buckets if (b.layers, b.embedding, b.head, b.tied) == key]
     same.sort(key=lambda b: layout.roles[b.ranks[0]].tp_rank)
     rows = [[groups.dist_rank[r] for r in b.ranks] for b in same]
     sync = groups.sync[bucket.ranks]
@@ -381,6 +381,12 @@ def _replica_mesh(layout: Layout, bucket: SyncBucket, groups: ProcessGroups, dev
         return DeviceMesh.from_group([sync], device_type, mesh=torch.tensor(rows[0]), mesh_dim_names=("replicas",))
     return DeviceMesh.from_group([groups.tp, sync], device_type, mesh=torch.tensor(rows),
                                  mesh_dim_names=("tp", "replicas"))
+
+
+def _names_differ(layout: Layout, bucket: SyncBucket) -> bool:
+    """Whether a tied bucket's holders include a last stage that is not also first (its copy is ``head.weight``,
+    the first stages' ``tok_embedding.weight``): their state shares would be halves of two names."""
+    return bucket.tied and not all(layout.roles[r].stage == 0 for r in bucket.ranks)
 
 
 def bucket_shards(layout: Layout, bucket: SyncBucket) -> bool:
@@ -416,17 +422,21 @@ def sharded_adamw(model: nn.Module, layout: Layout, role: Role, groups: ProcessG
     tp_mesh = DeviceMesh.from_group(groups.tp, device_type) if layout.plan.tp > 1 else None
     buckets = []
     mine = layout.buckets_of(role.rank)
-    if not mine:
-        named = list(model.named_parameters())
-        buckets.append(ShardBucket(named, None, 0, [0], tp_mesh, offload=offload, fused=fused))
+    synced = {id(p) for b in mine for p in bucket_params(model, b)}
+    alone = [(n, p) for n, p in model.named_parameters() if id(p) not in synced]
+    if alone:  # this stage is their only holder (a one-pipeline plan): one share, nothing to sync
+        buckets.append(ShardBucket(alone, None, 0, [0], tp_mesh, offload=offload, fused=fused))
     for b in mine:
         params = bucket_params(model, b)
         if not params:  # the same on every replica of the bucket: none of them takes part
             continue
         group = groups.sync[b.ranks]
-        if not bucket_shards(layout, b):  # an offloaded stage beside replicated ones: its whole state, on the host
+        if not bucket_shards(layout, b) or _names_differ(layout, b):
+            # an offloaded stage beside replicated ones: its whole state, on the host; a tied weight whose
+            # holders name it differently (embedding, head): whole on each, so a checkpoint has each name whole
+            counts = role.pipeline == 0 and role.is_first if b.tied else b.ranks[0] == role.rank
             buckets.append(ShardBucket([(names[p], p) for p in params], None, 0, [0], tp_mesh, offload=offload,
-                                       fused=fused, sum_group=group, counts_norm=b.ranks[0] == role.rank))
+                                       fused=fused, sum_group=group, counts_norm=counts))
             continue
         dist_ranks = [groups.dist_rank[r] for r in b.ranks]  # in pipeline order: share s is pipeline s's
         group_shares = [dist_ranks.index(r) for r in dist.get_process_group_ranks(group)]

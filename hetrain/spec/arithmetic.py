@@ -8,7 +8,10 @@ size, ``t`` TP degree, ``B_act`` bytes per activation element (2 for bf16/fp16, 
 Parameters
     block  P_blk  = 4h^2 + 2hf + 9h + f        (QKV+proj with biases, MLP with biases, 2 LayerNorms)
     embed  P_emb  = V h + s h                  (token + learned position embedding, first stage)
-    head   P_head = V h + 2h                   (final LayerNorm + untied LM head, last stage)
+    head   P_head = V h + 2h                   (final LayerNorm + LM head, last stage)
+    Llama-arch blocks: 2 h q + 2 h kv + 3 h f + 2h (q = heads x head size, kv = kv heads x head size),
+    + q + 2 kv with Qwen 2's q/k/v bias, + 2 x head size with Qwen 3's q/k norms. A tied LM head is
+    the embedding's weight: once in ``total_params``, a copy on each end where they are different stages.
     Blocks, the head and the token embedding are split over the t ranks of a TP group (the
     head and the embedding by vocabulary); GPT's learned positions are whole on every rank.
 
@@ -31,8 +34,11 @@ from hetrain.spec.specs import ModelSpec, TrainingSettings
 
 def block_params(model: ModelSpec) -> int:
     h, f = model.hidden_size, model.ffn_size
-    if model.arch == "llama":  # q and o h x h, k and v h x kv (grouped-query), SwiGLU's three, two RMSNorms
-        return 2 * h * h + 2 * h * model.kv_size + 3 * h * f + 2 * h
+    if model.arch == "llama":  # q and o h x (heads x head size), k and v h x kv (grouped-query), SwiGLU's three,
+        # two RMSNorms, and the families' switches: Qwen 2's q/k/v biases, Qwen 3's per-head q and k norms
+        biases = model.q_size + 2 * model.kv_size if model.qkv_bias else 0
+        head_norms = 2 * model.head_dim if model.qk_norm else 0
+        return 2 * h * model.q_size + 2 * h * model.kv_size + 3 * h * f + 2 * h + biases + head_norms
     return 4 * h * h + 2 * h * f + 9 * h + f
 
 
@@ -48,9 +54,12 @@ def head_params(model: ModelSpec) -> int:
 
 
 def block_norm_params(model: ModelSpec) -> int:
-    """The block's norm parameters (GPT: two LayerNorms' weights and biases; Llama: two RMSNorm weights): the
-    only ones of a block no matrix multiply reads, so the only ones autocast does not round to 16 bits."""
-    return 4 * model.hidden_size if model.arch == "gpt" else 2 * model.hidden_size
+    """The block's norm parameters (GPT: two LayerNorms' weights and biases; Llama: two RMSNorm weights, Qwen 3's
+    q/k head norms): the only ones of a block no matrix multiply reads, so the only ones autocast does not round
+    to 16 bits."""
+    if model.arch == "gpt":
+        return 4 * model.hidden_size
+    return 2 * model.hidden_size + (2 * model.head_dim if model.qk_norm else 0)
 
 
 def head_norm_params(model: ModelSpec) -> int:
@@ -58,17 +67,24 @@ def head_norm_params(model: ModelSpec) -> int:
     return 2 * model.hidden_size if model.arch == "gpt" else model.hidden_size
 
 
+def tied_params(model: ModelSpec) -> int:
+    """The parameters the LM head shares with the token embedding (``tie_embeddings``): counted once where one
+    stage holds both ends; where they sit on different stages, each keeps a copy."""
+    return model.vocab_size * model.hidden_size if model.tied else 0
+
+
 def total_params(model: ModelSpec) -> int:
-    return model.num_layers * block_params(model) + embed_params(model) + head_params(model)
+    """The model's distinct parameters (a tied weight once), as transformers counts them."""
+    return model.num_layers * block_params(model) + embed_params(model) + head_params(model) - tied_params(model)
 
 
 def block_forward_flops(model: ModelSpec, micro_batch_size: int) -> float:
     h, f, s = model.hidden_size, model.ffn_size, model.seq_length
-    if model.arch == "llama":
-        matmuls = 2 * h * h + 2 * h * model.kv_size + 3 * h * f
+    if model.arch == "llama":  # attention's core is q_size wide (heads x head size: Qwen 3's differ from h)
+        matmuls, core = 2 * h * model.q_size + 2 * h * model.kv_size + 3 * h * f, model.q_size
     else:
-        matmuls = 4 * h * h + 2 * h * f
-    return micro_batch_size * (2 * s * matmuls + 4 * s * s * h)
+        matmuls, core = 4 * h * h + 2 * h * f, h
+    return micro_batch_size * (2 * s * matmuls + 4 * s * s * core)
 
 
 def block_weight_grad_fraction(model: ModelSpec) -> float:
@@ -77,8 +93,9 @@ def block_weight_grad_fraction(model: ModelSpec) -> float:
     Backward is two forwards of FLOPs: each weight matrix's product gives one for the input
     gradient and one for the weight gradient; attention's core (no weights) is all input gradient.
     """
-    h, s = model.hidden_size, model.seq_length
-    matmuls = block_forward_flops(model, 1) - 4 * s * s * h
+    s = model.seq_length
+    core = model.q_size if model.arch == "llama" else model.hidden_size
+    matmuls = block_forward_flops(model, 1) - 4 * s * s * core
     return matmuls / (2 * block_forward_flops(model, 1))
 
 
@@ -93,7 +110,7 @@ def block_weight_grad_bytes(model: ModelSpec, settings: TrainingSettings, tp: in
     """
     h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
     if model.arch == "llama":  # q, k, v, SwiGLU's gate and up (column); o and down (row)
-        column, row = h + 2 * model.kv_size + 2 * f, 2 * h
+        column, row = model.q_size + 2 * model.kv_size + 2 * f, 2 * h
     else:  # q, k, v, fc1 (column); o and fc2 (row)
         column, row = 3 * h + f, 2 * h
     return s * b * (settings.activation_bytes * (column / t + row) + 2 * h * RESIDUAL_BYTES)
@@ -151,7 +168,8 @@ def block_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp: int
     # under grouped-query attention: the runtime repeats them before SDPA) and its output; SwiGLU
     # keeps the gate, the up projection, silu(gate) and their product
     mlp = 4 * f if model.arch == "llama" else 2 * f
-    split = s * b * act * (4 * h + mlp) / t
+    width = model.q_size if model.arch == "llama" else h  # q, (repeated) k and v, the attention output
+    split = s * b * act * (4 * width + mlp) / t
     if model.arch == "llama":  # RMSNorm (not fused) also keeps its normalized input before the weight, fp32
         whole += s * b * h * 2 * RESIDUAL_BYTES
     weight_copies = 2 * block_params(model) / t if settings.precision != "fp32" else 0.0
@@ -169,7 +187,7 @@ def selective_activation_bytes(model: ModelSpec, settings: TrainingSettings, tp:
     h, f, s, b, t = model.hidden_size, model.ffn_size, model.seq_length, micro_batch_size, tp
     act = settings.activation_bytes
     if model.arch == "llama":  # q, k, v (k and v kv-wide), the attention output, SwiGLU's gate and up products
-        first = 2 * h + 2 * model.kv_size + 2 * f
+        first = 2 * model.q_size + 2 * model.kv_size + 2 * f
     else:
         first = 4 * h + f
     products = s * b * act * (first / t + 2 * h * (2 if t > 1 else 1))

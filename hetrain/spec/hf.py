@@ -1,5 +1,6 @@
 """transformers' Llama layout, both ways: hetrain's parameter names and model spec <-> ``config.json`` and
-``LlamaForCausalLM``'s tensor names. Torch-free: the export writes through it, ``hetrain train
+the tensor names of ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
+``Qwen3ForCausalLM`` (one block with switches, ``FAMILY_CLASSES``). Torch-free: the export writes through it, ``hetrain train
 --init-from`` and ``load_model`` read through it.
 
 The runtime's rotary convention is transformers' (``rotate_half``), so no weight is permuted
@@ -28,15 +29,20 @@ SAFETENSORS_HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on the JSON h
 # What must agree between a plan's model and the weights it starts from (the name and the sequence
 # length may differ: rotary positions have no table; GPT's learned positions are checked by shape).
 # Compared as the runtime uses them (defaults filled in: a YAML without norm_eps is the config's 1e-05).
-ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
-                       "rope_base", "eps")
+ARCHITECTURE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "head_dim", "ffn_size",
+                       "vocab_size", "rope_base", "rope_scaling", "eps", "qkv_bias", "qk_norm", "tied")
 
-# hetrain's parameter names -> transformers' LlamaForCausalLM names (per block, then the ends)
+# hetrain's parameter names -> transformers' names (per block, then the ends), one layout for every family
 LLAMA_BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight",
     "attn.wk.weight": "self_attn.k_proj.weight",
     "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias",  # qkv_bias (Qwen 2)
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",  # qk_norm (Qwen 3)
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w1.weight": "mlp.gate_proj.weight",
@@ -46,70 +52,137 @@ LLAMA_BLOCK = {
 LLAMA_ENDS = {"tok_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "head.weight": "lm_head.weight"}
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# transformers' Llama options hetrain's block does not have: a config that sets them is another model
-UNSUPPORTED_IF_SET = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "rope_scaling": None}
+# transformers' model_type -> its class; each is the Llama block with the switches ``_family_switches`` reads
+FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+# transformers options hetrain's block does not have: a config that sets them is another model
+UNSUPPORTED_IF_SET = {"mlp_bias": False, "hidden_act": "silu"}
 
 
 def exported_name(spec: ModelSpec, name: str) -> str:
-    """The name ``name`` (a parameter of ``hetrain.runtime.model.GPT``) has in an export (transformers' for Llama)."""
+    """The name ``name`` (a parameter of ``hetrain.runtime.model.GPT``) has in an export (transformers' for
+    Llama-family specs). A tied head is the embedding (transformers saves the one tensor under its name)."""
     if spec.arch != "llama":
         return name
+    if name == "head.weight" and spec.tied:
+        return LLAMA_ENDS["tok_embedding.weight"]
     if name in LLAMA_ENDS:
         return LLAMA_ENDS[name]
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
     return f"model.layers.{index}.{LLAMA_BLOCK[rest]}"
 
 
-def hf_config(spec: ModelSpec, dtype: str) -> dict:
-    """``config.json`` for ``transformers``' ``LlamaForCausalLM``."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+def family_of(spec: ModelSpec) -> str:
+    """The transformers family a Llama-arch spec is exported as: its ``family``, else the one its switches make."""
+    family = spec.family or ("qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama")
+    switches = {"qkv_bias": bool(spec.qkv_bias), "qk_norm": bool(spec.qk_norm)}
+    if switches != {"qkv_bias": family == "qwen2", "qk_norm": family == "qwen3"}:
+        raise HetrainError(f"model '{spec.name}': family {family} has qkv_bias {family == 'qwen2'} and qk_norm "
+                           f"{family == 'qwen3'}, the spec {switches['qkv_bias']} and {switches['qk_norm']}")
+    return family
+
+
+def hf_config(spec: ModelSpec, dtype: str, special_tokens: dict[str, int] | None = None) -> dict:
+    """``config.json`` for transformers' class of the spec's family; ``special_tokens``: ``bos_token_id``,
+    ``eos_token_id`` (the token file's), so ``generate()`` stops where the data's documents end."""
+    family = family_of(spec)
+    rope = {"rope_type": "default", "rope_theta": spec.rope_base}
+    if spec.rope_scaling is not None:
+        rope = spec.rope_scaling.model_dump(exclude={"type"}) | {"rope_type": spec.rope_scaling.type,
+                                                                "rope_theta": spec.rope_base}
+    config = {
+        "architectures": [FAMILY_CLASSES[family]], "model_type": family, "hidden_act": "silu",
         "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
         "vocab_size": spec.vocab_size, "max_position_embeddings": spec.seq_length, "rope_theta": spec.rope_base,
-        "rms_norm_eps": spec.eps, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": TORCH_DTYPE_NAMES[dtype],
+        "rope_parameters": rope, "rms_norm_eps": spec.eps, "tie_word_embeddings": spec.tied,
+        "torch_dtype": TORCH_DTYPE_NAMES[dtype], **(special_tokens or {}),
     }
+    if family in ("llama", "qwen3"):  # the families whose attention_bias would also put one on o
+        config |= {"attention_bias": False}
+    if family == "llama":
+        config |= {"mlp_bias": False}
+    if family in ("qwen2", "qwen3"):
+        config |= {"use_sliding_window": False}
+    if family == "mistral":
+        config |= {"sliding_window": spec.sliding_window}
+    return config
 
 
 def spec_from_hf_config(config: Any, source: str, name: str, seq_length: int | None = None) -> ModelSpec:
-    """The model spec of a transformers Llama ``config.json`` (``name`` for it; ``seq_length`` to train at,
-    default the config's ``max_position_embeddings``). One line naming the key when it is not one hetrain runs."""
+    """The model spec of a transformers ``config.json`` of a family hetrain runs (``FAMILY_CLASSES``), named
+    ``name``, to train at ``seq_length`` (``default_seq_length`` where None). One line naming the key or the
+    family when it is not one hetrain runs."""
     if not isinstance(config, dict):
         raise HetrainError(f"{source}: expected a JSON object (transformers' config.json)")
-    if config.get("model_type") != "llama":
-        raise HetrainError(f"{source}: model_type: expected 'llama' (transformers' Llama layout), "
-                           f"got {config.get('model_type')!r}")
+    family = config.get("model_type")
+    if family not in FAMILY_CLASSES:
+        raise HetrainError(f"{source}: model_type: {family!r} is not a family hetrain runs "
+                           f"({', '.join(FAMILY_CLASSES)})")
     for key, plain in UNSUPPORTED_IF_SET.items():
-        if config.get(key, plain) != plain:
+        if config.get(key) is not None and config[key] != plain:
             raise HetrainError(f"{source}: {key}: hetrain's Llama block has {plain!r}, the model {config[key]!r}")
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * config.get("num_attention_heads", 0) != config.get("hidden_size"):
-        raise HetrainError(f"{source}: head_dim: expected hidden_size / num_attention_heads, got {head_dim}")
-    rope_theta = _rope_theta(config, source)
-    fields = {"name": name, "arch": "llama", "num_layers": config.get("num_hidden_layers"),
+    rope_theta, rope_scaling = _rope(config, source)
+    fields = {"name": name, "arch": "llama", "family": family, "num_layers": config.get("num_hidden_layers"),
               "hidden_size": config.get("hidden_size"), "num_heads": config.get("num_attention_heads"),
               "num_kv_heads": config.get("num_key_value_heads"), "ffn_hidden_size": config.get("intermediate_size"),
-              "vocab_size": config.get("vocab_size"), "rope_theta": rope_theta,
+              "vocab_size": config.get("vocab_size"), "rope_theta": rope_theta, "rope_scaling": rope_scaling,
               "norm_eps": config.get("rms_norm_eps"), "tie_embeddings": config.get("tie_word_embeddings"),
-              "seq_length": seq_length or config.get("max_position_embeddings")}
+              "seq_length": seq_length or default_seq_length(config)}
+    fields |= _family_switches(config, family, source)
     return parse_spec(ModelSpec, {k: v for k, v in fields.items() if v is not None}, source)
 
 
-def _rope_theta(config: dict, source: str) -> Any:
-    """The rotary base: transformers 5 writes it in ``rope_parameters`` (with the rope's type), 4 at the top.
+# Planning from a transformers directory without --seq-length: its max_position_embeddings is the longest
+# context the model reads (Llama 3.1/3.2: 131072), not a length to train at; this many tokens at most
+DEFAULT_PRETRAINED_SEQ_LENGTH = 4096
+
+
+def default_seq_length(config: dict) -> Any:
+    """The sequence length to train a transformers model at when none is asked: its context, at most
+    ``DEFAULT_PRETRAINED_SEQ_LENGTH`` (``hetrain plan`` says which it took)."""
+    longest = config.get("max_position_embeddings")
+    if isinstance(longest, int) and not isinstance(longest, bool) and longest > DEFAULT_PRETRAINED_SEQ_LENGTH:
+        return DEFAULT_PRETRAINED_SEQ_LENGTH
+    return longest
+
+
+def _family_switches(config: dict, family: str, source: str) -> dict:
+    """The ``ModelSpec`` switches of a family's config: q/k/v bias (Qwen 2 always has it), q/k norms (Qwen 3),
+    the head size where it is not hidden / heads, the attention window. One line for what the block lacks."""
+    bias = config.get("attention_bias")
+    if family != "qwen2" and bias:  # Llama's, Mistral's and Qwen 3's attention_bias also puts one on o
+        raise HetrainError(f"{source}: attention_bias: true (a bias on q, k, v and o) is not in hetrain's block, "
+                           f"which has the q/k/v bias of Qwen 2")
+    head_dim, heads, hidden = config.get("head_dim"), config.get("num_attention_heads"), config.get("hidden_size")
+    explicit = head_dim is not None and not (isinstance(heads, int) and heads and head_dim * heads == hidden)
+    window = config.get("sliding_window")
+    if family != "mistral" and not config.get("use_sliding_window"):
+        window = None  # Qwen's window applies only where use_sliding_window says so
+    return {"qkv_bias": True if family == "qwen2" else None, "qk_norm": True if family == "qwen3" else None,
+            "head_size": head_dim if explicit else None, "sliding_window": window}
+
+
+def _rope(config: dict, source: str) -> tuple[Any, dict | None]:
+    """The rotary base and Llama 3.1's scaling: transformers 5 writes both in ``rope_parameters``, 4 the base at
+    the top and the scaling in ``rope_scaling``.
 
     Missed, a Llama 3 (base 500000) would silently train with the default 10000 and be another model.
     """
-    rope = config.get("rope_parameters")
+    rope = config.get("rope_parameters", config.get("rope_scaling"))
     if rope is None:
-        return config.get("rope_theta")
+        return config.get("rope_theta"), None
     if not isinstance(rope, dict):
         raise HetrainError(f"{source}: rope_parameters: expected an object, got {rope!r}")
-    if rope.get("rope_type", "default") != "default":
-        raise HetrainError(f"{source}: rope_parameters.rope_type: hetrain's Llama block has 'default' rotary "
-                           f"positions, the model {rope['rope_type']!r}")
-    return rope.get("rope_theta", config.get("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise HetrainError(f"{source}: rope_parameters.rope_type: hetrain's Llama block has 'default' and 'llama3' "
+                           f"rotary positions, the model {kind!r}")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {"type": "llama3", **{k: rope[k] for k in keys if rope.get(k) is not None}}
 
 
 def pretrained_spec(directory: str | Path, seq_length: int | None = None) -> ModelSpec:
@@ -164,11 +237,17 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
     raise HetrainError(f"{d}: no {WEIGHTS} or {WEIGHTS_INDEX} in it")
 
 
+def _architecture(spec: ModelSpec) -> dict[str, Any]:
+    """The fields that make the weights' meaning, as the runtime reads them (a switch left out is off)."""
+    values = {f: getattr(spec, f) for f in ARCHITECTURE_FIELDS}
+    return values | {"qkv_bias": bool(spec.qkv_bias), "qk_norm": bool(spec.qk_norm)}
+
+
 def check_pretrained(directory: str | Path, spec: ModelSpec, option: str = "--init-from") -> None:
     """One line unless the weights in ``directory`` are of ``spec``'s architecture (the plan's model)."""
     theirs = pretrained_spec(directory, spec.seq_length)
-    differ = [f"{f} {getattr(spec, f)} vs {getattr(theirs, f)}" for f in ARCHITECTURE_FIELDS
-              if getattr(spec, f) != getattr(theirs, f)]
+    mine, its = _architecture(spec), _architecture(theirs)
+    differ = [f"{f} {mine[f]} vs {its[f]}" for f in ARCHITECTURE_FIELDS if mine[f] != its[f]]
     if spec.arch == "gpt" and spec.seq_length != theirs.seq_length:
         differ.append(f"seq_length {spec.seq_length} vs {theirs.seq_length} (learned positions)")
     if differ:

@@ -254,10 +254,32 @@ class ClusterSpec(_Spec):
 # --------------------------------------------------------------------------- model
 
 
-LLAMA_ONLY = ("num_kv_heads", "rope_theta", "norm_eps", "tie_embeddings")
+LLAMA_ONLY = ("num_kv_heads", "rope_theta", "norm_eps", "tie_embeddings", "head_size", "qkv_bias", "qk_norm",
+              "rope_scaling", "sliding_window", "family")
 DEFAULT_ROPE_THETA = 10_000.0  # Llama 2's; Llama 3 files say 500000
 DEFAULT_NORM_EPS = 1e-5
 LLAMA_FFN_MULTIPLE = 256  # Llama rounds its default SwiGLU width (8/3 of hidden) up to a multiple of this
+# The transformers families the Llama block runs (``hetrain.spec.hf`` maps each to its switches)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RopeScaling(_Spec):
+    """Llama 3.1's rotary scaling (transformers' ``rope_type: llama3``): wavelengths longer than the
+    original context over ``low_freq_factor`` are stretched ``factor`` times, those shorter than it over
+    ``high_freq_factor`` kept, the ones between blended; how Llama 3.1 reads 128k tokens after 8k training."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: PositiveFloat = Field(le=1e4)
+    low_freq_factor: PositiveFloat = Field(default=1.0, le=1e4)
+    high_freq_factor: PositiveFloat = Field(default=4.0, le=1e4)
+    original_max_position_embeddings: PositiveInt = Field(le=MAX_SEQ_LENGTH)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:  # the blend divides by their difference
+            raise _FieldError("high_freq_factor", f"expected more than low_freq_factor {self.low_freq_factor}, "
+                                                  f"got {self.high_freq_factor}")
+        return self
 
 
 class ModelSpec(_Spec):
@@ -265,12 +287,16 @@ class ModelSpec(_Spec):
 
     ``arch: gpt`` (the default, so files without it keep their meaning): LayerNorm, a GELU MLP
     ``4 x hidden`` wide, learned positions, multi-head attention. ``arch: llama`` (Llama 2/3,
-    Mistral, Qwen): RMSNorm, a SwiGLU MLP, rotary positions (``rope_theta``), grouped-query
-    attention with ``num_kv_heads`` key/value heads (default ``num_heads``: plain multi-head).
+    Mistral, Qwen 2/2.5/3): RMSNorm, a SwiGLU MLP, rotary positions (``rope_theta``), grouped-query
+    attention with ``num_kv_heads`` key/value heads (default ``num_heads``: plain multi-head). The
+    families differ by switches of that one block: ``qkv_bias`` (Qwen 2), ``qk_norm`` (Qwen 3),
+    ``head_size`` (Qwen 3, Mistral Nemo), ``rope_scaling`` (Llama 3.1/3.2), ``tie_embeddings``
+    (Llama 3.2 1B/3B, small Qwens). ``family`` names the transformers class an export is written as.
     """
 
     name: str
     arch: Literal["gpt", "llama"] = "gpt"
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
     num_layers: PositiveInt = Field(le=MAX_LAYERS)
     hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
     num_heads: PositiveInt = Field(le=MAX_HEADS)
@@ -278,13 +304,20 @@ class ModelSpec(_Spec):
     vocab_size: PositiveInt = Field(le=MAX_VOCAB_SIZE)
     ffn_hidden_size: PositiveInt | None = Field(default=None, le=4 * MAX_HIDDEN_SIZE)
     num_kv_heads: PositiveInt | None = Field(default=None, le=MAX_HEADS)
+    head_size: PositiveInt | None = Field(default=None, le=MAX_HIDDEN_SIZE,
+                                          description="width of one attention head (default hidden_size / num_heads)")
     rope_theta: PositiveFloat | None = Field(default=None, le=MAX_ROPE_THETA)
+    rope_scaling: RopeScaling | None = None
     norm_eps: PositiveFloat | None = Field(default=None, lt=1.0)
+    qkv_bias: bool | None = Field(default=None, description="a bias on the query, key and value projections")
+    qk_norm: bool | None = Field(default=None, description="RMSNorm over each query and key head, before rotary")
+    sliding_window: PositiveInt | None = Field(default=None, le=MAX_SEQ_LENGTH,
+                                               description="the model's attention window (at least seq_length)")
     tie_embeddings: bool | None = None
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise _FieldError(
                 "num_heads", f"expected a divisor of hidden_size {self.hidden_size}, got {self.num_heads}"
             )
@@ -297,10 +330,12 @@ class ModelSpec(_Spec):
             raise _FieldError("num_kv_heads", f"expected a divisor of num_heads {self.num_heads}, "
                                               f"got {self.num_kv_heads}")
         if self.head_dim % 2:
-            raise _FieldError("num_heads", f"rotary positions need an even head size: hidden_size "
-                                           f"{self.hidden_size} / num_heads {self.num_heads} = {self.head_dim}")
-        if self.tie_embeddings:  # the embedding and the LM head sit on different pipeline stages
-            raise _FieldError("tie_embeddings", "expected false: tied embeddings are not supported yet")
+            where = "head_size" if self.head_size else "num_heads"
+            raise _FieldError(where, f"rotary positions need an even head size: hidden_size {self.hidden_size}, "
+                                     f"num_heads {self.num_heads}, head size {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < self.seq_length:
+            raise _FieldError("sliding_window", f"expected at least seq_length {self.seq_length} (sliding-window "
+                                                f"attention is not supported), got {self.sliding_window}")
         return self
 
     def tp_divides(self, tp: int) -> bool:
@@ -322,7 +357,18 @@ class ModelSpec(_Spec):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """One attention head's width: ``head_size`` where the model sets it, else ``hidden_size / num_heads``."""
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection (and of the attention output ``wo`` reads)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding's weight (one tensor, ``hetrain.runtime.tied``)."""
+        return bool(self.tie_embeddings)
 
     @property
     def kv_heads(self) -> int:
