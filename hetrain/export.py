@@ -9,10 +9,13 @@ single-process model (DCP reshards: any plan, any TP degree), and writes:
 * ``model.safetensors``: every weight, whole, in ``dtype``. Llama-family specs use the
   ``transformers`` ``LlamaForCausalLM`` names (``model.layers.N.self_attn.q_proj.weight``...;
   ``hetrain.spec.hf`` owns the mapping); GPT specs keep hetrain's names.
-* ``config.json`` in the ``transformers`` Llama layout (Llama-family specs only).
+* ``config.json`` in the ``transformers`` layout of the spec's family (Llama, Mistral, Qwen 2, Qwen 3:
+  Llama-arch specs only), with the token file's ``eos_token_id``/``bos_token_id``, and
+  ``generation_config.json`` with them (``generate()`` stops at the data's EOS).
 * ``hetrain-model.json``: the model spec, so ``load_export`` (and hetrain) can rebuild it.
 * ``tokenizer.json`` (and its transformers config files) when the run's data was made with one
-  (``hetrain data prepare --tokenizer``): the model and its tokenizer travel together.
+  (``hetrain data prepare --tokenizer``): the model and its tokenizer travel together; a bare
+  ``tokenizer.json`` gets a ``tokenizer_config.json`` naming its EOS (also BOS and pad).
 
 Files are written under temporary names and renamed when whole.
 """
@@ -59,6 +62,45 @@ def tokenizer_files(data: str | None) -> dict[str, Path]:
         return {}
     return {TOKENIZER_FILES[0]: main} | {name: main.parent / name for name in TOKENIZER_FILES[1:]
                                          if (main.parent / name).is_file()}
+
+
+GENERATION_CONFIG, TOKENIZER_CONFIG = "generation_config.json", "tokenizer_config.json"
+
+
+def special_tokens(data: str | None) -> dict[str, int]:
+    """``bos_token_id``/``eos_token_id`` of the run's token file: the EOS ``data prepare`` wrote between documents.
+
+    The file has no BOS (documents are joined by EOS alone), so the model learned that a document starts
+    after an EOS: the EOS is its BOS too, as in GPT-2. Empty for byte-level data or a file without one;
+    without them transformers would fall back to its class's defaults (Llama's 1 and 2), not the data's.
+    """
+    from hetrain.runtime.data import token_file_description
+
+    meta = token_file_description(data) if data else None
+    eos = meta.get("eos_id") if meta else None
+    if not isinstance(eos, int) or isinstance(eos, bool):
+        return {}
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
+def _stage_transformers_files(work: Path, staged: dict[str, Path], spec: ModelSpec, dtype: str,
+                              data: str | None) -> None:
+    """``config.json`` and ``generation_config.json`` with the data's special tokens, so ``generate()`` stops
+    at the data's EOS; a ``tokenizer_config.json`` naming them where the tokenizer came without one (a bare
+    ``tokenizer.json``: ``AutoTokenizer`` would load it with no eos or pad token)."""
+    tokens = special_tokens(data)
+    files = {HF_CONFIG: hf_config(spec, dtype, tokens)}
+    if tokens:
+        files[GENERATION_CONFIG] = {**tokens, "pad_token_id": tokens["eos_token_id"]}
+    if tokens and TOKENIZER_FILES[0] in staged and TOKENIZER_CONFIG not in staged:
+        from tokenizers import Tokenizer
+
+        eos = Tokenizer.from_file(str(staged[TOKENIZER_FILES[0]])).id_to_token(tokens["eos_token_id"])
+        files[TOKENIZER_CONFIG] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos,
+                                   "pad_token": eos, "model_max_length": spec.seq_length}
+    for name, content in files.items():
+        staged[name] = work / name
+        staged[name].write_text(json.dumps(content, indent=2) + "\n")
 
 
 def check_dtype(dtype: str) -> None:
@@ -135,12 +177,11 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         # safetensors creates its file private (0600); the export is for others to read, like the files
         # written here through open(), whose mode the user's umask set
         os.chmod(staged[WEIGHTS], staged[SPEC_FILE].stat().st_mode & 0o777)
-        if spec.arch == "llama":
-            staged[HF_CONFIG] = work / HF_CONFIG
-            staged[HF_CONFIG].write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
         for name, source in tokenizer_files(config.data).items():  # the tokenizer travels with the model
             staged[name] = work / name
             shutil.copyfile(source, staged[name])
+        if spec.arch == "llama":
+            _stage_transformers_files(work, staged, spec, dtype, config.data)
         for name, path in staged.items():  # whole files only, each renamed into place
             os.replace(path, out_dir / name)
     finally:
@@ -163,10 +204,12 @@ def load_export(out_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     exported = load_file(str(out_dir / WEIGHTS))
     from hetrain.runtime.model import GPT
 
-    names = {exported_name(spec, n): n for n in GPT(spec).state_dict()}
+    names: dict[str, list[str]] = {}  # a tied model's embedding and head: one exported tensor, two names
+    for n in GPT(spec).state_dict():
+        names.setdefault(exported_name(spec, n), []).append(n)
     unknown = sorted(set(exported) - set(names))
     missing = sorted(set(names) - set(exported))
     if unknown or missing:
         raise HetrainError(f"{out_dir / WEIGHTS}: not an export of {spec.name} "
                            f"({'unknown ' + unknown[0] if unknown else 'missing ' + missing[0]})")
-    return spec, {names[k]: v for k, v in exported.items()}
+    return spec, {n: v for k, v in exported.items() for n in names[k]}

@@ -182,9 +182,10 @@ def test_a_llama_transformers_made_gives_its_logits_in_hetrain(tmp_path: Path):
 def test_a_rope_hetrain_does_not_have_is_one_line(tmp_path: Path):
     transformers_llama(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HetrainError, match="rope_parameters.rope_type: hetrain's Llama block has 'default'"):
+    with pytest.raises(HetrainError, match="rope_parameters.rope_type: hetrain's Llama block has 'default' and "
+                                           "'llama3' rotary positions, the model 'yarn'"):
         pretrained_spec(tmp_path / "hf")
 
 

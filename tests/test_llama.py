@@ -21,7 +21,7 @@ BASE = "name: m\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_length: 8\nvo
 @pytest.mark.parametrize("extra,expected", [
     ("num_kv_heads: 2\n", "num_kv_heads: only for arch: llama"),
     ("arch: llama\nnum_kv_heads: 3\n", "num_kv_heads: expected a divisor of num_heads 4, got 3"),
-    ("arch: llama\ntie_embeddings: true\n", "tie_embeddings: expected false"),
+    ("arch: llama\nsliding_window: 4\n", "sliding_window: expected at least seq_length 8"),
     ("arch: mamba\n", "arch"),
 ])
 def test_bad_llama_fields_name_the_field(tmp_path, extra, expected):

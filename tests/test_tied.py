@@ -25,7 +25,10 @@ from hetrain.spec.arithmetic import total_params
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import load_model
 
-TIED = load_model(EXAMPLES / "models" / "llama-tiny.yaml").model_copy(update={"tie_embeddings": True})
+# Every switch of the block at once, so the equivalence runs below cover them under TP too: q/k/v bias split
+# with its projection, q/k head norms whose gradient sums over the TP group, heads of 32 in a hidden size of 64
+TIED = load_model(EXAMPLES / "models" / "llama-tiny.yaml").model_copy(
+    update={"tie_embeddings": True, "qkv_bias": True, "qk_norm": True, "head_size": 32})
 LR, CLIP, STEPS = 0.5, 1.0, 3
 
 
@@ -104,7 +107,8 @@ def assert_close(got: dict, want: dict, what: str, tol: float = 1e-5) -> None:
 @pytest.mark.slow
 def test_tied_plan_at_tp2_matches_one_process(tmp_path: Path):
     """Embedding and head on different ranks of pipeline 0, on one rank of pipeline 1, TP 2 (the head's
-    copy split by vocabulary like the embedding): gradients, parameters and losses of one process."""
+    copy split by vocabulary like the embedding; the q/k norms' gradients summed over the TP group):
+    gradients, parameters and losses of one process."""
     plan = tied_plan(2)
     plan.write(tmp_path / "plan.json")
     r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--optimizer", "sgd",
