@@ -140,3 +140,21 @@ def test_a_family_trains_from_transformers_loss_under_two_asymmetric_pipelines_a
         want = lm_loss(theirs(input_ids=seq[:, :-1]).logits, seq[:, 1:]).item()
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(record["loss"] - want) <= 1e-5 * want
+
+
+def test_plan_trains_at_the_asked_length_and_refuses_a_family_it_lacks_in_one_line(tmp_path: Path):
+    """``hetrain plan --seq-length`` (the model directory's context is 131072 tokens); a Gemma directory is
+    refused with exit 2 in one line naming its family."""
+    from conftest import EXAMPLES
+
+    transformers_model(tmp_path / "hf", "llama-3.2")
+    cluster = str(EXAMPLES / "clusters" / "cpu-emulated.yaml")
+    r = run_cli("plan", "--model", str(tmp_path / "hf"), "--cluster", cluster, "--global-batch-size", "8",
+                "--seq-length", "64", "--out", str(tmp_path / "plan.json"), "--time-limit", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["model"]["seq_length"] == 64
+    config = json.loads((tmp_path / "hf" / "config.json").read_text()) | {"model_type": "gemma"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    r = run_cli("plan", "--model", str(tmp_path / "hf"), "--cluster", cluster, "--global-batch-size", "8")
+    assert r.returncode == 2 and "'gemma' is not a family hetrain runs" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -62,14 +62,14 @@ def cluster_out_path(request: OffersRequest, plan_out: Path | None) -> Path:
 
 
 def plan_offers(request: OffersRequest, model_path: Path, settings, profile, planner: str, time_limit_s: float,
-                plan_out: Path | None, as_json: bool) -> None:
+                plan_out: Path | None, as_json: bool, seq_length: int | None = None) -> None:
     """Choose the rental, print it with its plan and economics, write the plan and the rented cluster file."""
     from hetrain.spec.hf import load_any_model
     from hetrain.spec.offers import cluster_yaml, load_offers
     from solver.offers import Objective, choose_rental, economics, rental_rows
 
     objective = Objective(request.objective, request.budget_per_hour, request.tokens, request.deadline_h)
-    offers, model = load_offers(request.offers), load_any_model(model_path)
+    offers, model = load_offers(request.offers), load_any_model(model_path, seq_length)
     cluster_out = cluster_out_path(request, plan_out)
     inputs = {"--offers": request.offers, "--model": model_path}
     for path, what in ((plan_out, "--out"), (cluster_out, "--cluster-out")):

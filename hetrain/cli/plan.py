@@ -68,6 +68,9 @@ def plan(
                                              "an export) to plan for its --init-from")],
     global_batch_size: Annotated[int, typer.Option(help="sequences per optimizer step")],
     cluster: Annotated[Path | None, typer.Option(help="cluster YAML file (or --offers)")] = None,
+    seq_length: Annotated[int | None, typer.Option(min=1, help="tokens per sequence to train at (default: the "
+                                                               "model file's; for a transformers directory its "
+                                                               "max_position_embeddings, at most 4096)")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
@@ -114,19 +117,23 @@ def plan(
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce)
     prof = load_profile(profile) if profile else None
     if request is not None:
-        return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json)
-    _plan_cluster(cluster, model, settings, prof, profile, planner, time_limit, out_file, compare, as_json)
+        return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json, seq_length)
+    _plan_cluster(cluster, model, settings, prof, profile, planner, time_limit, out_file, compare, as_json, seq_length)
 
 
 def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | None, planner: str, time_limit: float,
-                  out_file: Path | None, compare: bool, as_json: bool) -> None:
+                  out_file: Path | None, compare: bool, as_json: bool, seq_length: int | None = None) -> None:
     """``hetrain plan --cluster``: plan (and with ``compare`` the baselines), write, print the table and claim."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.spec.hf import load_any_model as load_model
+    from hetrain.spec.hf import seq_length_note
     from hetrain.spec.specs import load_cluster
     from solver.planner import make_plan
 
-    cl, md = load_cluster(cluster), load_model(model)
+    cl, md = load_cluster(cluster), load_model(model, seq_length)
+    note = seq_length_note(model, md) if seq_length is None else None
+    if note:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
     if out_file:
         check_output_file(out_file, "--out", {"--cluster": cluster, "--model": model, "--profile": profile})
 

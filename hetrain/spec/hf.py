@@ -196,14 +196,30 @@ def pretrained_spec(directory: str | Path, seq_length: int | None = None) -> Mod
     raise HetrainError(f"{d}: no {SPEC_FILE} (a hetrain export) or {HF_CONFIG} (a transformers model) in it")
 
 
-def load_any_model(path: str | Path) -> ModelSpec:
-    """A model YAML file, or a model directory (an export, a transformers Llama) or its ``config.json``."""
+def load_any_model(path: str | Path, seq_length: int | None = None) -> ModelSpec:
+    """A model YAML file, or a model directory (an export, a transformers model) or its ``config.json``, to
+    train at ``seq_length`` (``hetrain plan --seq-length``; default the file's: ``default_seq_length`` for a
+    transformers config, whose ``max_position_embeddings`` is the context it reads, not a length to train at)."""
     p = Path(path)
-    if p.is_dir():
-        return pretrained_spec(p)
-    if p.name == HF_CONFIG or p.name == SPEC_FILE:
-        return pretrained_spec(p.parent)
-    return load_model(p)
+    directory = p if p.is_dir() else p.parent if p.name in (HF_CONFIG, SPEC_FILE) else None
+    spec = pretrained_spec(directory, seq_length) if directory is not None else load_model(p)
+    if seq_length is None or spec.seq_length == seq_length:
+        return spec
+    return parse_spec(ModelSpec, spec.model_dump(exclude_none=True) | {"seq_length": seq_length},
+                      f"--seq-length {seq_length} for {p}")
+
+
+def seq_length_note(path: str | Path, spec: ModelSpec) -> str | None:
+    """What ``hetrain plan`` says when it trains a transformers model at less than its context unasked."""
+    p = Path(path)
+    config = (p if p.is_dir() else p.parent) / HF_CONFIG
+    if not config.is_file() or (p / SPEC_FILE).is_file():
+        return None
+    longest = parse_json(read_text(config), str(config)).get("max_position_embeddings")
+    if not isinstance(longest, int) or longest <= spec.seq_length:
+        return None
+    return (f"planned at {spec.seq_length} tokens a sequence; {config.name}'s max_position_embeddings {longest} is "
+            f"the context the model reads (choose with --seq-length)")
 
 
 def safetensors_names(path: Path) -> list[str]:
