@@ -61,6 +61,9 @@ class TrainOptions(BaseModel):
     precision: Precision | None = Field(None, description=(
         "default: the plan's (a plan without training settings: bf16 on GPU, fp32 on CPU)"))
     compile: bool = Field(False, description="torch.compile each block (GPU only)")
+    fp8: bool = Field(False, description=(
+        "the blocks' matrix multiplies in fp8 (torchao's float8 training, bf16 around them; needs an fp8 GPU: "
+        "Hopper or Ada, best with --compile)"))
     init_from: str | None = Field(None, description=(
         "start from these weights instead of random ones: a transformers Llama directory (config.json + "
         "safetensors, sharded or not) or a hetrain export; each rank reads only its own tensors"))
@@ -78,6 +81,12 @@ class TrainOptions(BaseModel):
     sync_checkpoints: bool = Field(False, description=(
         "write and commit each checkpoint before the next step (default: after a snapshot in host memory, in the "
         "background)"))
+    checkpoint_when_busy: Literal["skip", "wait"] = Field("skip", description=(
+        "a checkpoint due while the previous one still commits: skip it (the previous stays the newest; said on the "
+        "console and in the metrics) or wait for the commit"))
+    checkpoint_host_memory_gb: float | None = Field(None, gt=0, description=(
+        "host memory a node's checkpoint snapshots may take, GB (default: 80 % of what is free at start; a rank over "
+        "its share checkpoints synchronously)"))
 
     @model_validator(mode="after")
     def _checkpoint_places_need_checkpoints(self) -> TrainOptions:
@@ -106,6 +115,14 @@ class CheckpointConfig(BaseModel):
     # Training waits only for a snapshot in host memory; write, hash, buddy copy, commit and upload
     # run in the background (false: all before the next step, as before).
     background: bool = True
+    # A periodic checkpoint due while the previous one still commits: "skip" it (training does not
+    # wait; the previous stays the newest committed; the metrics and the console say so) or "wait"
+    # for the commit (the wait shows as checkpoint_waited_s). A notice's and the run's last always wait.
+    when_busy: Literal["skip", "wait"] = "skip"
+    write_threads: PositiveInt = 4  # DCP writer threads per rank (each writes and hashes its own file)
+    # Host memory a node's snapshot buffers may take (GB; None: 80 % of what is available at start).
+    # A rank's state above its share is checkpointed synchronously instead (stated in the log and metrics).
+    host_memory_gb: PositiveFloat | None = None
 
     @staticmethod
     def endpoint_options(endpoint_url: str | None) -> dict[str, Any]:
@@ -141,6 +158,7 @@ class RunConfig(BaseModel):
     activation_recompute: bool | None = None  # None: each stage as the plan says; True: full everywhere, False: none
     precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
     compile: bool = False  # torch.compile each block (GPU only)
+    fp8: bool = False  # the blocks' linear layers in float8 (hetrain.runtime.fp8); bf16 autocast around them
     trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
     metrics: str | None = None
     init_from: str | None = None  # a model directory (hetrain.spec.hf) to start from; a resume's checkpoint wins
@@ -208,7 +226,8 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
             ckpt = CheckpointConfig(local_dir=checkpoint_dir, every_steps=o.checkpoint_every, keep=o.keep,
                                     remote_url=o.remote, remote_options=CheckpointConfig.endpoint_options(o.remote_endpoint),
                                     upload_retries=o.upload_retries, peers=peers or {},
-                                    background=not o.sync_checkpoints)
+                                    background=not o.sync_checkpoints, when_busy=o.checkpoint_when_busy,
+                                    host_memory_gb=o.checkpoint_host_memory_gb)
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
                          steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
@@ -218,6 +237,6 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
                          backup_status_file=str(run.backup_status) if o.remote else None,
                          seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,
                          decay_steps=o.decay_steps, max_grad_norm=o.max_grad_norm or None, precision=o.precision,
-                         compile=o.compile, **internal)
+                         compile=o.compile, fp8=o.fp8, **internal)
     except ValidationError as e:
         raise HetrainError(describe_validation_error("options", e)) from None

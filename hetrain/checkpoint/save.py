@@ -22,25 +22,22 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from pathlib import PurePosixPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch import nn
-# DCP's own staging for async_save (DefaultStager) is built on these two; they keep DTensors
-# DTensors (same mesh and placements, local shard on the CPU), which the save plan needs.
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 from hetrain.checkpoint.backup import Uploader
-from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, build_manifest, join, prune, sha256_bytes, sha256_file, step_name, write_atomic)
+from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, build_manifest, join, prune, sha256_bytes, step_name, write_atomic)
 from hetrain.checkpoint.reassemble import Source, copy_verified
 from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
+from hetrain.checkpoint.snapshot import Snapshot, default_budget_bytes, state_bytes
+from hetrain.checkpoint.writer import HashingWriter
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import Layout, Role
@@ -133,41 +130,6 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     return {name: float(value) for name, value in loaded.items()}
 
 
-def _layout_of(state, prefix: str = "") -> list:
-    """What a state dict's snapshot buffers depend on: every tensor's key, shape and dtype."""
-    out = []
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out += _layout_of(value, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            out.append((prefix + str(key), tuple(value.shape), value.dtype))
-    return out
-
-
-class Snapshot:
-    """A rank's training state copied to host memory, into buffers kept for the next checkpoint.
-
-    Allocating (and, on a GPU, pinning) several GB per checkpoint would cost more than the copy;
-    the buffers are made again only when the state's tensors change (the optimizer's state
-    appears after the first step).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict | None = None
-        self._layout: list | None = None
-
-    def take(self, state: dict) -> dict:
-        layout = _layout_of(state)
-        on_gpu = any(t.is_cuda for t in _tensors(state))
-        if layout != self._layout:
-            self._buffers = _create_cpu_state_dict(state, pin_memory=on_gpu)
-            self._layout = layout
-        copied = _copy_state_dict(state, self._buffers, non_blocking=on_gpu)
-        if on_gpu:
-            torch.cuda.synchronize()  # the copies must land before training changes the weights
-        return copied
-
-
 def _tensors(state: dict):
     for value in state.values():
         if isinstance(value, dict):
@@ -208,7 +170,11 @@ class Checkpointer:
         # objects on the CPU even under NCCL): on the training group they could interleave with
         # a step's. Every rank makes its Checkpointer at the same point, so new_group lines up.
         self.group = dist.new_group(backend="gloo") if config.background else None
-        self._snapshot = Snapshot()
+        self._snapshot = Snapshot(default_budget_bytes(len(layout.nodes[role.node]), config.host_memory_gb))
+        self.synchronous_reason: str | None = None  # why this rank's checkpoints are synchronous (too big to snapshot)
+        self._noted = False
+        self.skipped_count = 0
+        self._in_flight: int | None = None  # the step of the checkpoint committing in the background
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
@@ -238,15 +204,62 @@ class Checkpointer:
         self.wait()
         self.waited_s = time.perf_counter() - waiting
         state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
-        if self.group is None:
+        if self.group is None or not self._fits(state):
             self._write_and_commit(step, state)
             return
         snapshot = self._snapshot.take(state)
+        self.waited_s += self._snapshot.waited_s  # the buffers were still being made
+        self._in_flight = step
         self._thread = threading.Thread(target=self._commit_in_background, args=(step, snapshot), daemon=True,
                                         name=f"hetrain-checkpoint-{step}")
         self._thread.start()
         if wait:
             self.wait()
+
+    def prepare(self) -> None:
+        """Start making the snapshot's host buffers for the state as it is now (after the first optimizer
+        step, when its shape is final), so that no checkpoint pays for them; returns at once."""
+        if self.group is None:
+            return
+        state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
+        if self._fits(state):
+            self._snapshot.prepare(state)
+
+    def _fits(self, state: dict) -> bool:
+        """Whether ``state`` fits the host-memory budget for a snapshot; if not, say so once (log, metrics)."""
+        if self._snapshot.fits(state):
+            return True
+        if self.synchronous_reason is None:
+            self.synchronous_reason = (f"rank {self.role.rank}'s state ({state_bytes(state) / 1e9:.2f} GB) is over "
+                                       f"its host-memory share ({self._snapshot.budget_bytes / 1e9:.2f} GB): its "
+                                       f"checkpoints are written synchronously (raise checkpoint.host_memory_gb)")
+            log.warning("%s", self.synchronous_reason)
+        return False
+
+    def skips(self, requested: bool, last: bool) -> bool:
+        """Whether a due checkpoint is skipped while a previous one commits on some rank: under the
+        ``skip`` policy, and never a notice's (the node may go) or the run's last one (it must land)."""
+        return self.config.when_busy == "skip" and not requested and not last
+
+    def skipped(self, step: int) -> dict:
+        """Say that step ``step``'s checkpoint was skipped (the metrics' record of it); counts them."""
+        self.skipped_count += 1
+        if self.role.rank == 0:
+            log.warning("checkpoint of step %d skipped: the previous checkpoint (step %s) is still being committed; "
+                        "it stays the newest (%d skipped so far; checkpoint.when_busy: wait waits instead, or "
+                        "checkpoint less often)", step, self._in_flight, self.skipped_count)
+        return {"in_flight_step": self._in_flight, "skipped_so_far": self.skipped_count}
+
+    def notes(self) -> dict:
+        """What the metrics record of a checkpoint says besides its stall: the synchronous fallback, once."""
+        if self.synchronous_reason is None or self._noted:
+            return {}
+        self._noted = True
+        return {"checkpoint_synchronous": self.synchronous_reason}
+
+    def busy(self) -> bool:
+        """Whether this rank's previous checkpoint is still committing."""
+        return self._thread is not None and self._thread.is_alive()
 
     def save_live(self, step: int, offer_file: str) -> None:
         """Collective: the emergency checkpoint of a live switch; returns once the state is served.
@@ -326,20 +339,17 @@ class Checkpointer:
         group = self.group
         directory = join(self.root, step_name(step))
         fs, path = url_to_fs(directory)
-        dcp.save(state, storage_writer=FsspecWriter(directory, sync_files=True, overwrite=True), process_group=group)
+        writer = HashingWriter(directory, self.config.write_threads)
+        dcp.save(state, storage_writer=writer, process_group=group)
         rank = dist.get_rank()
         if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":
             os.kill(os.getpid(), signal.SIGKILL)
         # Between collectives a rank that fails must not leave the others waiting in the next one
         # until gloo's timeout: each collective below carries every rank's error, all raise together.
-        mine, error = [], None
-        try:
-            for entry in fs.ls(path, detail=False):
-                name = PurePosixPath(entry).name
-                if name.startswith(f"__{rank}_"):
-                    mine.append((name, *sha256_file(fs, join(path, name))))
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+        # The sizes and digests are the writer's, taken as the bytes went out (no read-back).
+        mine = [(name, size, digest) for name, (size, digest) in sorted(writer.written.items())
+                if name.startswith(f"__{rank}_")]
+        error = None
         statuses: list = [None] * dist.get_world_size()
         dist.all_gather_object(statuses, (self.role.node, mine, error), group=group)
         _raise_if_failed(step, "hashing its shard", [e for _, _, e in statuses])

@@ -154,6 +154,14 @@ def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
             if "lr_schedule_extended" in record:
                 progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
                                        highlight=False, soft_wrap=True)
+            skipped = record.get("checkpoint_skipped")
+            if skipped:  # checkpoint.when_busy: skip; the commit in flight stays the newest
+                progress.console.print(f"note: checkpoint of step {record['step']} skipped: step "
+                                       f"{skipped['in_flight_step']}'s is still being committed "
+                                       f"({skipped['skipped_so_far']} skipped so far; checkpoint less often, or "
+                                       f"when_busy: wait)", highlight=False, soft_wrap=True)
+            if "checkpoint_synchronous" in record:
+                progress.console.print(f"note: {record['checkpoint_synchronous']}", highlight=False, soft_wrap=True)
             for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
                 progress.console.print(labelled("backup failed", f"{failure} ({config.checkpoint.remote_url})"),
                                        highlight=False, soft_wrap=True)

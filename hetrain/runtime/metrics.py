@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO
 
 RUN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "loss_scale", "checkpoint_s",
-               "resume_load_s")
+               "checkpoint_waited_s", "resume_load_s")
 RANK_SCALARS = ("compute_s", "idle_s", "sync_s", "peak_memory_gb")
 TENSORBOARD_FLUSH_S = 5  # a live `tensorboard` sees a step within seconds; a write costs a few microseconds
 

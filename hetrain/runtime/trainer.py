@@ -38,6 +38,7 @@ from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.runtime.parallelize import (bucket_params, local_tensor, norm_counted, parallelize_stage,
                                          scatter_gather_sends, sync_gradients)
+from hetrain.runtime.fp8 import apply_fp8
 from hetrain.runtime.precision import COMPUTE_DTYPE, GRAD_REDUCE_DTYPE, LossScaler, apply_mixed_precision
 from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
 from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
@@ -80,11 +81,11 @@ class StepTotals:
 
     GRAD_NORM_SQ, LOSS = 0, 1
     PER_RANK = 4 + len(TRACED_PHASES)  # schedule_s, sync_s, compute_s, peak_gb, a peak GB per traced phase
-    REQUEST, STOP, LIVE = -1, -2, -3
+    REQUEST, STOP, LIVE, BUSY = -1, -2, -3, -4  # BUSY: ranks whose previous checkpoint still commits
 
     @classmethod
     def size(cls, world: int) -> int:
-        return 2 + cls.PER_RANK * world + 3
+        return 2 + cls.PER_RANK * world + 4
 
     @classmethod
     def rank_slice(cls, rank: int) -> slice:
@@ -120,6 +121,8 @@ class Trainer:
         self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
         for chunk in self.chunks:
             apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
+        if config.fp8:  # after autocast's hooks, before compile (torchtitan's order)
+            apply_fp8(model, self.precision, device, tp=plan.tp)
         if config.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()
@@ -318,6 +321,8 @@ class Trainer:
             totals[StepTotals.REQUEST] = 1.0
             totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
             totals[StepTotals.LIVE] = float(_asks_to_stop(self.config.request_file, "live"))
+        if self.checkpointer is not None and self.checkpointer.busy():
+            totals[StepTotals.BUSY] = 1.0
         if self.zero is not None:  # every replica its rows (the shares partition each parameter)
             totals[StepTotals.GRAD_NORM_SQ] = self.zero.grad_norm_sq()
         elif role.pipeline == 0:
@@ -356,7 +361,8 @@ class Trainer:
                   "step_time_s": time.perf_counter() - started, "ranks": ranks,
                   "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
                   "stop_requested": bool(totals[StepTotals.STOP] > 0),
-                  "live_requested": bool(totals[StepTotals.LIVE] > 0)}
+                  "live_requested": bool(totals[StepTotals.LIVE] > 0),
+                  "checkpoint_busy": bool(totals[StepTotals.BUSY] > 0)}
         if self.scaler.enabled:
             record["loss_scale"] = scale
             if not applied:
@@ -397,12 +403,18 @@ class Trainer:
                 requested = record.pop("checkpoint_requested")
                 stop = record.pop("stop_requested") and self.checkpointer is not None
                 live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
+                busy = record.pop("checkpoint_busy")  # on any rank: all ranks decide alike
                 ckpt = self.checkpointer
                 if ckpt is not None:
                     committed = ckpt.take_committed()  # raises a background commit's failure
                     if committed:
                         record["checkpoints_committed"] = committed
-                if ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1):
+                    if step == config.start_step:  # the state's shape is final: its snapshot buffers, off the step
+                        ckpt.prepare()
+                due = ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1)
+                if due and busy and ckpt.skips(requested or stop, last=step == config.steps - 1):
+                    record["checkpoint_skipped"] = ckpt.skipped(step)
+                elif due:
                     saved = time.perf_counter()
                     # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
                     # live switch's served from memory (committed behind); the others stall for the snapshot
@@ -410,6 +422,7 @@ class Trainer:
                         self.zero.exact_params()
                     ckpt.save(step, wait=requested, live_offer=live)
                     record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
+                    record.update(ckpt.notes())
                     if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                         record["checkpoint_waited_s"] = ckpt.waited_s
                     if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
