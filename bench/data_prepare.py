@@ -9,7 +9,9 @@ megabytes before anything is timed. Each path runs in its own process, one after
   ``Tokenizer.encode`` call a megabyte at a time, chunks cut at a newline, on one core;
 * text / jsonl / parquet: ``prepare_tokens`` now, ``encode_batch_fast`` on batches of
   ``DOC_BATCH_BYTES``, which the tokenizers library spreads over its thread pool (every core);
-* text, one thread: the same with ``TOKENIZERS_PARALLELISM=false``: what batching alone gives.
+* text, one thread: the same with ``TOKENIZERS_PARALLELISM=false``: what batching alone gives;
+* tokenizers library (jsonl): the bare library, every JSON line's document in one ``encode_batch_fast``
+  call on every core, EOS between them: the bound (the "time vs library" column; issue 46 asks <= 1.3x).
 
 The paths run in turn, ``--repeats`` rounds (the machine is shared and noisy: a slow minute
 then falls on every path, not on one); each row gives the median and the best of its rounds.
@@ -101,6 +103,20 @@ def single_chunk(text: Path, out: Path, tokenizer: Path) -> int:
                 return count
 
 
+def library_batch(jsonl: Path, out: Path, tokenizer: Path) -> int:
+    """The bare ``tokenizers`` library on the JSON lines: every document in one ``encode_batch_fast`` call (its
+    thread pool on every core), an EOS after each, written as uint16: the speed ``data prepare`` is held to."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    docs = [json.loads(line)["text"] for line in jsonl.read_text(encoding="utf-8").splitlines()]
+    ids = [np.append(np.asarray(e.ids, dtype=np.uint16), eos) for e in tok.encode_batch_fast(docs)]
+    joined = np.concatenate(ids)
+    joined.tofile(out)
+    return int(joined.size)
+
+
 def measure_one(mode: str, directory: Path) -> dict:
     """Run one path in this process; the time covers reading, encoding and writing."""
     from hetrain.runtime.data import prepare_tokens
@@ -111,14 +127,17 @@ def measure_one(mode: str, directory: Path) -> dict:
     start = time.perf_counter()
     if mode == "single-chunk":
         tokens = single_chunk(directory / "corpus.txt", directory / f"{mode}.bin", tokenizer)
+    elif mode == LIBRARY:
+        tokens = library_batch(directory / "corpus.jsonl", directory / "library.bin", tokenizer)
     else:
         meta = prepare_tokens(directory / source.get(mode, "corpus.txt"), directory / f"{mode}.bin", tokenizer)
         tokens = meta["num_tokens"]
     return {"mode": mode, "seconds": time.perf_counter() - start, "tokens": tokens}
 
 
+LIBRARY = "tokenizers library (jsonl)"
 MODES = [("single-chunk", {}), ("text, one thread", {"TOKENIZERS_PARALLELISM": "false"}), ("text", {}),
-         ("jsonl", {}), ("parquet", {})]
+         ("jsonl", {}), ("parquet", {}), (LIBRARY, {})]
 
 
 def main() -> None:
@@ -153,13 +172,14 @@ def main() -> None:
             rows.append({"mode": mode, "seconds": seconds, "best_s": min(times[mode]), "rounds_s": times[mode],
                          "tokens": tokens[mode], "mb_per_s": text_bytes / (1 << 20) / seconds,
                          "ktokens_per_s": tokens[mode] / seconds / 1e3,
-                         "speedup": statistics.median(times["single-chunk"]) / seconds})
+                         "speedup": statistics.median(times["single-chunk"]) / seconds,
+                         "vs_library": seconds / statistics.median(times[LIBRARY])})
     title = (f"hetrain data prepare: {text_bytes / (1 << 20):.1f} MB of Python source, {len(docs)} documents, "
              f"byte-level BPE of {args.vocab}, {os.cpu_count()} cores")
     print_table(title, rows, [("path", "mode"), ("median s", "{seconds:.1f}"), ("best s", "{best_s:.1f}"),
                               ("tokens", "{tokens:,}"),
                               ("MB/s", "{mb_per_s:.2f}"), ("k tokens/s", "{ktokens_per_s:.0f}"),
-                              ("speed-up (median)", "{speedup:.2f}x")])
+                              ("speed-up (median)", "{speedup:.2f}x"), ("time vs library", "{vs_library:.2f}x")])
     print(f"\nwrote {write_results('data_prepare', rows)}")
 
 

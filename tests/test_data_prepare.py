@@ -203,3 +203,30 @@ def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe:
     r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model
+
+
+def test_read_ahead_keeps_the_order_and_raises_the_readers_error_in_the_consumer():
+    """``prepare_tokens`` reads the next batch while the tokenizer encodes one (``read_ahead``): the batches
+    arrive in order, a reader's error (a bad JSON line) surfaces where the loop is, and a consumer that
+    stops early (its own error) leaves no reader waiting."""
+    from hetrain.runtime.data import read_ahead
+
+    assert list(read_ahead(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise HetrainError("corpus.jsonl: line 2: not JSON")
+
+    got = []
+    with pytest.raises(HetrainError, match="line 2: not JSON"):
+        for item in read_ahead(failing()):
+            got.append(item)
+    assert got == [1]
+    for item in read_ahead(iter(range(1000))):
+        if item == 3:
+            break  # the generator's close stops the reader: no thread left blocked on a full queue
+    import threading
+    import time
+
+    time.sleep(0.3)
+    assert not [t for t in threading.enumerate() if t.name == "hetrain-read-ahead"]

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -183,6 +186,54 @@ class PipelineSampler:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+T = TypeVar("T")
+READ_AHEAD_BATCHES = 1  # batches read and parsed while the tokenizer encodes the one before: one keeps memory flat
+
+
+def read_ahead(items: Iterator[T], depth: int = READ_AHEAD_BATCHES) -> Iterator[T]:
+    """``items``, produced by a thread up to ``depth`` ahead of the consumer.
+
+    ``data prepare``'s reading (JSON parsing, Parquet columns, UTF-8 decoding) is Python that holds the GIL;
+    the tokenizers library releases it while it encodes a batch on every core. In turn, the cores wait for
+    the reader between batches; side by side they do not. The reader's error is raised in the consumer.
+    """
+    done = object()
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def offer(entry: tuple) -> bool:
+        """Put ``entry`` once there is room; False once the consumer has stopped."""
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not offer((item, None)):
+                    return
+            offer((done, None))
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer as it was)
+            offer((done, e))
+
+    reader = threading.Thread(target=produce, name="hetrain-read-ahead", daemon=True)
+    reader.start()
+    try:
+        while True:
+            item, error = slots.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:  # the consumer stopped early (an error): let the reader go
+        stop.set()
+
+
 def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
                    tokenizer: str | Path | None = None, field: str = "text", eos: str | None = None,
                    split: str = "train", progress: Callable[[int, int, int], None] | None = None) -> dict:
@@ -214,7 +265,7 @@ def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
     count, max_id, documents = 0, -1, 0
     try:
         with tmp_bin.open("wb") as w:
-            for texts, ends, done in batches(sources):
+            for texts, ends, done in read_ahead(batches(sources)):
                 ids = join_ids(encoder.encode_batch(texts), ends, encoder.eos_id)
                 documents += sum(ends)
                 if ids.size:
