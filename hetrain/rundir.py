@@ -40,6 +40,8 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,8 @@ READY_SUFFIX = ".ready"
 LIVE_SUFFIX = ".live"
 DONE_INFIX = ".done-"
 LOCK = ".lock"
-ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
+ACTIVE_MARKER = "node-run.json"
+LOCK_WORKERS_GRACE_S = 10.0  # how long the lock waits for a killed run's workers to end (they die within a second)  # in a run directory while a node's ranks of the run are running
 
 
 @dataclass(frozen=True)
@@ -145,23 +148,62 @@ class RunDir:
     def archive(self) -> Path:
         return self.path / "archive"
 
+    def live_workers(self, config_name: str | None = CONFIG) -> list[int]:
+        """PIDs of this run's workers that are still alive (``pids/*.pid``, checked against their command line).
+
+        ``config_name``: those of one launch (the run's, or a warm start's); None: of every launch
+        of the run (a switched run trains under its warm start's config until it is switched again).
+        """
+        alive = []
+        pids = self.path / "pids"
+        for pid_file in pids.glob("*.pid") if pids.is_dir() and not pids.is_symlink() else ():
+            try:
+                pid = int(pid_file.read_text()[:32])
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except (OSError, ValueError):
+                continue
+            if any(_is_config_of(arg, self.path, config_name) for arg in argv):
+                alive.append(pid)
+        return alive
+
     @contextlib.contextmanager
-    def lock(self, what: str = "--run-dir") -> Iterator[None]:
+    def lock(self, what: str = "--run-dir", workers_grace_s: float = LOCK_WORKERS_GRACE_S) -> Iterator[None]:
         """Hold the run while the block runs: a second ``hetrain train`` (or train flow run) on it is refused.
 
         An advisory ``flock`` on ``RUN/.lock``: the kernel drops it when the holder exits, however it
-        exits, so a crashed run never leaves the directory locked. A recovery acts on a running run on
-        purpose (the notice-window switch) and does not take it.
+        exits, so a crashed run never leaves the directory locked. The lock is no proof that nothing
+        trains, though: the holder's workers may outlive it for a moment (they end with it, see
+        ``hetrain.runtime.lifeline``), so the lock waits ``workers_grace_s`` for any worker of the run
+        still alive and is refused while one is. ``.lock`` is opened without following a link and must
+        be a regular file (a planted link would have us truncate and write another file). A recovery acts
+        on a running run on purpose (the notice-window switch) and does not take it.
         """
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.path / LOCK
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            kind = "a symbolic link" if path.is_symlink() else "a directory" if path.is_dir() else None
+            raise HetrainError(f"{what} {self.path}: {LOCK} is {kind}, expected the run's lock file (a regular file "
+                               f"hetrain makes); remove it" if kind else
+                               f"{what} {self.path}: cannot open {LOCK} ({e.strerror or e})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise HetrainError(f"{what} {self.path}: {LOCK} is not a regular file, expected the run's lock file; "
+                                   f"remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
                 raise HetrainError(f"{what} {self.path}: another hetrain train is running this run (pid {holder}); "
                                    f"wait for it, stop it, or choose another run directory") from None
+            deadline = time.monotonic() + workers_grace_s
+            while (workers := self.live_workers(None)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if workers:
+                raise HetrainError(f"{what} {self.path}: {len(workers)} training process(es) of this run are still "
+                                   f"alive (pid {', '.join(map(str, sorted(workers)))}) with no hetrain train holding "
+                                   f"it; stop them (kill {' '.join(map(str, sorted(workers)))}) before running it again")
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
@@ -180,6 +222,13 @@ class RunDir:
     def restored(self, step: int) -> Path:
         """Where ``restore(step)`` put a checkpoint (nothing removed)."""
         return self.path / "restore" / f"step-{step}"
+
+
+def _is_config_of(arg: str, run_dir: Path, config_name: str | None) -> bool:
+    if config_name is not None:
+        return str(run_dir / config_name) in arg
+    path = Path(arg)
+    return path.parent == run_dir and path.name.startswith("config") and path.suffix == ".json"
 
 
 def run_dir_of_config(config_path: str | Path) -> RunDir:

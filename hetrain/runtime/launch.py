@@ -30,6 +30,7 @@ from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
 from hetrain.rundir import CONFIG, RunDir
+from hetrain.runtime.lifeline import TRAIN_PID_ENV, owner_token, tied_argv
 
 WORKER = ["-m", "hetrain.runtime.worker"]
 
@@ -179,24 +180,7 @@ def worker_pids(run_dir: Path, config_name: str | None = CONFIG) -> list[int]:
     ``config_name``: those of one launch (the run's, or a warm start's); None: of every launch
     of the run (a switched run trains under its warm start's config until it is switched again).
     """
-    run_dir = run_dir.resolve()
-    alive = []
-    for pid_file in RunDir(run_dir).pids.glob("*.pid"):
-        try:
-            pid = int(pid_file.read_text())
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, ValueError):
-            continue
-        if any(_is_config_of(arg, run_dir, config_name) for arg in argv):
-            alive.append(pid)
-    return alive
-
-
-def _is_config_of(arg: str, run_dir: Path, config_name: str | None) -> bool:
-    if config_name is not None:
-        return str(run_dir / config_name) in arg
-    path = Path(arg)
-    return path.parent == run_dir and path.name.startswith("config") and path.suffix == ".json"
+    return RunDir.of(run_dir).live_workers(config_name)
 
 
 def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.2,
@@ -274,8 +258,10 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     try:
         for cmd, log in zip(cmds, logs):
             with log.open("w") as log_f:
-                env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir)}
-                procs.append(subprocess.Popen(cmd.argv, stdout=log_f, stderr=subprocess.STDOUT, env=env,
+                # the launcher dies with this process (the kernel's parent-death signal), the workers with the
+                # launcher and with this process (hetrain.runtime.lifeline): a kill -9 here leaves none training
+                env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir), TRAIN_PID_ENV: owner_token()}
+                procs.append(subprocess.Popen(tied_argv(cmd.argv), stdout=log_f, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
         watch = _FirstExit(procs)
         first_step = None if standby is None else -1

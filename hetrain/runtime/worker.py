@@ -10,10 +10,15 @@ from __future__ import annotations
 import os
 import sys
 
-from hetrain.config import RunConfig
-from hetrain.errors import HetrainError
-from hetrain.rundir import run_dir_of_config
-from hetrain.runtime.trainer import run
+from hetrain.runtime.lifeline import tie_to_parent
+
+if __name__ == "__main__":  # first, before torch loads: no worker outlives its launcher or hetrain train
+    tie_to_parent()
+
+from hetrain.config import RunConfig  # noqa: E402
+from hetrain.errors import HetrainError  # noqa: E402
+from hetrain.rundir import run_dir_of_config  # noqa: E402
+from hetrain.runtime.trainer import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
