@@ -163,3 +163,28 @@ def test_the_command_line_on_any_bytes_is_exit_2_one_line_nothing_written(capsys
         lines = [line for line in captured.err.splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), captured.err
         assert not (d / "out").exists()
+
+
+# -- issue 48: JSON lines for `data prepare` (nesting, integers, escapes, surrogates) ---------------------------------
+json_line_parts = st.one_of(st.just("["), st.just("]"), st.just("{"), st.just("}"), st.just('"'), st.just(","),
+                            st.just(":"), st.just("\\ud800"), st.just("\\udfff"), st.just("\\u0000"),
+                            st.just('"text"'), st.integers(min_value=0, max_value=10**60).map(str),
+                            st.text(max_size=8))
+
+
+@given(lines=st.lists(st.one_of(values.map(lambda v: json.dumps({"text": v}) if not isinstance(v, str) else
+                                           json.dumps({"text": v})),
+                                st.lists(json_line_parts, max_size=30).map("".join),
+                                st.integers(min_value=1, max_value=3000).map(lambda n: '{"text": ' + "[" * n)),
+                      min_size=1, max_size=4))
+def test_json_lines_of_any_shape_prepare_or_refuse_in_one_line(lines):
+    from hetrain.runtime.data import prepare_tokens
+
+    with scratch() as d:
+        (d / "c.jsonl").write_text("\n".join(lines) + "\n", errors="surrogatepass")
+        try:
+            meta = prepare_tokens(d / "c.jsonl", d / "out.bin")
+            assert meta["num_tokens"] == (d / "out.bin").stat().st_size > 0
+        except HetrainError as e:
+            assert str(e) and "\n" not in str(e)
+            assert sorted(p.name for p in d.iterdir()) == ["c.jsonl"]

@@ -377,3 +377,52 @@ def test_a_lock_that_is_a_directory_or_a_link_is_refused_in_one_line(files, caps
                                             f"lock file (a regular file hetrain makes); remove it"], err
     assert victim.read_text() == "a file the lock must never truncate\n"
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+
+
+# -- issue 48: hostile corpora for `data prepare` -------------------------------------------------------------------
+HOSTILE_LINES = {
+    "100k nested brackets": ('{"text": "ok", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+                             "line 2: JSON nested too deep to read"),
+    "a 5,001-digit integer": ('{"text": "ok", "n": ' + "9" * 5001 + "}\n", "line 2: an integer of 5001 digits"),
+    "a lone surrogate": ('{"text": "ab\\ud800cd"}\n', "line 2: field 'text' holds a lone surrogate '\\ud800'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_LINES))
+def test_a_hostile_json_line_is_one_line_and_nothing_written(tmp_path: Path, capsys, case):
+    line, expect = HOSTILE_LINES[case]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a fine first document"}\n' + line)
+    rc, out, err = run_main(["data", "prepare", "--input", str(corpus), "--out", str(tmp_path / "out.bin")], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: {corpus}: {expect}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+
+@pytest.mark.parametrize("content", ["", '{"text": ""}\n\n{"text": ""}\n'], ids=["empty file", "empty documents"])
+def test_an_empty_corpus_is_refused_before_a_token_file_of_nothing(tmp_path: Path, capsys, content):
+    corpus = tmp_path / ("corpus.jsonl" if content else "corpus.txt")
+    corpus.write_text(content)
+    rc, out, err = run_main(["data", "prepare", "--input", str(corpus), "--out", str(tmp_path / "out.bin")], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and f"--input {corpus}: no tokens" in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [corpus.name]
+
+
+def test_prepare_never_writes_through_a_planted_temp_link_nor_over_an_input_of_that_name(tmp_path: Path, capsys):
+    """The old temporaries were fixed names: `.out.bin.tmp` as the input was destroyed, as a link written through."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("another file\n")
+    (tmp_path / ".out.bin.json.tmp").symlink_to(victim)
+    corpus = tmp_path / ".out.bin.tmp"  # the input, named like the old temporary of the output
+    corpus.write_text("the corpus itself\n")
+    rc, out, err = run_main(["data", "prepare", "--input", str(corpus), "--out", str(tmp_path / "out.bin")], capsys)
+    assert rc == 0, err
+    assert corpus.read_text() == "the corpus itself\n" and victim.read_text() == "another file\n"
+    assert (tmp_path / "out.bin").read_bytes() == b"the corpus itself\n"  # byte-level: one token a byte
+    assert (tmp_path / ".out.bin.json.tmp").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.bin.json.tmp", ".out.bin.tmp", "out.bin",
+                                                          "out.bin.json", "victim.txt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct((tmp_path / "out.bin").stat().st_mode & 0o777) == oct(0o666 & ~umask)  # as open() makes files

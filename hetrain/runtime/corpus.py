@@ -131,13 +131,77 @@ def _json_lines(p: Path, field: str) -> Iterator[tuple[str, bool, int]]:
                 continue
             where = f"{p}: line {number}"
             try:
-                doc = json.loads(line)
+                doc = json.loads(line, parse_int=_line_int)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise HetrainError(f"{where}: not JSON ({e}); expected one JSON object a line") from None
+            except _HostileLine as e:
+                raise HetrainError(f"{where}: {e}; expected one JSON object a line") from None
+            except RecursionError:
+                raise HetrainError(f"{where}: JSON nested too deep to read; expected one JSON object a line") from None
             if not isinstance(doc, dict):
                 raise HetrainError(f"{where}: expected a JSON object, got {type(doc).__name__}")
             missing = None if field in doc else [str(k) for k in doc]
-            yield _field_text(doc.get(field), where, field, missing), True, done
+            yield _utf8_text(_field_text(doc.get(field), where, field, missing), where, field), True, done
+
+
+MAX_LINE_INT_DIGITS = 4300  # Python's own limit on converting digits to an int (sys.get_int_max_str_digits)
+
+
+class _HostileLine(ValueError):
+    """A JSON line no corpus writer makes (an integer of thousands of digits)."""
+
+
+def _line_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_LINE_INT_DIGITS:
+        raise _HostileLine(f"an integer of {digits} digits (at most {MAX_LINE_INT_DIGITS})")
+    return int(text)
+
+
+def _utf8_text(text: str, where: str, field: str) -> str:
+    """The text, unless JSON's escapes made it no Unicode text (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HetrainError(f"{where}: field '{field}' holds a lone surrogate {text[e.start]!a} at character "
+                           f"{e.start} (a \\u escape of half a UTF-16 pair); expected Unicode text") from None
+    return text
+
+
+def private_temps(*paths: Path) -> list[Path]:
+    """A new, empty temporary file beside each of ``paths`` that this process alone made (``O_EXCL``, a random name).
+
+    What ``data prepare`` writes before renaming onto ``paths``: never a name fixed in advance, so a link
+    planted there is never written through and an input of that name is never overwritten or removed.
+    All or none: a failure removes the ones made.
+    """
+    import os
+    import tempfile
+
+    made: list[Path] = []
+    try:
+        for path in paths:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            made.append(Path(name))
+            os.chmod(name, 0o666 & ~_umask())  # as an open() would have made it: the token file is for others too
+    except OSError as e:
+        for tmp in made:
+            tmp.unlink(missing_ok=True)
+        raise HetrainError(f"--out {paths[0]}: cannot write there ({e.strerror or e})") from None
+    return made
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` would change it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
 
 
 def _parquet_input(p: Path, field: str) -> Input:

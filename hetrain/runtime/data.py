@@ -245,7 +245,7 @@ def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
     and renamed: a reader never sees half a file. ``progress(bytes_read, total_bytes, tokens)``
     is called after every batch.
     """
-    from hetrain.runtime.corpus import batches, join_ids, load_encoder, open_input
+    from hetrain.runtime.corpus import batches, join_ids, load_encoder, open_input, private_temps
 
     paths = [Path(inputs)] if isinstance(inputs, (str, Path)) else [Path(i) for i in inputs]
     dst = Path(out)
@@ -261,7 +261,7 @@ def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
     dtype = smallest_token_dtype(encoder.vocab_size)
     total = sum(s.size_bytes for s in sources)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp_bin, tmp_meta = dst.with_name(f".{dst.name}.tmp"), dst.with_name(f".{dst.name}.json.tmp")
+    tmp_bin, tmp_meta = private_temps(dst, dst.with_name(dst.name + ".json"))  # ours alone: no link followed
     count, max_id, documents = 0, -1, 0
     try:
         with tmp_bin.open("wb") as w:
@@ -277,6 +277,9 @@ def prepare_tokens(inputs: str | Path | Sequence[str | Path], out: str | Path,
                     count += ids.size
                 if progress:
                     progress(done, total, count)
+        if not count:  # a token file of nothing: training would refuse it later, so refuse it now
+            raise HetrainError(f"--input {', '.join(map(str, paths))}: no tokens ({documents} documents, all empty); "
+                               f"expected text to tokenize")
         meta = {"schema": TOKENS_SCHEMA, "dtype": dtype, "num_tokens": count, "vocab_size": encoder.vocab_size,
                 "max_id": max_id, "eos_id": encoder.eos_id, "documents": documents, "tokenizer": encoder.name,
                 "tokenizer_path": encoder.path,
