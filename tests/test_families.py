@@ -158,3 +158,50 @@ def test_plan_trains_at_the_asked_length_and_refuses_a_family_it_lacks_in_one_li
     r = run_cli("plan", "--model", str(tmp_path / "hf"), "--cluster", cluster, "--global-batch-size", "8")
     assert r.returncode == 2 and "'gemma' is not a family hetrain runs" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_a_trained_tied_export_loads_in_transformers_and_generate_stops_at_the_datas_eos(tmp_path: Path):
+    """Qwen 2.5's shape (q/k/v bias, tied), data made with a bare tokenizer.json whose EOS is id 0, trained two
+    steps with the embedding and the head on different ranks, exported: transformers loads the model (the
+    hetrain logits) and the tokenizer (EOS, BOS and pad named), and greedy ``generate()`` stops at the EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from ckpt_helpers import run
+    from hetrain.config import CheckpointConfig
+    from hetrain.export import load_export
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = [f"the {w} of the model trains on document {i}" for i, w in enumerate(["plan", "stage", "rank"] * 20)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<|endoftext|>", "<unk>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
+    r = run_cli("data", "prepare", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "docs.bin"))
+    assert r.returncode == 0, r.stderr
+    transformers_model(tmp_path / "hf", "qwen-2.5")
+    spec = pretrained_spec(tmp_path / "hf", 16)
+    stage = lambda device, layers: {"devices": [device], "gpu": "cpu", "layers": layers}  # noqa: E731
+    plan = Plan.model_validate({"schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
+                                "global_batch_size": 4, "micro_batch_size": 1, "tp": 1,
+                                "pipelines": [{"num_microbatches": 4,
+                                               "stages": [stage("a/0", [0, 2]), stage("a/1", [2, 4])]}]})
+    run(plan, tmp_path / "train", steps=2, data=str(tmp_path / "docs.bin"), init_from=str(tmp_path / "hf"),
+        checkpoint=CheckpointConfig(local_dir=str(tmp_path / "ckpt"), every_steps=1000))
+    out = tmp_path / "export"
+    r = run_cli("export", "--run", str(tmp_path / "train" / "run"), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, weights = load_export(out)
+    ours = GPT(spec)
+    ours.load_state_dict(weights)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) == (0, 0, 0)
+    assert (theirs.config.eos_token_id, theirs.generation_config.eos_token_id) == (0, 0)
+    prompt = torch.tensor([tokenizer.encode("the stage of the model")])
+    with torch.no_grad():
+        assert (theirs(input_ids=prompt).logits - ours(prompt)).abs().max() <= 1e-5
+        theirs.model.norm.weight.zero_()  # every logit 0: greedy picks id 0, the data's EOS, first
+        generated = theirs.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert generated[0, prompt.shape[1]:].tolist() == [0]  # one token, the EOS, and it stops
