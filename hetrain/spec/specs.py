@@ -268,11 +268,14 @@ class RopeScaling(_Spec):
     original context over ``low_freq_factor`` are stretched ``factor`` times, those shorter than it over
     ``high_freq_factor`` kept, the ones between blended; how Llama 3.1 reads 128k tokens after 8k training."""
 
-    type: Literal["llama3"] = "llama3"
-    factor: PositiveFloat = Field(le=1e4)
-    low_freq_factor: PositiveFloat = Field(default=1.0, le=1e4)
-    high_freq_factor: PositiveFloat = Field(default=4.0, le=1e4)
-    original_max_position_embeddings: PositiveInt = Field(le=MAX_SEQ_LENGTH)
+    type: Literal["llama3"] = Field(default="llama3", description="transformers' rope_type")
+    factor: PositiveFloat = Field(le=1e4, description="how many times the long wavelengths are stretched")
+    low_freq_factor: PositiveFloat = Field(default=1.0, le=1e4, description="wavelengths longer than the original "
+                                                                             "context over this are stretched")
+    high_freq_factor: PositiveFloat = Field(default=4.0, le=1e4, description="wavelengths shorter than the original "
+                                                                              "context over this are kept")
+    original_max_position_embeddings: PositiveInt = Field(le=MAX_SEQ_LENGTH, description="the context the model "
+                                                                                          "was first trained at")
 
     @model_validator(mode="after")
     def _ordered(self) -> RopeScaling:
@@ -296,7 +299,9 @@ class ModelSpec(_Spec):
 
     name: str
     arch: Literal["gpt", "llama"] = "gpt"
-    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = None
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+        default=None, description="the transformers family an export is written as (default: the one the "
+                                  "switches make: qwen3 with qk_norm, qwen2 with qkv_bias, else llama)")
     num_layers: PositiveInt = Field(le=MAX_LAYERS)
     hidden_size: PositiveInt = Field(le=MAX_HIDDEN_SIZE)
     num_heads: PositiveInt = Field(le=MAX_HEADS)
@@ -307,13 +312,13 @@ class ModelSpec(_Spec):
     head_size: PositiveInt | None = Field(default=None, le=MAX_HIDDEN_SIZE,
                                           description="width of one attention head (default hidden_size / num_heads)")
     rope_theta: PositiveFloat | None = Field(default=None, le=MAX_ROPE_THETA)
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | None = Field(default=None, description="Llama 3.1's rotary scaling (none: plain)")
     norm_eps: PositiveFloat | None = Field(default=None, lt=1.0)
     qkv_bias: bool | None = Field(default=None, description="a bias on the query, key and value projections")
     qk_norm: bool | None = Field(default=None, description="RMSNorm over each query and key head, before rotary")
     sliding_window: PositiveInt | None = Field(default=None, le=MAX_SEQ_LENGTH,
                                                description="the model's attention window (at least seq_length)")
-    tie_embeddings: bool | None = None
+    tie_embeddings: bool | None = Field(default=None, description="the LM head is the token embedding's weight")
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
