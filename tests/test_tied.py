@@ -60,6 +60,19 @@ def test_one_stage_holds_one_weight_and_counts_it_once():
     assert len(norm_counted(whole, list(whole.parameters()))) == len(list(whole.parameters()))
 
 
+def test_the_cost_model_holds_the_tied_weight_once_on_a_stage_with_both_ends():
+    from hetrain.cost.costmodel import CostModel
+    from hetrain.spec.specs import ClusterSpec, TrainingSettings
+
+    cluster = ClusterSpec.model_validate({"name": "c", "nodes": [{"name": "a", "gpu": "A100-80G", "count": 1,
+                                                                  "intra_node_bandwidth_gbps": 100}]})
+    cost = CostModel(cluster, TIED, TrainingSettings(global_batch_size=8))
+    assert cost.stage_params(TIED.num_layers, True, True, 1) == total_params(TIED)
+    untied = CostModel(cluster, TIED.model_copy(update={"tie_embeddings": None}), TrainingSettings(global_batch_size=8))
+    both_ends = cost.stage_params(0, True, False, 1) + cost.stage_params(0, False, True, 1)
+    assert both_ends == untied.stage_params(0, True, True, 1)  # on different stages: a copy each
+
+
 def test_the_tied_bucket_holds_every_end_of_every_pipeline():
     layout = build_layout(tied_plan(2))
     tied = [b for b in layout.buckets if b.tied]

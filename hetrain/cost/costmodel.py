@@ -73,7 +73,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import SHARDS_STATE, Plan, holders_shard_state
 from hetrain.profiling.profile import Profile, RuntimeOverheads
 from hetrain.spec.arithmetic import (block_norm_params, block_params, embed_params, head_norm_params, head_params,
-                                     train_flops_per_sequence)
+                                     tied_params, train_flops_per_sequence)
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
 
@@ -214,10 +214,11 @@ class CostModel:
         return num_blocks * block / tp + (embed_params(m, tp) * 4 if first else 0) + (head / tp if last else 0)
 
     def stage_params(self, num_blocks: int, first: bool, last: bool, tp: int) -> float:
-        """Parameters one rank holds: its shard of the blocks, the embedding and the head (as the runtime)."""
+        """Parameters one rank holds: its shard of the blocks, the embedding and the head (as the runtime); a
+        tied weight once where the stage holds both ends (``tied_params``: one tensor there, a copy on each else)."""
         m = self.model
         return (num_blocks * block_params(m) / tp + (embed_params(m, tp) if first else 0)
-                + (head_params(m) / tp if last else 0))
+                + (head_params(m) / tp if last else 0) - (tied_params(m) / tp if first and last else 0))
 
     @staticmethod
     def pipeline_time_s(stage_s: list[float], p2p_s: list[float], num_microbatches: int) -> tuple[float, float]:
