@@ -426,3 +426,90 @@ def test_prepare_never_writes_through_a_planted_temp_link_nor_over_an_input_of_t
     umask = os.umask(0)
     os.umask(umask)
     assert oct((tmp_path / "out.bin").stat().st_mode & 0o777) == oct(0o666 & ~umask)  # as open() makes files
+
+
+# -- issue 48: hostile --init-from weights --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A good transformers Llama directory and its hostile variants, each beside a directory it must not reach."""
+    import shutil
+    import struct
+
+    from test_init_from import LLAMA, write_transformers_dir
+
+    from hetrain.runtime.model import GPT
+    from hetrain.spec.hf import safetensors_names
+    from hetrain.spec.specs import load_model
+
+    root = tmp_path_factory.mktemp("weights")
+    model = GPT(load_model(LLAMA))
+    model.init_weights(0)
+    good = write_transformers_dir(root / "good", model)
+    dirs = {"good": good}
+
+    def variant(name: str) -> Path:
+        dirs[name] = root / name
+        shutil.copytree(good, dirs[name])
+        return dirs[name]
+
+    for name, header in (("number", b"42"), ("nested", b"[" * 200_000 + b"]" * 200_000),
+                         ("outside", b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1000000]}}')):
+        (variant(name) / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (variant("loop") / "model.safetensors").unlink()
+    (dirs["loop"] / "model.safetensors").symlink_to("model.safetensors")
+    (root / "dirloop").symlink_to("dirloop")
+    dirs["dirloop"] = root / "dirloop"
+    (root / "other").mkdir()
+    (variant("escape") / "model.safetensors").rename(root / "other" / "model.safetensors")
+    (dirs["escape"] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: "../other/model.safetensors" for n in safetensors_names(root / "other" / "model.safetensors")}}))
+    dirs["plan"] = root / "plan.json"
+    assert main_ok(["plan", "--cluster", CLUSTER, "--model", str(good), "--global-batch-size", "16",
+                    "--out", str(dirs["plan"])])
+    return dirs
+
+
+INIT_FROM_CASES = {
+    "number": "model.safetensors: not a safetensors file (its header is int, expected an object of tensors)",
+    "nested": "model.safetensors: header: invalid JSON (nested more than 64 deep)",
+    "outside": "model.safetensors: not a safetensors file (tensor 'x': expected dtype, shape and data offsets inside",
+    "loop": "model.safetensors: a symbolic link that loops, expected a file",
+    "dirloop": "dirloop: a symbolic link that loops",
+    "escape": "model.safetensors.index.json: weight_map names '../other/model.safetensors', outside the directory",
+}
+
+
+@pytest.mark.parametrize("case", list(INIT_FROM_CASES))
+def test_hostile_init_from_weights_are_one_line_before_any_process_starts(llama_dirs, tmp_path: Path, capsys, case):
+    rc, out, err = run_main(["train", "--plan", str(llama_dirs["plan"]), "--init-from", str(llama_dirs[case]), "--steps", "1",
+                             "--run-dir", str(tmp_path / "run")], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and INIT_FROM_CASES[case] in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_weights_are_refused_at_load(llama_dirs, tmp_path: Path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hetrain.errors import HetrainError
+    from hetrain.runtime.model import GPT
+    from hetrain.runtime.pretrained import load_pretrained
+    from hetrain.spec.hf import check_pretrained, pretrained_spec
+
+    d = tmp_path / "nan"
+    shutil.copytree(llama_dirs["good"], d)
+    tensors = load_file(str(d / "model.safetensors"))
+    key = "model.layers.3.mlp.down_proj.weight"
+    tensors[key] = tensors[key].clone()
+    tensors[key][1, 2] = float("nan")
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, str(d / "model.safetensors"))
+    spec = pretrained_spec(d)
+    check_pretrained(d, spec)  # the header is fine: only the values are not
+    load_pretrained(GPT(spec, [0, 2]), spec, d)  # a stage without that tensor loads
+    with pytest.raises(HetrainError, match=rf"'{key}' holds 2 non-finite values \(NaN or infinity\) of "):
+        load_pretrained(GPT(spec, [2, 6]), spec, d)
+    assert torch.isfinite(load_file(str(llama_dirs["good"] / "model.safetensors"))[key]).all()

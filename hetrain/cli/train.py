@@ -80,10 +80,10 @@ def train(
     if not RUN_ID.match(run_id or run_dir.resolve().name):
         raise HetrainError(f"--run-id '{run_id or run_dir.resolve().name}': expected letters, digits, '.', '_' or "
                            f"'-' (at most 64), starting with a letter or digit")
+    _check_inputs(options, pl)  # before their paths are resolved: a link loop is one line, not a traceback
     config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
                               peers=_peer_urls(peer), trace_memory=trace_memory,
                               dump_dir=str(dump_dir.resolve()) if dump_dir else None)
-    _check_inputs(options, pl)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)

@@ -55,6 +55,10 @@ def load_pretrained(stage: nn.Module, spec: ModelSpec, directory: str | Path) ->
             if shape != tuple(param.shape):
                 raise HetrainError(f"{path}: '{key}' is {list(shape)}, the model's {name} is {list(param.shape)}")
             part = lazy[_shard_index(param)]
+            if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                bad = int((~torch.isfinite(part)).sum())
+                raise HetrainError(f"{path}: '{key}' holds {bad} non-finite values (NaN or infinity) of {part.numel()} "
+                                   f"in this rank's part; expected finite weights")
             local = local_tensor(param)
             local.copy_(part.to(local.device))
             read_bytes += part.numel() * part.element_size()

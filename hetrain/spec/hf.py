@@ -10,9 +10,10 @@ biases), and their exports carry ``hetrain-model.json`` instead of a ``config.js
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hetrain.errors import HetrainError
@@ -188,9 +189,11 @@ def _rope(config: dict, source: str) -> tuple[Any, dict | None]:
 def pretrained_spec(directory: str | Path, seq_length: int | None = None) -> ModelSpec:
     """The spec of a model directory: an export's ``hetrain-model.json``, else transformers' ``config.json``."""
     d = Path(directory)
-    if (d / SPEC_FILE).is_file():
+    if not _exists(d):
+        raise HetrainError(f"{d}: not found; expected a model directory")
+    if _exists(d / SPEC_FILE):
         return parse_spec(ModelSpec, parse_json(read_text(d / SPEC_FILE), str(d / SPEC_FILE)), str(d / SPEC_FILE))
-    if (d / HF_CONFIG).is_file():
+    if _exists(d / HF_CONFIG):
         config = parse_json(read_text(d / HF_CONFIG), str(d / HF_CONFIG))
         return spec_from_hf_config(config, str(d / HF_CONFIG), d.resolve().name, seq_length)
     raise HetrainError(f"{d}: no {SPEC_FILE} (a hetrain export) or {HF_CONFIG} (a transformers model) in it")
@@ -223,32 +226,91 @@ def seq_length_note(path: str | Path, spec: ModelSpec) -> str | None:
 
 
 def safetensors_names(path: Path) -> list[str]:
-    """The tensor names in a safetensors file, from its header alone (8 bytes of length, then JSON)."""
+    """The tensor names in a safetensors file, from its header alone (8 bytes of length, then a JSON object).
+
+    Checked as safetensors' own loader checks it, in one line naming the file: at most 100 MB, an object
+    (of bounded nesting) whose every tensor has a dtype, a shape and data offsets inside the file.
+    """
     try:
+        size = _present(path).stat().st_size
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > SAFETENSORS_HEADER_MAX_BYTES:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(f.read(length))
+            if length > min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            text = f.read(length).decode("utf-8")
     except (OSError, struct.error, ValueError) as e:
         raise HetrainError(f"{path}: not a safetensors file ({e})") from None
+    header = parse_json(text, f"{path}: header")
+    if not isinstance(header, dict):
+        raise HetrainError(f"{path}: not a safetensors file (its header is {type(header).__name__}, expected an "
+                           f"object of tensors)")
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+                and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1] <= data):
+            raise HetrainError(f"{path}: not a safetensors file (tensor {name!r}: expected dtype, shape and data "
+                               f"offsets inside the file's {data} bytes of data)")
     return [k for k in header if k != "__metadata__"]
 
 
+def _present(path: Path) -> Path:
+    """``path`` if it exists; one line for a symbolic link that loops or leads nowhere (``is_file`` says only False)."""
+    try:
+        path.stat()
+    except OSError as e:
+        if path.is_symlink():
+            raise HetrainError(f"{path}: a symbolic link that {'loops' if e.errno == errno.ELOOP else 'leads nowhere'}, "
+                               f"expected a file") from None
+        raise
+    return path
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return _present(path).exists()
+    except FileNotFoundError:
+        return False
+
+
+def _confined(directory: Path, name: str, source: Path) -> Path:
+    """``directory / name``, refused unless ``name`` stays inside ``directory`` (no absolute path, no ``..``).
+
+    The names of an index are confined; the files themselves may be links (a Hugging Face cache's snapshot
+    links each file to its blob), as the directory the user named holds them.
+    """
+    parts = PurePosixPath(name).parts
+    if not name or PurePosixPath(name).is_absolute() or "\\" in name or any(p in ("..", ".") for p in parts):
+        raise HetrainError(f"{source}: weight_map names {name!r}, outside the directory; expected a file name in "
+                           f"{directory}")
+    return directory / name
+
+
 def weight_files(directory: str | Path) -> dict[str, Path]:
-    """Each tensor's file in a model directory: the sharded layout's index, else the one ``model.safetensors``."""
+    """Each tensor's file in a model directory: the sharded layout's index, else the one ``model.safetensors``.
+
+    Only files inside ``directory`` (an index naming ``../other/...`` is refused), each header checked
+    (``safetensors_names``), each tensor of the index in the file it names.
+    """
     d = Path(directory)
-    if (d / WEIGHTS_INDEX).is_file():
+    if _exists(d / WEIGHTS_INDEX):
         index = parse_json(read_text(d / WEIGHTS_INDEX), str(d / WEIGHTS_INDEX))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HetrainError(f"{d / WEIGHTS_INDEX}: weight_map: expected an object of tensor name -> file name")
-        files = {name: d / file for name, file in weight_map.items()}
-        missing = sorted({str(f) for f in files.values() if not f.is_file()})
+        files = {name: _confined(d, file, d / WEIGHTS_INDEX) for name, file in weight_map.items()}
+        missing = sorted({str(f) for f in files.values() if not _exists(f)})
         if missing:
             raise HetrainError(f"{d / WEIGHTS_INDEX}: names {missing[0]}, which is not there")
+        held = {f: set(safetensors_names(f)) for f in set(files.values())}
+        absent = next((name for name, f in files.items() if name not in held[f]), None)
+        if absent is not None:
+            raise HetrainError(f"{d / WEIGHTS_INDEX}: names {files[absent]} for tensor {absent!r}, which it lacks")
         return files
-    if (d / WEIGHTS).is_file():
+    if _exists(d / WEIGHTS):
         return {name: d / WEIGHTS for name in safetensors_names(d / WEIGHTS)}
     raise HetrainError(f"{d}: no {WEIGHTS} or {WEIGHTS_INDEX} in it")
 
