@@ -513,3 +513,18 @@ def test_non_finite_weights_are_refused_at_load(llama_dirs, tmp_path: Path):
     with pytest.raises(HetrainError, match=rf"'{key}' holds 2 non-finite values \(NaN or infinity\) of "):
         load_pretrained(GPT(spec, [2, 6]), spec, d)
     assert torch.isfinite(load_file(str(llama_dirs["good"] / "model.safetensors"))[key]).all()
+
+
+# -- issue 48: --print-launch writes nothing into an existing run ---------------------------------------------------
+def test_print_launch_writes_nothing_into_an_existing_run(files, tmp_path: Path, capsys):
+    run_dir = tmp_path / "run"
+    rc, out, err = run_main(["train", "--plan", str(files["plan"]), "--print-launch", "--run-dir", str(run_dir)], capsys)
+    assert rc == 0 and "accelerate" in out and (run_dir / "config.json").is_file(), err  # a new run: its config
+    before = tree(tmp_path)
+    rc, out, err = run_main(["train", "--plan", str(files["plan"]), "--print-launch", "--run-dir", str(run_dir),
+                             "--checkpoint-dir", str(tmp_path / "elsewhere"), "--steps", "7"], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and lines == [f"error: --run-dir {run_dir}: holds a run already (config.json); --print-launch "
+                                 f"writes a new run's config.json and never touches an existing run's; give a new "
+                                 f"--run-dir"], err
+    assert tree(tmp_path) == before

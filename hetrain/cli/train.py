@@ -130,6 +130,11 @@ def _note_analytic(pl) -> None:
 def _print_launch(config, layout, run_dir: Path, main_address: str) -> None:
     from hetrain.runtime.launch import node_commands, write_config
 
+    existing = [f.name for f in (RunDir.of(run_dir).config, RunDir.of(run_dir).metrics, RunDir.of(run_dir).checkpoints)
+                if f.exists() or f.is_symlink()]
+    if existing:  # its config.json says where its checkpoints are: never rewritten by a printout
+        raise HetrainError(f"--run-dir {run_dir}: holds a run already ({', '.join(existing)}); --print-launch writes "
+                           f"a new run's config.json and never touches an existing run's; give a new --run-dir")
     check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
     path = write_config(config, run_dir.resolve())
     out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
