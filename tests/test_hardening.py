@@ -528,3 +528,42 @@ def test_print_launch_writes_nothing_into_an_existing_run(files, tmp_path: Path,
                                  f"writes a new run's config.json and never touches an existing run's; give a new "
                                  f"--run-dir"], err
     assert tree(tmp_path) == before
+
+
+# -- issue 48: disk full, then room again ---------------------------------------------------------------------------
+@pytest.fixture
+def disk_of_256mb(tmp_path: Path):
+    """A real filesystem of 256 MB (tmpfs; root only) with 56 MB taken: 200 MB free, as in the report."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        (mnt / "taken").write_bytes(b"\0" * (56 << 20))
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_resume_with_room_for_its_checkpoint_is_not_refused_for_a_flat_gigabyte(disk_of_256mb: Path):
+    """200 MB free: a 5.6 MB step is fetched (it was refused, "keeping 1 GB"); a 150 MB one is not (no room for the
+    next checkpoint), in one line with the numbers; large steps keep a gigabyte beyond themselves, as before."""
+    import shutil
+    from types import SimpleNamespace
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    from hetrain.checkpoint.reassemble import _check_room, free_space_needed
+    from hetrain.errors import HetrainError
+
+    free = shutil.disk_usage(disk_of_256mb).free
+    assert 190e6 < free < 210e6
+    dest = str(disk_of_256mb / "run" / "restore" / "step-1")
+    _check_room(LocalFileSystem(), dest, SimpleNamespace(step=1, total_bytes=5_600_000))
+    with pytest.raises(HetrainError, match=r"checkpoint step 1: 150.0 MB to fetch, 2\d\d.\d MB free at .*disk \(a "
+                                           r"resume needs 300.0 MB: the step and room for the next checkpoint\)"):
+        _check_room(LocalFileSystem(), dest, SimpleNamespace(step=1, total_bytes=150_000_000))
+    assert free_space_needed(5_600_000) == 5_600_000 + (64 << 20)
+    assert free_space_needed(10 << 30) == (11 << 30)

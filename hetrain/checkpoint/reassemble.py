@@ -263,7 +263,16 @@ def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.Abst
     dest_fs.mv(tmp, dest_path)
 
 
-FREE_SPACE_MARGIN_BYTES = 1 << 30  # leave a gigabyte: the node's logs and metrics still need room
+# Room a fetch leaves beyond the step itself: the resumed run writes its next checkpoint (about the step's size)
+# and its logs and metrics. As much as the step, at least 64 MB, at most a gigabyte: a flat gigabyte refused a
+# 5.6 MB checkpoint on a disk with 200 MB free, the one place its run could resume (issue 48).
+FREE_SPACE_MARGIN_BYTES = 1 << 30
+MIN_FREE_SPACE_MARGIN_BYTES = 64 << 20
+
+
+def free_space_needed(total_bytes: int) -> int:
+    """Bytes that must be free where a step of ``total_bytes`` is fetched for a resume (see the margins above)."""
+    return total_bytes + min(FREE_SPACE_MARGIN_BYTES, max(MIN_FREE_SPACE_MARGIN_BYTES, total_bytes))
 
 
 def _check_room(dest_fs: fsspec.AbstractFileSystem, dest: str, manifest: Manifest) -> None:
@@ -276,9 +285,11 @@ def _check_room(dest_fs: fsspec.AbstractFileSystem, dest: str, manifest: Manifes
     while not base.exists() and base != base.parent:
         base = base.parent
     free = shutil.disk_usage(base).free
-    if manifest.total_bytes + FREE_SPACE_MARGIN_BYTES > free:
-        raise HetrainError(f"checkpoint step {manifest.step}: {manifest.total_bytes / 1e9:.3g} GB to fetch, "
-                           f"{free / 1e9:.3g} GB free at {base} (keeping {FREE_SPACE_MARGIN_BYTES >> 30} GB)")
+    need = free_space_needed(manifest.total_bytes)
+    if need > free:
+        raise HetrainError(f"checkpoint step {manifest.step}: {manifest.total_bytes / 1e6:,.1f} MB to fetch, "
+                           f"{free / 1e6:,.1f} MB free at {base} (a resume needs {need / 1e6:,.1f} MB: the step and "
+                           f"room for the next checkpoint); free some space and run it again")
 
 
 def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
