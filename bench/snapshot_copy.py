@@ -51,8 +51,7 @@ def main() -> None:
     nbytes = state_bytes(state)
     snap = Snapshot()
     prepare_s = _timed(lambda: (snap.prepare(state), snap._thread.join()), False)
-    flat = snap._buffers and next(iter(_leaves(snap._buffers)))
-    pinned = bool(flat is not None and cuda and flat.is_pinned())
+    pinned = snap.pinned
     tensors = [t for t in _leaves(state) if t.numel() > 0]
     bare = torch.empty(nbytes // 4 + len(tensors) * 16, dtype=torch.float32, pin_memory=cuda)
     views, at = [], 0

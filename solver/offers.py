@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from hetrain.cost.costmodel import CostModel
-from hetrain.cost.recovery_costs import SECONDS_PER_HOUR, RecoveryCosts, load_recovery_costs
+from hetrain.cost.recovery_costs import (CHECKPOINT_BYTES_PER_PARAM, SECONDS_PER_HOUR, RecoveryCosts,
+                                         load_recovery_costs)
 from hetrain.cost.spot import PreemptionLoss, preemption_loss
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.profiling.profile import Profile
@@ -227,10 +228,23 @@ def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, setti
         return None
     G = settings.global_batch_size
     (wide_s, upper_s), (deep_s, _) = (_iteration_s(g, G, post_s) for g in (wide, deep))
-    loss = preemption_loss(rates, costs)
+    loss = preemption_loss(rates, _costs_for_state(pools, counts, model, costs))
     rentals = tuple(Rental(p.offer.name, p.market, n) for p, n in zip(pools, counts) if n > 0)
     tokens = G * model.seq_length
     return Candidate(rentals, tokens / min(wide_s, deep_s), price, loss, gpus, tokens / min(upper_s, deep_s))
+
+
+def _costs_for_state(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec,
+                     costs: RecoveryCosts) -> RecoveryCosts:
+    """The recovery costs for this model's checkpoint on these nodes: each GPU holds its pipeline's share of
+    the state (weights and AdamW moments over the pipeline's GPUs); the node that holds most, on the slowest
+    link, sets the stall (checkpoints are collective) and the fetch."""
+    state_bytes = CHECKPOINT_BYTES_PER_PARAM * total_params(model)
+    used = [(p, n) for p, n in zip(pools, counts) if n > 0]
+    rank_bytes = max(state_bytes / p.ref.gpus_per_pipeline for p, _ in used)
+    node_bytes = max(state_bytes / p.ref.gpus_per_pipeline * p.offer.gpus_per_node for p, _ in used)
+    link_gbps = min(p.ref.sync_gbps_per_gpu * p.offer.gpus_per_node for p, _ in used)
+    return costs.for_state(rank_bytes, node_bytes, link_gbps)
 
 
 def _iteration_s(groups: list[tuple], G: int, post_s: float) -> tuple[float, float]:
@@ -510,6 +524,8 @@ def economics(choice, objective) -> dict:
         "checkpoint_stall_s": loss.costs.checkpoint_stall_s, "restart_downtime_s": loss.costs.restart_peers_s,
         "switch_downtime_s": loss.costs.switch_downtime_s,
         "restart_after_checkpoint_s": loss.costs.restart_notice_peers_s, "recovery_costs_from": choice.costs.source,
+        "checkpoint_commit_s": loss.costs.checkpoint_commit_s, "checkpoint_gb_per_gpu": loss.costs.state_gb_per_gpu,
+        "state_links": loss.costs.state_links,
         "candidates_estimated": choice.estimated, "rentals_planned": len(choice.planned),
         "search_s": round(choice.search_s, 3), "planning_s": round(choice.plan_s, 3)}
     if objective.kind == "deadline":

@@ -237,7 +237,8 @@ def test_throughput_objective_takes_the_slower_steady_gpu_when_the_fast_one_is_f
     choice = choose_rental(spec, model, SETTINGS, Objective("throughput", budget_per_hour=1.5), costs=costs())
     assert [r.offer for r in choice.best.rentals] == [max(goodput, key=goodput.get)]
     assert [r.offer for r in choice.best.rentals] == ["flaky" if rate == 0.01 else "steady"]
-    loss = cluster_preemption_loss(choice.best.cluster, costs())  # the rented cluster file says the same
+    # the rented cluster file says the same (at the costs scaled to this model's checkpoint)
+    loss = cluster_preemption_loss(choice.best.cluster, choice.best.loss.costs)
     assert loss.lost_fraction == pytest.approx(choice.best.loss.lost_fraction)
 
 
@@ -359,3 +360,15 @@ def test_on_an_example_offer_set_each_objective_wins_its_own_measure():
     assert runs["throughput"].goodput >= max(c.goodput for c in runs.values())
     assert runs["cost"].tokens_per_dollar >= max(c.tokens_per_dollar for c in runs.values())
     assert any(r.market == "spot" for r in runs["cost"].rentals)  # spot's discount outweighs its preemptions here
+
+
+def test_recovery_costs_scale_with_the_checkpoint_and_the_interval_follows_the_commit():
+    """A bigger state per GPU stalls longer and commits longer (at the measured bandwidths), and checkpoints
+    are never closer than a commit takes (else each would be skipped)."""
+    small = costs().for_state(0.1e9, 0.8e9, node_link_gbps=10.0)
+    big = costs().for_state(20e9, 160e9, node_link_gbps=10.0)
+    assert big.checkpoint_stall_s - small.checkpoint_stall_s == pytest.approx(19.9e9 / 55e9)
+    assert big.checkpoint_commit_s == pytest.approx(160e9 / 1.1e9)
+    assert big.restart_peers_s > small.restart_peers_s and big.switch_downtime_s > small.switch_downtime_s
+    often = preemption_loss([(50.0, 0.0)], big)  # Young/Daly alone would checkpoint every ~9 s
+    assert often.checkpoint_interval_s == pytest.approx(big.checkpoint_commit_s)

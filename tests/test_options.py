@@ -13,8 +13,8 @@ from hetrain.config import TrainOptions
 
 # The command line users script against: a change here is a change to the interface (torchtitan freezes its CLI too).
 FROZEN_TRAIN_OPTIONS = [
-    "--checkpoint-dir", "--checkpoint-every", "--checkpoints", "--cluster", "--compile", "--data", "--decay-steps",
-    "--dump-dir", "--init-from", "--keep", "--lr", "--lr-min", "--main-address", "--max-grad-norm", "--metrics", "--model",
+    "--checkpoint-dir", "--checkpoint-every", "--checkpoint-host-memory-gb", "--checkpoint-when-busy", "--checkpoints",
+    "--cluster", "--compile", "--data", "--decay-steps", "--dump-dir", "--fp8", "--init-from", "--keep", "--lr", "--lr-min", "--main-address", "--max-grad-norm", "--metrics", "--model",
     "--more-steps", "--no-checkpoints", "--no-print-launch", "--no-trace-memory", "--optimizer", "--peer", "--plan",
     "--precision", "--print-launch", "--remote", "--remote-endpoint", "--restart", "--resume", "--run-dir", "--run-id",
     "--seed", "--steps", "--sync-checkpoints", "--trace-memory", "--upload-retries", "--warmup-steps"]

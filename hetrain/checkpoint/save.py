@@ -47,6 +47,9 @@ log = logging.getLogger("hetrain.checkpoint")
 # Fault injection for the tests: "RANK:STEP" makes that rank SIGKILL itself once its shard of
 # that step is written, before the commit (as a preempted or crashed node would).
 FAULT_KILL_IN_SAVE = "HETRAIN_FAULT_KILL_IN_SAVE"
+# "RANK:SECONDS": that rank's background commits start that much later (a slow disk), for the tests of
+# checkpoints due while the previous one still commits.
+FAULT_SLOW_COMMIT = "HETRAIN_FAULT_SLOW_COMMIT"
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -170,7 +173,8 @@ class Checkpointer:
         # objects on the CPU even under NCCL): on the training group they could interleave with
         # a step's. Every rank makes its Checkpointer at the same point, so new_group lines up.
         self.group = dist.new_group(backend="gloo") if config.background else None
-        self._snapshot = Snapshot(default_budget_bytes(len(layout.nodes[role.node]), config.host_memory_gb))
+        ranks_on_node = len(layout.nodes[role.node])
+        self._snapshot = Snapshot(default_budget_bytes(ranks_on_node, config.host_memory_gb), ranks_on_node)
         self.synchronous_reason: str | None = None  # why this rank's checkpoints are synchronous (too big to snapshot)
         self._noted = False
         self.skipped_count = 0
@@ -327,6 +331,9 @@ class Checkpointer:
     def _commit_in_background(self, step: int, snapshot: dict) -> None:
         started = time.perf_counter()
         try:
+            rank, _, delay_s = os.environ.get(FAULT_SLOW_COMMIT, "").partition(":")
+            if rank == str(self.role.rank):
+                time.sleep(float(delay_s))
             self._write_and_commit(step, snapshot)
             self._committed.append({"step": step, "commit_s": round(time.perf_counter() - started, 4)})
         except HetrainError as e:

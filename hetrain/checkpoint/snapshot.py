@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -93,20 +94,26 @@ def _layout(template) -> list:
 
 
 class Arena:
-    """One flat host allocation, page-aligned, paged in (and pinned on a GPU) a chunk at a time."""
+    """One anonymous mapping (page-aligned), paged in (and pinned on a GPU) a chunk at a time.
+
+    Each buffer is a tensor over its own bytes of the mapping (``torch.frombuffer``), not a view
+    of one big tensor: DCP's writer clones a tensor whose storage is larger than itself before
+    saving it (a second copy of the whole state per commit), and ``torch.save`` would write the
+    whole storage otherwise.
+    """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         # pinned memory from torch's caching allocator would round the size up to a power of two
-        self._raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
-        start = (-self._raw.data_ptr()) % PAGE_BYTES
-        self.flat = self._raw[start:start + nbytes]
+        self._map = mmap.mmap(-1, max(nbytes, PAGE_BYTES))
+        self.nbytes = nbytes
         self.pin = pin
         self._pinned: list[int] = []
 
     def prepare(self) -> None:
         """Page every chunk in (a write), then pin it on a GPU machine: the first copy then runs at full speed."""
-        for begin in range(0, self.flat.numel(), CHUNK_BYTES):
-            piece = self.flat[begin:begin + CHUNK_BYTES]
+        for begin in range(0, self.nbytes, CHUNK_BYTES):
+            piece = torch.frombuffer(self._map, dtype=torch.uint8, count=min(CHUNK_BYTES, self.nbytes - begin),
+                                     offset=begin)
             piece.zero_()
             if self.pin:
                 self._register(piece)
@@ -121,8 +128,14 @@ class Arena:
         weakref.finalize(self, _unregister, ptr)
 
     def view(self, slot: _Slot) -> torch.Tensor:
-        nbytes = _nbytes(slot.shape, slot.dtype)
-        return self.flat[slot.offset:slot.offset + nbytes].view(slot.dtype).view(slot.shape)
+        count = math.prod(slot.shape)
+        if count == 0:
+            return torch.empty(slot.shape, dtype=slot.dtype)
+        return torch.frombuffer(self._map, dtype=slot.dtype, count=count, offset=slot.offset).view(slot.shape)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pinned)
 
 
 def _unregister(ptr: int) -> None:
@@ -165,8 +178,9 @@ class Snapshot:
     ``budget_bytes``: the most this rank's buffers may take; a state above it ``fits`` no more.
     """
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(self, budget_bytes: int | None = None, ranks_on_node: int = 1) -> None:
         self.budget_bytes = budget_bytes
+        self.ranks_on_node = ranks_on_node
         self._buffers: dict | None = None
         self._layout: list | None = None
         # The arena must live as long as its views: it unpins its pages when collected, and the views alone
@@ -219,10 +233,21 @@ class Snapshot:
             if on_gpu:
                 arena.prepare()
             self._buffers, self._layout, self._arena = _buffers(template, arena), _layout(template), arena
-        copied = _copy_state_dict(state, self._buffers, non_blocking=on_gpu)
+        threads = torch.get_num_threads()
+        if not on_gpu:  # training waits for this copy: every core of the rank's share copies (memcpy-bound)
+            torch.set_num_threads(max(threads, cpu_count() // max(1, self.ranks_on_node)))
+        try:
+            copied = _copy_state_dict(state, self._buffers, non_blocking=on_gpu)
+        finally:
+            torch.set_num_threads(threads)
         if on_gpu:
             torch.cuda.synchronize()  # the copies must land before training changes the weights
         return copied
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the prepared buffers are pinned (a GPU's copy then runs at the host link's speed)."""
+        return self._arena is not None and self._arena.pinned
 
 
 def default_budget_bytes(ranks_on_node: int, host_memory_gb: float | None) -> int | None:

@@ -132,9 +132,12 @@ def economics_lines(r: dict) -> list[str]:
         f"{r['lost_fraction']:.2%} lost to checkpoints and preemptions at {r['preemptions_per_hour']:.3g} "
         f"preemptions/h); ${r['dollars_per_hour']:,.2f}/h, ${r['dollars_per_million_tokens']:,.3f} per million tokens",
         f"checkpoint every {r['checkpoint_interval_s']:,.0f} s (Young/Daly: sqrt(2 x stall x MTBF), at most an "
-        f"hour); stall {r['checkpoint_stall_s']:.2f} s, restart {r['restart_downtime_s']:.1f} s (after an "
+        f"hour, no closer than a commit); stall {r['checkpoint_stall_s']:.2f} s, commit "
+        f"{r.get('checkpoint_commit_s', 0.0):.1f} s, restart {r['restart_downtime_s']:.1f} s (after an "
         f"emergency checkpoint {r['restart_after_checkpoint_s']:.1f} s), notice-window switch "
-        f"{r['switch_downtime_s']:.1f} s, measured: {r['recovery_costs_from']}",
+        f"{r['switch_downtime_s']:.1f} s, measured: {r['recovery_costs_from']}"
+        + (f", scaled to {r['checkpoint_gb_per_gpu']:.2f} GB of checkpoint per GPU ({r['state_links']})"
+           if r.get("state_links") else ""),
     ]
     if "expected_finish_h" in r:
         lines.append(f"{r['tokens']:,.0f} tokens expected in {r['expected_finish_h']:,.1f} h (deadline "

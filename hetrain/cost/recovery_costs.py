@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hetrain.errors import HetrainError
@@ -42,6 +42,24 @@ MAX_CHECKPOINT_INTERVAL_S = 3600.0
 SECONDS_PER_HOUR = 3600.0
 
 
+# What a checkpoint holds per parameter: fp32 weights and AdamW's two fp32 moments (16-bit training keeps
+# fp32 masters): 18 GB for the 1.5 B-parameter Llama measured on an H200.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class StateLinks:
+    """The bandwidths a checkpoint's size is priced at, with where they were measured."""
+
+    # a GPU's copy into the prepared pinned snapshot buffers: 55.1 GB/s for 18 GB on an H200
+    # (bench/snapshot_copy.py's bare copy, 2026-11-28)
+    host_copy_gbps: float = 55.0
+    # a node's local disk: the H200 machine's, dd of 8 GB with direct I/O and fsync, 1.1 GB/s (2026-11-28);
+    # the background commit of 18 GB ran at 1.17 GB/s there
+    disk_write_gbps: float = 1.1
+    source: str = "host copy 55 GB/s, disk 1.1 GB/s: measured on an H200 node, 2026-11-28"
+
+
 @dataclass(frozen=True)
 class RecoveryCosts:
     """Seconds each way of recovering takes (medians of the bench's repeats), and where they were read."""
@@ -56,6 +74,31 @@ class RecoveryCosts:
     checkpoint_stall_s: float  # training's stall per background checkpoint
     emergency_checkpoint_s: float  # the switch's emergency checkpoint: what a notice must cover to lose no work
     source: str  # the directory the numbers were read from
+    checkpoint_commit_s: float = 0.0  # a background commit (write, hash, sync); ``for_state`` prices it
+    state_gb_per_gpu: float | None = None  # the checkpoint these costs were scaled to (``for_state``), if any
+    state_links: str | None = None  # the bandwidths they were scaled at, and where those were measured
+
+    def for_state(self, rank_bytes: float, node_bytes: float, node_link_gbps: float,
+                  links: StateLinks | None = None) -> RecoveryCosts:
+        """These costs for a run whose ranks each checkpoint ``rank_bytes`` (a node ``node_bytes``).
+
+        The benches measured a small state (232 MB on four CPU processes): what they measured is kept
+        as each phase's fixed part, and the part that grows with the state is added at the measured
+        bandwidths of ``links``: the stall copies a rank's state into host memory, the commit and an
+        emergency checkpoint write a node's to its disk, a restart or switch fetches a node's over
+        its link (``node_link_gbps``, GB/s) and writes it before loading.
+        """
+        links = links or StateLinks()
+        copy_s = rank_bytes / (links.host_copy_gbps * 1e9)
+        write_s = node_bytes / (links.disk_write_gbps * 1e9)
+        fetch_s = node_bytes / (max(node_link_gbps, 1e-9) * 1e9) + write_s
+        return replace(self, checkpoint_stall_s=self.checkpoint_stall_s + copy_s, checkpoint_commit_s=write_s,
+                       emergency_checkpoint_s=self.emergency_checkpoint_s + write_s,
+                       restart_notice_peers_s=self.restart_notice_peers_s + write_s + fetch_s,
+                       restart_notice_bucket_s=self.restart_notice_bucket_s + write_s + fetch_s,
+                       restart_peers_s=self.restart_peers_s + fetch_s, restart_bucket_s=self.restart_bucket_s + fetch_s,
+                       switch_downtime_s=self.switch_downtime_s + write_s + fetch_s,
+                       state_gb_per_gpu=rank_bytes / 1e9, state_links=links.source)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -64,7 +64,8 @@ def preemption_loss(rates_per_hour: list[tuple[float, float]], costs: RecoveryCo
         tau = MAX_CHECKPOINT_INTERVAL_S
     per_s = 1.0 / SECONDS_PER_HOUR
     # a stall measured as zero makes checkpoints free: as often as one a second (not "never", which `or` made it)
-    tau = max(tau, MIN_CHECKPOINT_INTERVAL_S)
+    # and no closer than a commit takes: a checkpoint due while the previous one commits is skipped (or waits)
+    tau = max(tau, MIN_CHECKPOINT_INTERVAL_S, costs.checkpoint_commit_s)
     lost = (costs.checkpoint_stall_s / tau + unwarned * per_s * (costs.restart_peers_s + tau / 2)
             + by_action["restart-notice"] * per_s * costs.restart_notice_peers_s
             + by_action["switch"] * per_s * costs.switch_downtime_s)

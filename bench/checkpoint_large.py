@@ -1,0 +1,130 @@
+"""A checkpoint of several GB on one CPU device: every stall against a bare copy, the commit against a plain write.
+
+Why: the small-state bench (bench/checkpoint_cost.py, 232 MB) cannot show what a GPU's state
+shows: the first checkpoint paying for its host buffers (17 s for 18 GB on an H200 before they
+were made in the background) and a commit slower than the disk (42 s where the disk wrote the
+same bytes in 11 s). Here one CPU device trains a GPT whose checkpoint holds ``--gb`` GB or more
+(fp32 weights and AdamW's two moments) with a checkpoint every 2 steps, and the same process
+then measures the floors on the same machine, right after: a copy of the same number of bytes
+into memory already paged in (what a stall cannot beat) and a write of the same bytes to the same
+disk with one fsync per file, in as many files and threads as the checkpoint's writer uses (what
+a commit cannot beat). Targets (issue 49): every stall, the first included, <= 1.3x the bare copy;
+the commit <= 1.5x the plain write.
+
+    python bench/checkpoint_large.py [--hidden 1536] [--layers 8] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _common import ROOT, print_table, write_results
+
+CLUSTER = """name: one-cpu-large
+inter_node_bandwidth_gbps: 1.0
+gpu_types:
+  cpu-big: {tflops: 0.05, fp32_tflops: 0.05, memory_gb: 20, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+  - {name: n0, gpu: cpu-big, count: 1, intra_node_bandwidth_gbps: 2.0}
+"""
+
+
+def _model_yaml(layers: int, hidden: int) -> str:
+    return (f"name: gpt-ckpt-large\nnum_layers: {layers}\nhidden_size: {hidden}\nnum_heads: 16\nseq_length: 32\n"
+            f"vocab_size: 50304\n")
+
+
+def _bare_copy_s(nbytes: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)  # paged in, as the prepared snapshot buffers are
+    started = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - started
+
+
+def _plain_write_s(directory: Path, nbytes: int, files: int) -> float:
+    """``files`` threads each write their share from memory and fsync it once: the commit's floor."""
+    block = os.urandom(8 << 20)
+    share = nbytes // files
+
+    def write(i: int) -> None:
+        with open(directory / f"plain-{i}", "wb") as f:
+            left = share
+            while left > 0:
+                left -= f.write(block[:min(left, len(block))])
+            f.flush()
+            os.fsync(f.fileno())
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(files)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    for i in range(files):
+        (directory / f"plain-{i}").unlink()
+    return elapsed
+
+
+def _train(tmp: Path, args) -> list[dict]:
+    (tmp / "cluster.yaml").write_text(CLUSTER)
+    (tmp / "model.yaml").write_text(_model_yaml(args.layers, args.hidden))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hetrain = [sys.executable, "-m", "hetrain"]
+    subprocess.run([*hetrain, "plan", "--cluster", str(tmp / "cluster.yaml"), "--model", str(tmp / "model.yaml"),
+                    "--global-batch-size", "1", "--micro-batch-size", "1", "--tp", "1", "--precision", "fp32",
+                    "--no-compare", "--out", str(tmp / "plan.json")], check=True, env=env, capture_output=True)
+    proc = subprocess.run([*hetrain, "train", "--plan", str(tmp / "plan.json"), "--steps", str(args.steps),
+                           "--checkpoint-every", "2", "--keep", "1", "--run-dir", str(tmp / "run"),
+                           "--checkpoint-when-busy", "wait"], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"hetrain train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    from hetrain.checkpoint.manifest import read_manifest
+    from hetrain.config import CheckpointConfig
+
+    with tempfile.TemporaryDirectory(prefix="hetrain-ckptlarge-", dir=ROOT / "bench") as tmp_str:
+        tmp = Path(tmp_str)
+        records = _train(tmp, args)
+        root = str(tmp / "run" / "checkpoints" / "n0")
+        manifest = read_manifest(root, args.steps - 1)
+        nbytes = manifest.total_bytes
+        files = sum(f.path.endswith(".distcp") for f in manifest.files)
+        stalls = [r["checkpoint_s"] - r.get("checkpoint_waited_s", 0.0) for r in records if "checkpoint_s" in r]
+        commits = [c["commit_s"] for r in records for c in r.get("checkpoints_committed", [])]
+        copy_s = statistics.median(_bare_copy_s(nbytes) for _ in range(3))
+        write_s = statistics.median(_plain_write_s(tmp, nbytes, files) for _ in range(2))
+    rows = [{"what": f"stall, checkpoint {i + 1}", "s": s, "floor": "bare copy", "floor_s": copy_s, "ratio": s / copy_s}
+            for i, s in enumerate(stalls)]
+    rows += [{"what": f"commit {i + 1}", "s": c, "floor": f"plain write ({files} files, fsync)", "floor_s": write_s,
+              "ratio": c / write_s} for i, c in enumerate(commits)]
+    print_table(f"Checkpoint of {nbytes / 1e9:.2f} GB on one CPU device (GPT {args.layers} x {args.hidden}, "
+                f"{CheckpointConfig.model_fields['write_threads'].default} writer threads), one every 2 steps; "
+                f"floors measured right after on the same machine and disk", rows,
+                [("what", "what"), ("seconds", "{s:.2f}"), ("floor", "floor"), ("floor s", "{floor_s:.2f}"),
+                 ("ratio", "{ratio:.2f}x")])
+    print(f"\nresults: {write_results('checkpoint_large', rows)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The checkpoint's host snapshot and writer, without training: buffers made ahead, files hashed as written."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hetrain.checkpoint.snapshot import Snapshot, _leaves, state_bytes
+from hetrain.checkpoint.writer import HashingWriter
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(300, 70), "b": torch.randn(70, dtype=torch.float64),
+                      "empty": torch.zeros(0, 5)},
+            "optim": {"state.w.step": torch.tensor(3.0), "state.w.exp_avg": torch.randn(300, 70),
+                      "param_groups.w.lr": 0.1}, "rng": torch.get_rng_state()}
+
+
+def test_prepared_buffers_take_exact_copies_each_in_a_storage_of_its_own():
+    state = _state()
+    snap = Snapshot()
+    snap.prepare(state)
+    first = snap.take(state)
+    assert snap.prepare_s is not None  # the background thread made them, not take()
+    pointers = [t.data_ptr() for t in _leaves(first) if t.numel()]
+    for a, b in zip(_leaves(first), _leaves(state)):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+        # DCP's writer clones a tensor whose storage is larger than itself (a second copy per commit)
+        assert a.untyped_storage().size() == a.nbytes
+    state["model"]["w"].add_(1.0)
+    second = snap.take(state)
+    assert [t.data_ptr() for t in _leaves(second) if t.numel()] == pointers  # the same buffers, reused
+    assert torch.equal(second["model"]["w"], state["model"]["w"])
+    assert second["optim"]["param_groups.w.lr"] == 0.1
+
+
+def test_a_state_over_the_budget_does_not_fit():
+    state = _state()
+    assert not Snapshot(budget_bytes=state_bytes(state) - 1).fits(state)
+    assert Snapshot(budget_bytes=state_bytes(state)).fits(state)
+
+
+def test_the_writer_hashes_what_reaches_the_disk(tmp_path: Path):
+    state = {f"t{i}": torch.randn(200, 50 + i) for i in range(9)}
+    writer = HashingWriter(str(tmp_path / "ckpt"), thread_count=4)
+    dcp.save(state, storage_writer=writer)
+    shards = {name: entry for name, entry in writer.written.items() if name.endswith(".distcp")}
+    assert len(shards) == 4  # one file per writer thread
+    for name, (size, digest) in shards.items():
+        data = (tmp_path / "ckpt" / name).read_bytes()
+        assert (size, digest) == (len(data), hashlib.sha256(data).hexdigest())
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
