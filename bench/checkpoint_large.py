@@ -103,7 +103,8 @@ def main() -> None:
     from hetrain.checkpoint.manifest import read_manifest
     from hetrain.config import CheckpointConfig
 
-    with tempfile.TemporaryDirectory(prefix="hetrain-ckptlarge-", dir=ROOT / "bench") as tmp_str:
+    tmp_dir = os.environ.get("HETRAIN_BENCH_TMP")  # the disk checkpoints go to (default: the system's temp)
+    with tempfile.TemporaryDirectory(prefix="hetrain-ckptlarge-", dir=tmp_dir) as tmp_str:
         tmp = Path(tmp_str)
         records = _train(tmp, args)
         root = str(tmp / "run" / "checkpoints" / "n0")
