@@ -159,7 +159,8 @@ def transformers_llama(directory: Path, rope_theta: float = 500000.0):
     """A Llama that transformers made and saved (its own init, its own config.json: transformers 5
     writes the rotary base inside ``rope_parameters``), at llama-tiny's size."""
     transformers = pytest.importorskip("transformers")
-    config = hf_config(load_model(LLAMA), "fp32") | {"rope_theta": rope_theta}  # Llama 3's base, not the default
+    config = hf_config(load_model(LLAMA), "fp32")
+    config["rope_parameters"]["rope_theta"] = config["rope_theta"] = rope_theta  # Llama 3's base, not the default
     torch.manual_seed(5)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     model.save_pretrained(str(directory))

@@ -325,7 +325,8 @@ def check_pretrained(directory: str | Path, spec: ModelSpec, option: str = "--in
     """One line unless the weights in ``directory`` are of ``spec``'s architecture (the plan's model)."""
     theirs = pretrained_spec(directory, spec.seq_length)
     mine, its = _architecture(spec), _architecture(theirs)
-    differ = [f"{f} {mine[f]} vs {its[f]}" for f in ARCHITECTURE_FIELDS if mine[f] != its[f]]
+    derived = {"head_dim"} if spec.head_size is None and theirs.head_size is None else set()  # hidden / heads
+    differ = [f"{f} {mine[f]} vs {its[f]}" for f in ARCHITECTURE_FIELDS if mine[f] != its[f] and f not in derived]
     if spec.arch == "gpt" and spec.seq_length != theirs.seq_length:
         differ.append(f"seq_length {spec.seq_length} vs {theirs.seq_length} (learned positions)")
     if differ:
