@@ -567,3 +567,114 @@ def test_a_resume_with_room_for_its_checkpoint_is_not_refused_for_a_flat_gigabyt
         _check_room(LocalFileSystem(), dest, SimpleNamespace(step=1, total_bytes=150_000_000))
     assert free_space_needed(5_600_000) == 5_600_000 + (64 << 20)
     assert free_space_needed(10 << 30) == (11 << 30)
+
+
+# -- issue 48: the peer server ------------------------------------------------------------------------------------
+@pytest.fixture
+def served_step(tmp_path: Path) -> tuple[Path, str, bytes]:
+    """A checkpoint root with one committed step holding a 2 MB shard: the root, the shard's path, its bytes."""
+    from hetrain.checkpoint.manifest import MANIFEST, step_name
+
+    step = tmp_path / "root" / step_name(1)
+    step.mkdir(parents=True)
+    (step / MANIFEST).write_text(json.dumps({"step": 1, "files": []}))
+    shard = os.urandom(2 << 20)
+    (step / "__0_0.distcp").write_bytes(shard)
+    return tmp_path / "root", f"/{step_name(1)}/__0_0.distcp", shard
+
+
+def _raw_get(host: str, port: int, path: str, extra_headers: str = "", pause_s: float = 0.0):
+    """(status, headers, body) of one GET over a socket of its own; ``pause_s`` before reading the body."""
+    import socket
+    import time
+
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra_headers}\r\n".encode())
+        f = sock.makefile("rb")
+        status = int(f.readline().split()[1])
+        headers = {}
+        while (line := f.readline().strip()):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        time.sleep(pause_s)
+        return status, headers, f.read(int(headers.get("content-length", 0)))
+
+
+def test_200_concurrent_downloads_all_complete_or_get_503_with_retry_after(served_step):
+    """None is reset: past the cap of downloads in progress the answer is 503, Retry-After, after the request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hetrain.checkpoint.peer import MAX_DOWNLOADS, PeerServer
+
+    root, path, shard = served_step
+    with PeerServer(root, host="127.0.0.21") as peer:
+        host, port = peer.url.removeprefix("http://").rsplit(":", 1)
+        with ThreadPoolExecutor(200) as pool:  # every client holds its download open a moment: they overlap
+            results = list(pool.map(lambda _: _raw_get(host, int(port), path, pause_s=1.0), range(200)))
+    served = [r for r in results if r[0] == 200]
+    busy = [r for r in results if r[0] == 503]
+    assert len(served) + len(busy) == 200, sorted({r[0] for r in results})
+    assert all(body == shard for _, _, body in served)
+    assert all(h.get("retry-after") == "1" and h.get("connection") == "close" for _, h, _ in busy)
+    assert MAX_DOWNLOADS <= len(served) and busy, len(served)  # the cap was reached, and past it answered, not reset
+
+
+@pytest.mark.parametrize("headers,status", [("X-Big: " + "a" * 40_000 + "\r\n", (400, 431)),
+                                            ("".join(f"X-{i}: 1\r\n" for i in range(3000)), (400, 431)),
+                                            ("".join(f"X-{i}: 1\r\n" for i in range(150)), (431,))],
+                         ids=["one 40 KB header", "3,000 headers", "150 headers"])
+def test_requests_past_the_header_limits_are_refused(served_step, headers, status):
+    from hetrain.checkpoint.peer import PeerServer
+
+    root, path, _ = served_step
+    with PeerServer(root, host="127.0.0.22") as peer:
+        host, port = peer.url.removeprefix("http://").rsplit(":", 1)
+        assert _raw_get(host, int(port), path, headers)[0] in status
+        assert _raw_get(host, int(port), path)[0] == 200  # the server is none the worse
+
+
+@pytest.mark.parametrize("token", [" ", "\t\n", "two words"])
+def test_a_blank_or_spaced_bearer_token_is_refused(files, capsys, monkeypatch, token):
+    monkeypatch.setenv("HETRAIN_PEER_TOKEN", token)
+    rc, out, err = run_main(["serve", "--root", str(files["dir"]), "--host", "0.0.0.0", "--port", "18479"], capsys)
+    assert rc == 2 and err.startswith("error: $HETRAIN_PEER_TOKEN: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_port_in_use_is_one_line(files, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.23", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, out, err = run_main(["serve", "--root", str(files["dir"]), "--host", "127.0.0.23", "--port", str(port)],
+                                capsys)
+    assert rc == 2 and err.strip().splitlines() == [f"error: --port {port}: 127.0.0.23:{port} is in use (another "
+                                                    f"hetrain serve?); choose another port"], err
+
+
+# -- issue 48: offers past any cloud's ------------------------------------------------------------------------------
+def _offers_yaml(types: int) -> str:
+    lines = ["name: many", "zones:", "  - {name: z, inter_node_bandwidth_gbps: 3}", "gpu_types:"]
+    lines += [f"  g{i}: {{tflops: {100 + i % 50}, memory_gb: 80, memory_bandwidth_gbps: 2000}}" for i in range(types)]
+    lines += ["offers:"] + [f"  - {{name: o{i}, gpu: g{i}, zone: z, nodes_available: 4, gpus_per_node: 8, "
+                            f"intra_node_bandwidth_gbps: 300, on_demand_price_per_gpu_hour: {1 + i % 7}}}"
+                            for i in range(types)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("types,expect", [
+    (200_000, "MB is past the limit of an offers file (4 MB: at most 4096 offers of 64 GPU types); wrong file?"),
+    (100, "gpu_types: 100 GPU types offered or defined, at most 64 (the planner probes each one)")],
+    ids=["200,000 GPU types", "100 GPU types"])
+def test_offers_of_more_gpu_types_than_any_cloud_are_one_line_at_once(tmp_path: Path, capsys, types, expect):
+    import time
+
+    offers = tmp_path / "offers.yaml"
+    offers.write_text(_offers_yaml(types))
+    started = time.monotonic()
+    rc, out, err = run_main(["plan", "--offers", str(offers), "--model", MODEL, "--global-batch-size", "16",
+                             "--out", str(tmp_path / "plan.json")], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: {offers}: ") and expect in lines[0], err
+    assert time.monotonic() - started < 10 and not (tmp_path / "plan.json").exists()

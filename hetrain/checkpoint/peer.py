@@ -23,7 +23,9 @@ holds idle connections without a thread each; files are read on anyio's bounded 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
+import socket
 import struct
 import threading
 import time
@@ -60,9 +62,18 @@ IDLE_TIMEOUT_S = 30.0
 # nodes fetching with eight workers each from this one peer at once.
 # Past the cap a new connection evicts the oldest one still waiting for its request (a slow client, or
 # an idle kept-alive one), or is closed at once when every connection is busy with a response.
-MAX_CONNECTIONS = 64
-# Request line plus headers: a peer's GET is a few hundred bytes (h11's own default, named here).
+MAX_DOWNLOADS = 64
+# Connections open at once, waiting for their request or served: past MAX_DOWNLOADS a request is answered 503
+# with Retry-After (a burst of 200 peers' downloads is answered, never reset; issue 48). Past this cap a new
+# connection evicts the oldest one still waiting for its request (a slow client, or an idle kept-alive one),
+# or is closed at once when every connection has a request in progress. 256 sockets and 64 open files stay
+# well inside DESCRIPTORS_WANTED.
+MAX_CONNECTIONS = 256
+RETRY_AFTER_S = 1
+# Request line plus headers: a peer's GET is a few hundred bytes and a handful of headers. h11 bounds only a
+# request still arriving (a whole 40 KB one in one read passed), so every request is measured again.
 MAX_HEADER_BYTES = 16 * 1024
+MAX_HEADERS = 100
 # On stop, responses still in flight get this long before they are cut.
 SHUTDOWN_GRACE_S = 3.0
 # Connections the kernel queues for us, which is also the most asyncio accepts in one turn of the event
@@ -206,6 +217,40 @@ class _CheckpointFilesOnly:
         await self.app(scope, receive, send)
 
 
+class _Limits:
+    """Requests past the header limits get 431, requests past ``max_downloads`` in progress 503 with Retry-After.
+
+    Both answered and closed (``Connection: close``) after the request was read whole, so the client reads the
+    answer instead of a reset. Outermost: nothing else looks at a request refused here.
+    """
+
+    def __init__(self, app: ASGIApp, max_downloads: int = MAX_DOWNLOADS) -> None:
+        self.app, self.max_downloads, self.in_progress = app, max_downloads, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(k) + len(v) + 4 for k, v in headers)
+        if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+            await PlainTextResponse(f"request headers too large (at most {MAX_HEADERS} headers, "
+                                    f"{MAX_HEADER_BYTES} bytes)", status_code=431,
+                                    headers={"connection": "close"})(scope, receive, send)
+            return
+        if self.in_progress >= self.max_downloads:
+            await PlainTextResponse("busy: too many downloads at once; retry", status_code=503,
+                                    headers={"retry-after": str(RETRY_AFTER_S), "connection": "close"})(
+                scope, receive, send)
+            return
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1
+
+
 class _BearerToken:
     """Reject requests without the right ``Authorization: Bearer`` header (constant-time compare)."""
 
@@ -221,7 +266,19 @@ class _BearerToken:
         await self.app(scope, receive, send)
 
 
-def make_app(root: str | Path, token: str | None = None) -> ASGIApp:
+def check_token(token: str | None, where: str = "the bearer token") -> None:
+    """One line unless ``token`` (when given) can be a bearer token: not blank, no spaces or control characters."""
+    if token is None:
+        return
+    if not token.strip():
+        raise HetrainError(f"{where}: is blank; expected a secret (e.g. openssl rand -hex 32)")
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
+        raise HetrainError(f"{where}: holds a space, a control or a non-ASCII character; expected the characters of a "
+                           f"bearer token (letters, digits, -._~+/=)")
+
+
+def make_app(root: str | Path, token: str | None = None, max_downloads: int = MAX_DOWNLOADS) -> ASGIApp:
+    check_token(token)
     root = Path(root).resolve()
     if not root.is_dir():
         raise HetrainError(f"--root {root}: not a directory")
@@ -237,14 +294,14 @@ def make_app(root: str | Path, token: str | None = None) -> ASGIApp:
 
     app: ASGIApp = _CheckpointFilesOnly(Starlette(routes=[Route("/_steps", steps), Route("/{sub:path}/_steps", steps),
                                                           Mount("/", StaticFiles(directory=root))]))
-    return _BearerToken(app, token) if token else app
+    return _Limits(_BearerToken(app, token) if token else app, max_downloads)
 
 
 def server_config(root: str | Path, token: str | None = None, host: str = "127.0.0.1", port: int = 0, *,
                   header_timeout_s: float = HEADER_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                  max_connections: int = MAX_CONNECTIONS) -> uvicorn.Config:
+                  max_connections: int = MAX_CONNECTIONS, max_downloads: int = MAX_DOWNLOADS) -> uvicorn.Config:
     """uvicorn's configuration for a peer server (checks the root first); the limits are for tests."""
-    app = make_app(root, token)
+    app = make_app(root, token, max_downloads)
     protocol = type("PeerHTTP", (_GuardedH11,), {"header_timeout_s": header_timeout_s,
                                                   "idle_timeout_s": idle_timeout_s,
                                                   "max_connections": max_connections})
@@ -252,6 +309,26 @@ def server_config(root: str | Path, token: str | None = None, host: str = "127.0
                           access_log=False, timeout_keep_alive=max(1, int(header_timeout_s)),
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                           backlog=LISTEN_BACKLOG)
+
+
+def bind(host: str, port: int, what: str = "--port") -> socket.socket:
+    """The listening socket of a peer server, bound now: a port in use is one line, not uvicorn's two and exit 3."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise HetrainError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        sock.close()
+        why = "is in use (another hetrain serve?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise HetrainError(f"{what} {port}: {host}:{port} {why}; choose another port") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def raise_descriptor_limit(wanted: int = DESCRIPTORS_WANTED) -> int | None:

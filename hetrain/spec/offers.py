@@ -32,6 +32,12 @@ DEFAULT_INTER_ZONE_GBPS = 1.25  # 10 Gb/s
 # cluster takes the slowest link between any two of its nodes for every pair (pessimistic, but a cluster
 # file of a million link lines would be larger than the planner's work on it).
 MAX_EXACT_LINK_PAIRS = 4096
+# An offers file lists what clouds rent: a cloud has some 15 GPU types, a region tens of zones. The planner
+# probes every GPU type (64 take seconds, 256 minutes), and a 60 MB file of 200,000 types took YAML alone
+# minutes to read: both refused at once, in one line (issue 48).
+MAX_OFFERS_BYTES = 4 << 20
+MAX_OFFER_GPU_TYPES = 64
+MAX_OFFERS = 4096
 Market = Literal["spot", "on_demand"]
 
 
@@ -97,7 +103,7 @@ class OfferSpec(_Spec):
 class OffersSpec(_Spec):
     name: str
     zones: list[ZoneSpec] = Field(min_length=1)
-    offers: list[OfferSpec] = Field(min_length=1)
+    offers: list[OfferSpec] = Field(min_length=1, max_length=MAX_OFFERS)
     zone_links: list[ZoneLinkSpec] = Field(default_factory=list)
     inter_zone_bandwidth_gbps: PositiveFloat = Field(
         default=DEFAULT_INTER_ZONE_GBPS, le=MAX_LINK_GBPS,
@@ -152,7 +158,18 @@ def _unique(items: list, field: str) -> list[str]:
 
 
 def load_offers(path: str | Path) -> OffersSpec:
-    return parse_spec(OffersSpec, load_yaml(path), str(path))
+    """The offers file at ``path``; one line when it is past the limits above (the size before it is read)."""
+    p = Path(path)
+    size = p.stat().st_size if p.is_file() else 0
+    if size > MAX_OFFERS_BYTES:
+        raise HetrainError(f"{p}: {size / 1e6:.1f} MB is past the limit of an offers file ({MAX_OFFERS_BYTES >> 20} MB: "
+                           f"at most {MAX_OFFERS} offers of {MAX_OFFER_GPU_TYPES} GPU types); wrong file?")
+    spec = parse_spec(OffersSpec, load_yaml(p), str(p))
+    types = {o.gpu for o in spec.offers} | set(spec.gpu_types)
+    if len(types) > MAX_OFFER_GPU_TYPES:
+        raise HetrainError(f"{p}: gpu_types: {len(types)} GPU types offered or defined, at most "
+                           f"{MAX_OFFER_GPU_TYPES} (the planner probes each one)")
+    return spec
 
 
 @dataclass(frozen=True)
