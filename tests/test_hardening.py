@@ -350,7 +350,9 @@ def test_the_lock_is_refused_while_a_worker_of_the_run_lives_and_taken_once_it_i
     run.pids.mkdir(parents=True)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.config)])
     try:
-        (run.pids / f"{worker.pid}.pid").write_text(str(worker.pid))
+        (run.pids / f"{worker.pid}.pid").write_text(str(worker.pid))  # as a worker writes it, once it runs:
+        while str(run.config) not in Path(f"/proc/{worker.pid}/cmdline").read_text():  # exec'd, as a worker is
+            pass
         with pytest.raises(HetrainError, match=rf"1 training process\(es\) of this run are still alive \(pid "
                                                rf"{worker.pid}\)"):
             with run.lock(workers_grace_s=0.3):
