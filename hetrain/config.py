@@ -192,12 +192,21 @@ class RunConfig(BaseModel):
         """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
         return LRSchedule.for_run(self.steps, self.lr, self.lr_min, self.warmup_steps, self.decay_steps)
 
-    def resolved_precision(self, plan: Plan, device_type: str) -> Precision:
+    def resolved_precision(self, plan: Plan, device_type: str, stage=None) -> Precision:
+        """A stage's number format: the run's override, else the plan's for that stage (``stage``, a
+        ``StagePlan``), else the plan's training settings', else bf16 on GPUs and fp32 on CPUs."""
         if self.precision is not None:
             return self.precision
+        if stage is not None and stage.precision is not None:
+            return stage.precision
         if plan.training is not None:
             return plan.training.precision
         return "bf16" if device_type == "cuda" else "fp32"
+
+    def loss_scaled(self, plan: Plan, device_type: str) -> bool:
+        """Whether the run scales its loss: some stage computes in fp16. One scale for the whole step, on every
+        rank: the last stages scale the loss once, every gradient carries it, an overflow anywhere skips the step."""
+        return any(self.resolved_precision(plan, device_type, s) == "fp16" for p in plan.pipelines for s in p.stages)
 
 
 def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, steps: int | None = None,

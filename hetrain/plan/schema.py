@@ -35,6 +35,9 @@ class StagePlan(BaseModel):
         default=None, description="where the stage keeps its layers' AdamW state: replicated (whole, on every "
         "replica), sharded (1/D across the D replicas of each layer, ZeRO-1), offloaded (its share in host memory, "
         "the step on the CPU); absent: replicated")
+    precision: Literal["bf16", "fp16", "fp32"] | None = Field(
+        default=None, description="the number format the stage computes in (its GPU type's best under the plan's "
+        "precision policy: fp16 where a type has no bf16 tensor cores); absent: the training settings' precision")
     in_flight: PositiveInt | None = Field(
         default=None, description="micro-batches the stage keeps in flight (forwards before its first backward) under "
         "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage give the "

@@ -101,7 +101,7 @@ class Trainer:
         recompute = config.activation_recompute  # an override for every stage (GPT reads True as full)
         if recompute is None:  # the stage's own mode from the plan
             recompute = settings.stage_recompute(plan.pipelines[role.pipeline].stages[role.stage].recompute)
-        self.precision = config.resolved_precision(plan, device.type)
+        self.precision = config.resolved_precision(plan, device.type, plan.pipelines[role.pipeline].stages[role.stage])
         self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
         model = GPT(plan.model, role.layers, recompute=recompute, chunks=role.chunk_layers)
         model.init_weights(config.seed)
@@ -146,7 +146,7 @@ class Trainer:
         self.zero: ShardedAdamW | None = None
         impl = self._make_optimizer(layout, groups, self.lr_schedule.lr_at(config.start_step))
         self.meter.set_model_states(optimizer_state_factor=self._state_factor())
-        self.scaler = LossScaler(enabled=self.precision == "fp16")
+        self.scaler = LossScaler(enabled=config.loss_scaled(plan, device.type))  # fp16 on any stage: one scale
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
             # a sharded stage made its state before tracking starts (a replicated one makes it in the first step)

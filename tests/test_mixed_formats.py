@@ -1,0 +1,67 @@
+"""A plan whose stages compute in different number formats (fp16 where a GPU has no bf16): one step's gradients
+against one process running the same formats block for block, and one loss scale for the whole step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import plan
+from conftest import run_cli
+from hetrain.plan.layout import build_layout
+from hetrain.plan.schema import Plan
+from hetrain.runtime.data import TokenSource
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.runtime.precision import apply_mixed_precision
+
+pytestmark = pytest.mark.slow  # starts training processes
+
+SPLIT = 3  # stage 0: blocks [0, 3) in fp16 (a V100's), stage 1: [3, 6) in bf16 (an A100's)
+
+
+def _mixed_plan() -> Plan:
+    p = plan(1, [(8, [("a/0", [0, SPLIT]), ("b/0", [SPLIT, 6])])])
+    data = p.model_dump(mode="json", by_alias=True)
+    data["pipelines"][0]["stages"][0]["precision"] = "fp16"
+    data["pipelines"][0]["stages"][1]["precision"] = "bf16"
+    return Plan.model_validate(data)
+
+
+def _reference_grads(p: Plan, formats: tuple[str, str] = ("fp16", "bf16")) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch; blocks 0-2 under fp16 autocast, 3-5 under bf16, the boundary cast
+    as the runtime casts it (``apply_mixed_precision`` on each half)."""
+    model = GPT(p.model)
+    model.init_weights(0)
+    first, last = model.chunk(0, SPLIT), model.chunk(SPLIT, p.model.num_layers)
+    apply_mixed_precision(first, formats[0], "cpu", is_last=False)
+    apply_mixed_precision(last, formats[1], "cpu", is_last=True)
+    seq = TokenSource(p.model.seq_length, p.model.vocab_size, seed=0).sequences(0, p.global_batch_size)
+    lm_loss(last(first(seq[:, :-1])), seq[:, 1:]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return {n: q.grad for n, q in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def test_an_fp16_stage_beside_a_bf16_stage_matches_one_process_in_the_same_formats(tmp_path: Path):
+    p = _mixed_plan()
+    p.write(tmp_path / "plan.json")
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--steps", "2", "--optimizer", "sgd",
+                "--run-dir", str(tmp_path / "run"), "--dump-dir", str(tmp_path / "dump"), "--no-checkpoints")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got: dict[str, torch.Tensor] = {}
+    for role in build_layout(p).roles:
+        got.update(torch.load(tmp_path / "dump" / f"grads-rank{role.rank}.pt"))
+    reference = _reference_grads(p)
+    assert got.keys() == reference.keys()
+    errors = {n: _rel(got[n], reference[n]) for n in got}
+    assert max(errors.values()) < 3e-2, errors  # 16-bit rounding noise, as the bf16 equivalence test allows
+    fp32 = _reference_grads(p, ("fp32", "fp32"))  # ... and really in 16 bits: not fp32's gradients
+    assert max(_rel(got[n], fp32[n]) for n in got) > 1e-3
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("loss_scale" in rec for rec in records)  # the fp16 stage turned loss scaling on for the whole run
