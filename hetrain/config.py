@@ -54,8 +54,9 @@ class TrainOptions(BaseModel):
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer")
     lr: float = Field(DEFAULT_LR, gt=0, description="peak learning rate (after warmup)")
     lr_min: float | None = Field(None, ge=0, description="cosine floor (default: 10 % of --lr)")
-    warmup_steps: int | None = Field(None, ge=0, description="linear warmup steps (default: min(200, 10 % of --steps))")
-    decay_steps: int | None = Field(None, ge=1, description="cosine decay steps after warmup (default: the rest of "
+    warmup_steps: int | None = Field(None, ge=0, le=MAX_STEPS,
+                                     description="linear warmup steps (default: min(200, 10 % of --steps))")
+    decay_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="cosine decay steps after warmup (default: the rest of "
                                                             "--steps)")
     max_grad_norm: float = Field(1.0, ge=0, description="clip gradients to this global norm (0: off)")
     precision: Precision | None = Field(None, description=(
@@ -196,6 +197,9 @@ class RunConfig(BaseModel):
         """A stage's number format: the run's override, else the plan's for that stage (``stage``, a
         ``StagePlan``), else the plan's training settings', else bf16 on GPUs and fp32 on CPUs."""
         if self.precision is not None:
+            if stage is not None and stage.precision == "fp16" and self.precision == "bf16":
+                raise HetrainError(f"--precision bf16: the plan's {stage.gpu} stage computes in fp16 (that GPU has no "
+                                   f"bf16 tensor cores); expected fp16 or fp32 there, or no --precision")
             return self.precision
         if stage is not None and stage.precision is not None:
             return stage.precision

@@ -79,3 +79,20 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
         f"of its in-flight micro-batches (nor one deeper than global batch / micro-batch: 1F1B needs a micro-batch per "
         f"stage); try activation_recompute: auto or full, a smaller micro-batch, a larger global batch or larger GPUs"
     )
+
+
+def with_stage_formats(plan, cluster: ClusterSpec):
+    """``plan`` with each stage's number format written where its GPU type's differs from the plan's precision
+    (fp16 on a GPU without bf16 tensor cores under bf16): the runtime computes each stage in its own and the
+    cost model priced it so (``GPUType.format_for``). Plans whose stages all compute in the plan's precision
+    come back unchanged, as before."""
+    policy = plan.settings().precision
+    data, changed = None, False
+    for p, pipe in enumerate(plan.pipelines):
+        for k, stage in enumerate(pipe.stages):
+            fmt = cluster.gpu_type(stage.gpu).format_for(policy)
+            if fmt != policy and stage.precision != fmt:
+                data = data or plan.model_dump(mode="json", by_alias=True)
+                data["pipelines"][p]["stages"][k]["precision"] = fmt
+                changed = True
+    return type(plan).model_validate(data) if changed else plan

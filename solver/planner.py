@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 from hetrain.cost.costmodel import CostModel
@@ -20,7 +21,7 @@ from hetrain.profiling.profile import Profile
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 from solver.assemble import choose_schedules, finish, schedules_bound_s
 from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_search
-from solver.common import PlanResult
+from solver.common import PlanResult, with_stage_formats
 from solver.exhaustive import plan_exhaustive
 from solver.milp_planner import NothingBetter, plan_milp
 from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
@@ -185,7 +186,8 @@ def make_plan(
 ) -> PlanResult:
     planner_fn = REGISTRY[canonical(planner)]
     with _cycles_collected_after():
-        return planner_fn(cluster, CostModel(cluster, model, settings, profile), time_limit_s, progress)
+        result = planner_fn(cluster, CostModel(cluster, model, settings, profile), time_limit_s, progress)
+    return replace(result, plan=with_stage_formats(result.plan, cluster))
 
 
 @contextlib.contextmanager

@@ -167,12 +167,32 @@ def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | No
         claim = claim_line(main.plan)
         if claim:
             out.print(claim, highlight=False)
+        formats = formats_line(cl, md, settings, prof, main)
+        if formats:
+            out.print(formats, highlight=False)
     if prof is None:
         from hetrain.profiling.profile import analytic_note
 
         err.print(f"note: {analytic_note({n.gpu for n in cl.nodes})}", highlight=False, soft_wrap=True)
     if out_file:
         err.print(f"plan written to {out_file}", highlight=False)
+
+
+def formats_line(cluster, model, settings, profile, result) -> str | None:
+    """Where stages compute in another format than the plan's (fp16 on GPUs without bf16 tensor cores): which,
+    and the same plan's prediction had every stage been forced into the plan's format."""
+    from hetrain.cost.costmodel import CostModel
+
+    own = sorted({(s.gpu, s.precision) for p in result.plan.pipelines for s in p.stages if s.precision})
+    if not own:
+        return None
+    forced_types = {name: cluster.gpu_type(name).without_tensor_cores_for(settings.precision) for name, _ in own}
+    forced = cluster.model_copy(update={"gpu_types": {**cluster.gpu_types, **forced_types}})
+    everywhere = CostModel(forced, model, settings, profile).estimate(result.plan)
+    said = ", ".join(f"{gpu} in {fmt}" for gpu, fmt in own)
+    return (f"number formats: {said} (no {settings.precision} tensor cores), the rest in {settings.precision}; "
+            f"{settings.precision} everywhere would take {everywhere.iteration_time_s:.3f} s per iteration against "
+            f"{result.estimate.iteration_time_s:.3f} s")
 
 
 def comparison_rows(results: dict) -> list[dict]:

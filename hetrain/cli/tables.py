@@ -45,7 +45,8 @@ def plan_table(plan, est, title: str) -> Table:
         state = r["optimizer state"]
         kept = [state] if own_column else []
         recompute = r["recompute"] if own_column or state == "replicated" else f"{r['recompute']}\n{state}"
-        table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), r["gpu"], _compact_devices(r["devices"]),
+        gpu = f"{r['gpu']} {r['format']}" if r["own format"] else r["gpu"]  # fp16 where the type has no bf16
+        table.add_row(str(r["pipeline"]) if first else "", str(r["stage"]), gpu, _compact_devices(r["devices"]),
                       f"{r['blocks']} ({r['num_blocks']})", recompute, *kept,
                       (str(r["micro-batches"]) + ("" if r["schedule"] == "1f1b" else f" {SCHEDULE_TAG[r['schedule']]}")
                        + str(r.get("virtual stages") or ""))

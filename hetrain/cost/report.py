@@ -21,6 +21,7 @@ def plan_rows(plan: Plan, est: Estimate) -> list[dict]:
                          "blocks": f"{lo}-{hi}", "num_blocks": hi - lo,
                          "recompute": settings.stage_recompute(stage.recompute),
                          "optimizer state": stage.optimizer_state or "replicated",
+                         "format": stage.precision or settings.precision, "own format": stage.precision is not None,
                          "micro-batches": pipe.num_microbatches,
                          "in flight": pipe.in_flight(k), "weight pending": pipe.weight_pending(k),
                          "schedule": pipe.schedule_name, "virtual stages": pipe.virtual_stages,

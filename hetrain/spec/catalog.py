@@ -33,20 +33,37 @@ class GPUType(BaseModel):
     fp32_tflops: PositiveFloat | None = Field(default=None, le=MAX_TFLOPS,
                                               description="dense FP32 TFLOPS (for precision: fp32)")
     efficiency: float = Field(default=0.5, gt=0, le=1, description="achievable fraction of peak TFLOPS")
+    bf16: bool = Field(default=True, description=(
+        "bf16 on tensor cores (Ampere and later); false on Volta and Turing (V100, T4, RTX 20xx, Titan RTX), whose "
+        "tensor cores run fp16 only: their stages compute in fp16 with loss scaling"))
+
+    def format_for(self, precision: str) -> str:
+        """The number format this GPU computes in under the plan's precision: bf16 where it has bf16 tensor
+        cores, fp16 where it has only those (``tflops`` is then its fp16 figure), fp16 and fp32 as asked."""
+        return "fp16" if precision == "bf16" and not self.bf16 else precision
 
     def achievable_flops(self, precision: str) -> float:
-        """FLOP/s this GPU sustains on transformer math at the given precision."""
-        peak = self.tflops if precision != "fp32" else (self.fp32_tflops or self.tflops / 8)
+        """FLOP/s this GPU sustains on transformer math at the plan's precision (in ``format_for``'s format)."""
+        fmt = self.format_for(precision)
+        peak = self.tflops if fmt != "fp32" else (self.fp32_tflops or self.tflops / 8)
         return peak * 1e12 * self.efficiency
+
+    def without_tensor_cores_for(self, precision: str) -> GPUType:
+        """This GPU if ``precision`` were forced on it where it has no tensor cores for it (bf16 on Volta and
+        Turing runs on the CUDA cores, at about the fp32 rate): what a bf16-everywhere plan is priced at."""
+        if self.format_for(precision) == precision:
+            return self
+        return self.model_copy(update={"tflops": self.fp32_tflops or self.tflops / 8, "bf16": True})
 
 
 CATALOG: dict[str, GPUType] = {
     # NVIDIA A100 Tensor Core GPU data sheet (2021): BF16 312 TF dense; 40GB HBM2 1,555 GB/s; 80GB HBM2e 2,039 GB/s (SXM).
     "A100-40G": GPUType(tflops=312, memory_gb=40, memory_bandwidth_gbps=1555, fp32_tflops=19.5),
     "A100-80G": GPUType(tflops=312, memory_gb=80, memory_bandwidth_gbps=2039, fp32_tflops=19.5),
-    # NVIDIA Tesla V100 data sheet (SXM2): 125 tensor TFLOPS, 15.7 FP32, 900 GB/s HBM2, 16 or 32 GB.
-    "V100-16G": GPUType(tflops=125, memory_gb=16, memory_bandwidth_gbps=900, fp32_tflops=15.7),
-    "V100-32G": GPUType(tflops=125, memory_gb=32, memory_bandwidth_gbps=900, fp32_tflops=15.7),
+    # NVIDIA Tesla V100 data sheet (SXM2): 125 tensor TFLOPS, 15.7 FP32, 900 GB/s HBM2, 16 or 32 GB. Volta's tensor
+    # cores run FP16 only (NVIDIA Volta architecture whitepaper: "mixed-precision FP16/FP32"): no BF16.
+    "V100-16G": GPUType(tflops=125, memory_gb=16, memory_bandwidth_gbps=900, fp32_tflops=15.7, bf16=False),
+    "V100-32G": GPUType(tflops=125, memory_gb=32, memory_bandwidth_gbps=900, fp32_tflops=15.7, bf16=False),
     # NVIDIA Ampere GA102 whitepaper, appendix A (GeForce RTX 3090): FP16 tensor with FP32 accumulate 71 TF dense
     # (142 with sparsity); 35.6 FP32; 24 GB GDDR6X at 936 GB/s.
     "RTX3090": GPUType(tflops=71, memory_gb=24, memory_bandwidth_gbps=936, fp32_tflops=35.6),
@@ -57,7 +74,7 @@ CATALOG: dict[str, GPUType] = {
     # NVIDIA L4 data sheet: BF16 tensor 242 TF with sparsity -> 121 dense; 30.3 FP32; 24 GB at 300 GB/s.
     "L4": GPUType(tflops=121, memory_gb=24, memory_bandwidth_gbps=300, fp32_tflops=30.3),
     # NVIDIA T4 data sheet: 65 TF mixed precision FP16/FP32 (no BF16 on Turing); 8.1 FP32; 16 GB at 320 GB/s.
-    "T4": GPUType(tflops=65, memory_gb=16, memory_bandwidth_gbps=320, fp32_tflops=8.1),
+    "T4": GPUType(tflops=65, memory_gb=16, memory_bandwidth_gbps=320, fp32_tflops=8.1, bf16=False),
     # NVIDIA H100 data sheet: SXM BF16 1,979 TF with sparsity -> 989 dense, 67 FP32, 80 GB 3.35 TB/s;
     # PCIe BF16 1,513 sparse -> 756 dense, 51 FP32, 80 GB 2.0 TB/s.
     "H100-SXM": GPUType(tflops=989, memory_gb=80, memory_bandwidth_gbps=3350, fp32_tflops=67),
