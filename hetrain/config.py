@@ -82,9 +82,9 @@ class TrainOptions(BaseModel):
     sync_checkpoints: bool = Field(False, description=(
         "write and commit each checkpoint before the next step (default: after a snapshot in host memory, in the "
         "background)"))
-    checkpoint_when_busy: Literal["skip", "wait"] = Field("skip", description=(
-        "a checkpoint due while the previous one still commits: skip it (the previous stays the newest; said on the "
-        "console and in the metrics) or wait for the commit"))
+    checkpoint_when_busy: Literal["skip", "wait"] = Field("wait", description=(
+        "a checkpoint due while the previous one still commits: wait for the commit (said on the console and in the "
+        "metrics when it is long) or skip it (training never waits; the previous stays the newest committed)"))
     checkpoint_host_memory_gb: float | None = Field(None, gt=0, description=(
         "host memory a node's checkpoint snapshots may take, GB (default: 80 % of what is free at start; a rank over "
         "its share checkpoints synchronously)"))
@@ -116,10 +116,11 @@ class CheckpointConfig(BaseModel):
     # Training waits only for a snapshot in host memory; write, hash, buddy copy, commit and upload
     # run in the background (false: all before the next step, as before).
     background: bool = True
-    # A periodic checkpoint due while the previous one still commits: "skip" it (training does not
-    # wait; the previous stays the newest committed; the metrics and the console say so) or "wait"
-    # for the commit (the wait shows as checkpoint_waited_s). A notice's and the run's last always wait.
-    when_busy: Literal["skip", "wait"] = "skip"
+    # A periodic checkpoint due while the previous one still commits: "wait" for the commit (every
+    # checkpoint is taken where asked; the wait shows as checkpoint_waited_s and on the console) or
+    # "skip" it (training does not wait; the previous stays the newest committed; the metrics and the
+    # console say so). A notice's and the run's last always wait.
+    when_busy: Literal["skip", "wait"] = "wait"
     write_threads: PositiveInt = 4  # DCP writer threads per rank (each writes and hashes its own file)
     # Host memory a node's snapshot buffers may take (GB; None: 80 % of what is available at start).
     # A rank's state above its share is checkpointed synchronously instead (stated in the log and metrics).
