@@ -156,3 +156,27 @@ def test_tied_plan_under_zero1_matches_one_process(tmp_path: Path):
     assert_close({n: t for n, t in got.items() if not n.startswith("optim/")}, want, "parameter", ONE_PROCESS_TOL)
     assert torch.equal(got[HEAD_NAME], got[TIED_NAME])  # the two copies stay one weight
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_tied_checkpoint_moves_between_one_weight_and_a_copy_on_each_end(tmp_path: Path):
+    """Saved where one stage holds both ends (the optimizer state under the embedding's name only), resumed where
+    the ends are on different ranks (the head's copy takes the same state): the step after equals the run that
+    never moved."""
+    from hetrain.checkpoint.manifest import step_name
+    from hetrain.config import CheckpointConfig
+
+    def one_plan(stages: list[tuple[str, list[int]]]) -> Plan:
+        return Plan.model_validate({
+            "schema": "hetrain.plan/v1", "model": TIED.model_dump(), "cluster": "test", "global_batch_size": 8,
+            "micro_batch_size": 2, "tp": 1, "pipelines": [{"num_microbatches": 4, "stages": [
+                {"devices": [d], "gpu": "cpu", "layers": layers} for d, layers in stages]}]})
+
+    whole, split = one_plan([("a/0", [0, 6])]), one_plan([("a/0", [0, 3]), ("b/0", [3, 6])])
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=2)
+    straight = run(whole, tmp_path / "straight", steps=3)
+    run(whole, tmp_path / "save", steps=2, checkpoint=cfg)
+    moved = run(split, tmp_path / "moved", steps=3, start_step=2,
+                resume_from=str(Path(cfg.node_root("a")) / step_name(1)))
+    assert moved[0]["step"] == 2
+    assert moved[0]["loss"] == pytest.approx(straight[2]["loss"], rel=1e-5)

@@ -88,6 +88,29 @@ def prepare_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) 
         get_state_dict(model, optimizer, options=OPTIONS)
 
 
+# A tied model's one weight under its two names (hetrain.runtime.model's TIED_NAME and HEAD_NAME): a stage holding
+# both ends keeps one Parameter, its optimizer state under the first name only; stages holding one end each keep
+# their copy's state under their own name.
+TIED_NAMES = ("tok_embedding.weight", "head.weight")
+
+
+def _alias_tied(optim: dict, stored_keys) -> dict[str, str]:
+    """Rename, in place, this rank's optimizer entries of a tied weight that the checkpoint holds only under the
+    other end's name (a plan whose pipelines each hold both ends, resumed on one that splits them, or back);
+    returns {stored name: this rank's name} to rename them back after the load. The values are the same weight's."""
+    renames = {}
+    for key in list(optim):
+        if f"optim.{key}" in stored_keys:
+            continue
+        for mine, other in (TIED_NAMES, TIED_NAMES[::-1]):
+            alias = key.replace(f".{mine}.", f".{other}.", 1) if f".{mine}." in key else None
+            if alias and alias not in optim and f"optim.{alias}" in stored_keys:
+                renames[alias] = key
+                optim[alias] = optim.pop(key)
+                break
+    return renames
+
+
 def _stored_train_state(keys) -> tuple[str, ...] | None:
     """The train state's names in a checkpoint's metadata keys; None when it has none (an old checkpoint)."""
     prefix = TRAIN_STATE + "."
@@ -117,7 +140,10 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
     state = training_state(model, optimizer, template)
     if isinstance(reader, SafeFsspecReader):  # a fresh one: DCP's load sets the reader up again
         reader = SafeFsspecReader(url, **(storage_options or {}))
+    renames = _alias_tied(state["optim"], keys)
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    for stored, mine in renames.items():
+        state["optim"][mine] = state["optim"].pop(stored)
     if _is_sharded(optimizer):  # DCP loaded its shares in place; the model's weights go in as usual
         set_model_state_dict(model, state["model"], options=OPTIONS)
         optimizer.load_checkpoint_state(state["optim"])
