@@ -35,6 +35,7 @@ from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir
 from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir
 from hetrain.runtime.launch import RunStopped, launch
+from hetrain.runtime.metrics import checkpoint_notes
 from hetrain.spec.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
 
@@ -162,6 +163,8 @@ def _on_record(run_id: str, config, options: TrainOptions, metrics: Path, run_di
             logger.info("run %s: %s", run_id, describe_extension(r["lr_schedule_extended"], r["step"]))
         for failure in r.get("backup_failed", []):
             logger.error("backup of %s to %s failed: %s", run_id, options.remote, failure)
+        for note in checkpoint_notes(r):  # a skipped checkpoint, a long wait for a commit: in the run's log
+            logger.warning("run %s: %s", run_id, note)
         if r["step"] % redraw == 0 and config.start_step < r["step"] < config.steps - 1:
             publish_run_pictures(run_id, metrics, run_dir)  # the curve so far (the end's is drawn below)
         if r["step"] % every == 0 or r["step"] == config.steps - 1:

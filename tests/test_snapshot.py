@@ -56,3 +56,13 @@ def test_the_writer_hashes_what_reaches_the_disk(tmp_path: Path):
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_the_console_and_prefect_hear_of_skipped_checkpoints_and_long_waits_only():
+    from hetrain.runtime.metrics import LONG_CHECKPOINT_WAIT_S, checkpoint_notes
+
+    assert checkpoint_notes({"step": 9, "checkpoint_s": 0.2, "checkpoint_waited_s": LONG_CHECKPOINT_WAIT_S / 2}) == []
+    waited, = checkpoint_notes({"step": 9, "checkpoint_waited_s": 12.06})
+    assert waited.startswith("checkpoint of step 9 waited 12.1 s for the previous one's commit")
+    skipped, = checkpoint_notes({"step": 99, "checkpoint_skipped": {"in_flight_step": 49, "skipped_so_far": 1}})
+    assert skipped.startswith("checkpoint of step 99 skipped: step 49's is still being committed")

@@ -142,15 +142,12 @@ def _print_launch(config, layout, run_dir: Path, main_address: str) -> None:
         out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
 
 
-# A checkpoint's wait for the previous commit worth a console line: longer than a step takes on any GPU
-LONG_CHECKPOINT_WAIT_S = 1.0
-
-
 def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
     """Launch the run under a progress bar; a signal stops every worker and exits 128 + its number."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from hetrain.runtime.launch import launch
+    from hetrain.runtime.metrics import checkpoint_notes
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)
@@ -163,19 +160,8 @@ def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
             if "lr_schedule_extended" in record:
                 progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
                                        highlight=False, soft_wrap=True)
-            skipped = record.get("checkpoint_skipped")
-            if skipped:  # checkpoint.when_busy: skip; the commit in flight stays the newest
-                progress.console.print(f"note: checkpoint of step {record['step']} skipped: step "
-                                       f"{skipped['in_flight_step']}'s is still being committed "
-                                       f"({skipped['skipped_so_far']} skipped so far; checkpoint less often, or "
-                                       f"when_busy: wait)", highlight=False, soft_wrap=True)
-            waited_s = record.get("checkpoint_waited_s", 0.0)
-            if waited_s > LONG_CHECKPOINT_WAIT_S:  # the commit outlasts the interval: the user should know
-                progress.console.print(f"note: checkpoint of step {record['step']} waited {waited_s:.1f} s for the "
-                                       f"previous one's commit (checkpoint less often, or --checkpoint-when-busy "
-                                       f"skip)", highlight=False, soft_wrap=True)
-            if "checkpoint_synchronous" in record:
-                progress.console.print(f"note: {record['checkpoint_synchronous']}", highlight=False, soft_wrap=True)
+            for note in checkpoint_notes(record):  # skipped, a long wait, the synchronous fallback
+                progress.console.print(f"note: {note}", highlight=False, soft_wrap=True)
             for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
                 progress.console.print(labelled("backup failed", f"{failure} ({config.checkpoint.remote_url})"),
                                        highlight=False, soft_wrap=True)

@@ -28,6 +28,28 @@ from typing import IO
 
 RUN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "loss_scale", "checkpoint_s",
                "checkpoint_waited_s", "resume_load_s")
+# A checkpoint's wait for the previous commit worth saying: longer than a step takes on any GPU
+LONG_CHECKPOINT_WAIT_S = 1.0
+
+
+def checkpoint_notes(record: dict) -> list[str]:
+    """What a step's record says about its checkpoint that a user should hear (the console, the Prefect log):
+    a skipped one, a long wait for the previous commit, the synchronous fallback."""
+    notes = []
+    skipped = record.get("checkpoint_skipped")
+    if skipped:
+        notes.append(f"checkpoint of step {record['step']} skipped: step {skipped['in_flight_step']}'s is still being "
+                     f"committed ({skipped['skipped_so_far']} skipped so far; checkpoint less often, or "
+                     f"--checkpoint-when-busy wait)")
+    waited_s = record.get("checkpoint_waited_s", 0.0)
+    if waited_s > LONG_CHECKPOINT_WAIT_S:
+        notes.append(f"checkpoint of step {record['step']} waited {waited_s:.1f} s for the previous one's commit "
+                     f"(checkpoint less often, or --checkpoint-when-busy skip)")
+    if "checkpoint_synchronous" in record:
+        notes.append(record["checkpoint_synchronous"])
+    return notes
+
+
 RANK_SCALARS = ("compute_s", "idle_s", "sync_s", "peak_memory_gb")
 TENSORBOARD_FLUSH_S = 5  # a live `tensorboard` sees a step within seconds; a write costs a few microseconds
 
