@@ -510,7 +510,7 @@ def test_a_manifest_that_lists_a_file_twice_or_claims_too_much_is_refused_before
     assert good.total_bytes <= max_checkpoint_bytes(good.model)
     # a destination without room: refused before a byte is fetched, nothing left behind
     monkeypatch.setattr(reassemble_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1))
-    with pytest.raises(HetrainError, match="MB free at .* a resume needs"):
+    with pytest.raises(HetrainError, match="MB free at .*a resume needs"):
         reassemble(good, [Source(n, cfg.node_root(n)) for n in "abc"], None, str(tmp_path / "dest"))
     assert not list(tmp_path.iterdir())
 
