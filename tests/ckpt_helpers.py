@@ -13,7 +13,10 @@ from conftest import EXAMPLES
 from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
+from hetrain.runtime.data import TokenSource
 from hetrain.runtime.launch import launch
+from hetrain.runtime.model import GPT, lm_loss
+from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import load_model
 
 TINY = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
@@ -107,3 +110,25 @@ def moto_bucket(bucket: str) -> Iterator[tuple[str, object]]:
     finally:
         server.stop()
         mp.undo()
+
+
+def sgd_reference(plan: Plan, steps: int, lr: float, clip: float) -> tuple[dict, dict, list[float]]:
+    """One process, the whole global batch at once: gradients of step 0, parameters after, losses."""
+    model = GPT(plan.model)
+    model.init_weights(0)
+    source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    schedule = LRSchedule.for_run(steps, lr)  # the runtime's default schedule: warmup, then cosine
+    grads, losses = {}, []
+    for step in range(steps):
+        opt.param_groups[0]["lr"] = schedule.lr_at(step)
+        seq = source.sequences(step * plan.global_batch_size, plan.global_batch_size)
+        loss = lm_loss(model(seq[:, :-1]), seq[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, losses

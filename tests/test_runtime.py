@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_helpers import sgd_reference
 from conftest import EXAMPLES, ROOT, run_cli, spawn_ranks
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
-from hetrain.runtime.data import TokenSource
 from hetrain.runtime.launch import free_port, worker_pids
-from hetrain.runtime.model import GPT, lm_loss
-from hetrain.spec.schedule import LRSchedule
+from hetrain.runtime.model import lm_loss
 from hetrain.spec.specs import load_model
 
 pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
@@ -48,28 +47,6 @@ def asymmetric_plan(tp: int, global_batch_size: int = 8, micro_batch_size: int =
             {"num_microbatches": 1, "stages": [stage("b", 0, [0, 6], "full")]},
         ],
     })
-
-
-def reference(plan: Plan, steps: int) -> tuple[dict, dict, list[float]]:
-    """One process, the whole global batch at once: gradients of step 0, parameters after, losses."""
-    model = GPT(plan.model)
-    model.init_weights(0)
-    source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    schedule = LRSchedule.for_run(steps, LR)  # the runtime's default schedule: warmup, then cosine
-    grads, losses = {}, []
-    for step in range(steps):
-        opt.param_groups[0]["lr"] = schedule.lr_at(step)
-        seq = source.sequences(step * plan.global_batch_size, plan.global_batch_size)
-        loss = lm_loss(model(seq[:, :-1]), seq[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
 def assert_close(got: dict, want: dict, what: str) -> None:
@@ -196,7 +173,7 @@ def train_and_match_single_process(tmp_path: Path, plan: Plan, spec_file: Path) 
                 "--optimizer", "sgd", "--lr", str(LR), "--max-grad-norm", str(CLIP),
                 "--run-dir", str(tmp_path / "run"), "--dump-dir", str(dump))
     assert r.returncode == 0, r.stdout + r.stderr
-    ref_grads, ref_params, ref_losses = reference(plan, STEPS)
+    ref_grads, ref_params, ref_losses = sgd_reference(plan, STEPS, LR, CLIP)
 
     layout = build_layout(plan)
     holders: dict[str, int] = {}

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import dumped_state, run
+from ckpt_helpers import dumped_state, run, sgd_reference
 from conftest import EXAMPLES, run_cli
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
-from hetrain.runtime.data import TokenSource
-from hetrain.runtime.model import GPT, HEAD_NAME, TIED_NAME, lm_loss
+from hetrain.runtime.model import GPT, HEAD_NAME, TIED_NAME
 from hetrain.runtime.parallelize import bucket_params, norm_counted
 from hetrain.spec.arithmetic import total_params
-from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import load_model
 
 # Every switch of the block at once, so the equivalence runs below cover them under TP too: q/k/v bias split
@@ -88,28 +86,6 @@ def test_the_tied_bucket_holds_every_end_of_every_pipeline():
     assert [(b.ranks, b.tied) for b in build_layout(one_pipeline).buckets] == [((0, 1), True)]
 
 
-def reference(steps: int) -> tuple[dict, dict, list[float]]:
-    """One process, the whole global batch: gradients of step 0, parameters after, losses (SGD)."""
-    model = GPT(TIED)
-    model.init_weights(0)
-    source = TokenSource(TIED.seq_length, TIED.vocab_size, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    schedule = LRSchedule.for_run(steps, LR)
-    grads, losses = {}, []
-    for step in range(steps):
-        opt.param_groups[0]["lr"] = schedule.lr_at(step)
-        seq = source.sequences(step * 8, 8)
-        loss = lm_loss(model(seq[:, :-1]), seq[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
-
-
 def assert_close(got: dict, want: dict, what: str, tol: float = 1e-5) -> None:
     for name, tensor in got.items():
         ref = want[TIED_NAME if name == HEAD_NAME else name]  # a last stage's copy of the one weight
@@ -128,7 +104,7 @@ def test_tied_plan_at_tp2_matches_one_process(tmp_path: Path):
                 "--lr", str(LR), "--max-grad-norm", str(CLIP), "--run-dir", str(tmp_path / "run"),
                 "--dump-dir", str(tmp_path / "dump"))
     assert r.returncode == 0, r.stdout + r.stderr
-    ref_grads, ref_params, ref_losses = reference(STEPS)
+    ref_grads, ref_params, ref_losses = sgd_reference(tied_plan(1), STEPS, LR, CLIP)
     copies = 0
     for role in build_layout(plan).roles:
         if role.tp_rank == 0:
