@@ -53,17 +53,22 @@ def main() -> None:
     prepare_s = _timed(lambda: (snap.prepare(state), snap._thread.join()), False)
     pinned = snap.pinned
     tensors = [t for t in _leaves(state) if t.numel() > 0]
-    bare = torch.empty(nbytes // 4 + len(tensors) * 16, dtype=torch.float32, pin_memory=cuda)
+    # the floor: every tensor's bytes into one pinned buffer of the same size, back to back
+    bare = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, pin_memory=cuda)
     views, at = [], 0
     for t in tensors:
-        views.append(bare[at:at + t.numel()].view(-1)) if t.dtype == torch.float32 else None
-        at += t.numel()
+        views.append(bare[at:at + t.numel() * t.element_size()])
+        at += t.numel() * t.element_size()
+
+    def bare_copy() -> None:
+        for view, t in zip(views, tensors):
+            view.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+
     rows = {"get_state_dict": [], "Snapshot.take": [], "bare copy (one pinned buffer)": []}
     for _ in range(args.repeats):
         rows["get_state_dict"].append(_timed(lambda: training_state(model, opt), cuda))
         rows["Snapshot.take"].append(_timed(lambda: snap.take(state), cuda))
-        rows["bare copy (one pinned buffer)"].append(_timed(
-            lambda: [v.copy_(t.view(-1), non_blocking=True) for v, t in zip(views, tensors) if v is not None], cuda))
+        rows["bare copy (one pinned buffer)"].append(_timed(bare_copy, cuda))
     out = [{"part": k, "median_s": statistics.median(v), "runs": v, "gb_per_s": nbytes / 1e9 / statistics.median(v)}
            for k, v in rows.items()]
     print_table(f"{spec.name}: {nbytes / 1e9:.1f} GB of state; buffers prepared in {prepare_s:.1f} s "

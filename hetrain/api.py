@@ -166,6 +166,7 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
     run.mkdir(parents=True, exist_ok=True)
     nodes = list(build_layout(the_plan).nodes)
     config = build_run_config(run, RunDir(run).plan, opts, cluster=Path(cluster) if cluster else None)
+    config.check_formats(the_plan)
     if opts.data is not None:
         from hetrain.runtime.data import TokenSource
 

@@ -208,6 +208,13 @@ class RunConfig(BaseModel):
             return plan.training.precision
         return "bf16" if device_type == "cuda" else "fp32"
 
+    def check_formats(self, plan: Plan) -> None:
+        """Before any process starts: every stage's format resolves (``--precision bf16`` forced onto a stage the
+        plan computes in fp16, on a GPU without bf16, is one line here, not an error inside the ranks)."""
+        for pipe in plan.pipelines:
+            for stage in pipe.stages:
+                self.resolved_precision(plan, "cuda", stage)
+
     def loss_scaled(self, plan: Plan, device_type: str) -> bool:
         """Whether the run scales its loss: some stage computes in fp16. One scale for the whole step, on every
         rank: the last stages scale the loss once, every gradient carries it, an overflow anywhere skips the step."""

@@ -53,3 +53,8 @@ def test_a_t4_only_cluster_plans_fp16_and_the_table_says_what_bf16_everywhere_wo
     assert "T4 in fp16 (no bf16 tensor cores)" in " ".join(r.stdout.split())
     with pytest.raises(HetrainError, match="^--precision bf16: the plan's T4 stage computes in fp16"):
         RunConfig(plan="p.json", precision="bf16").resolved_precision(plan, "cuda", plan.pipelines[0].stages[0])
+    plan.write(tmp_path / "plan.json")  # forced from the command line: one line, exit 2, before any process
+    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--precision", "bf16", "--steps", "1",
+                "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and "the plan's T4 stage computes in fp16" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

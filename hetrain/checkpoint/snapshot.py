@@ -10,9 +10,10 @@ training's own CUDA calls get through between them. A checkpoint due before they
 waits for them (the stall says so); a state that does not fit the host-memory budget is saved
 synchronously instead (``Snapshot.fits``), stated once in the log and in the metrics.
 
-The buffers are one flat allocation carved into aligned views, not one allocation per tensor:
-torch's pinned caching allocator rounds every block up to a power of two (an 18 GB state would
-take up to 36 GB), and one registration per page range is what ``cudaHostRegister`` wants.
+The buffers live in one anonymous mapping (page-aligned, pinned a range at a time), each tensor
+a storage of its own over its bytes of it: torch's pinned caching allocator would round every block
+up to a power of two (an 18 GB state could take 36 GB), and DCP's writer clones a tensor whose
+storage is larger than itself, so views of one big tensor would be copied again at every commit.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class _Slot:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def state_bytes(state) -> int:
@@ -187,7 +188,6 @@ class Snapshot:
         # keep the memory but not the pinning (measured on an H200: the copy then ran at 13 GB/s, not 55).
         self._arena: Arena | None = None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self.prepare_s: float | None = None  # how long the background preparation took
         self.waited_s = 0.0  # of the last ``take``: waiting for the preparation
 
@@ -214,8 +214,7 @@ class Snapshot:
             self.prepare_s = time.perf_counter() - started
             log.info("checkpoint snapshot buffers ready: %.2f GB %s in %.2f s", nbytes / 1e9,
                      "pinned" if pin else "paged in", self.prepare_s)
-        except BaseException as e:  # a failed pin: take() makes them the old way, at the checkpoint
-            self._error = e
+        except Exception as e:  # a failed pin: take() makes them the old way, at the checkpoint
             log.warning("preparing the checkpoint's snapshot buffers failed (%s); they are made at the first "
                         "checkpoint instead", e)
 

@@ -84,6 +84,7 @@ def train(
     config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
                               peers=_peer_urls(peer), trace_memory=trace_memory,
                               dump_dir=str(dump_dir.resolve()) if dump_dir else None)
+    config.check_formats(pl)
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
