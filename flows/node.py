@@ -35,7 +35,8 @@ from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile
 from hetrain.recovery.preemption import mark_active
-from hetrain.recovery.runs import check_run_paths, load_run, run_dir_of
+from hetrain.run.prepare import check_run_paths
+from hetrain.run.runs import load_run, run_dir_of
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
 

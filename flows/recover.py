@@ -37,7 +37,7 @@ from hetrain.recovery.preemption import parse_utc
 from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.recovery.recover import recover as recover_run
 from hetrain.recovery.recover import surviving_cluster
-from hetrain.recovery.runs import existing_run
+from hetrain.run.runs import existing_run
 from hetrain.runtime.launch import worker_pids
 from hetrain.spec.specs import load_cluster
 

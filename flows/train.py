@@ -31,7 +31,8 @@ from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.cost.notice import SWITCH_NOTICE_S
 from hetrain.recovery.preemption import SOURCES
-from hetrain.recovery.runs import backup_problem, load_run, prepare_run, run_dir_of
+from hetrain.run.prepare import prepare_run
+from hetrain.run.runs import backup_problem, load_run, run_dir_of
 from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir
 from hetrain.runtime.launch import RunStopped, launch

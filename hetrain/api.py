@@ -151,7 +151,7 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
     from hetrain.config import TrainOptions, build_run_config
     from hetrain.plan.layout import build_layout
     from hetrain.plan.schema import check_optimizer_state
-    from hetrain.recovery.runs import prepare_run
+    from hetrain.run.prepare import prepare_run
     from hetrain.rundir import RunDir
     from hetrain.runtime.launch import launch
     from hetrain.spec.specs import describe_validation_error

@@ -146,7 +146,7 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
 
     from hetrain.checkpoint.reassemble import NoCheckpoint, committed_by_source, reassemble, _manifest
     from hetrain.plan.schema import load_plan
-    from hetrain.recovery.runs import load_run, sources_for
+    from hetrain.run.runs import load_run, sources_for
 
     check_dtype(dtype)
     config = load_run(run_dir)

@@ -50,7 +50,7 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: Path):
     with (tmp_path / "flows" / "report.py").open("a") as f:
         f.write("\nimport hetrain.runtime.trainer  # noqa: E402\n")
     with (tmp_path / "hetrain" / "checkpoint" / "backup.py").open("a") as f:
-        f.write("\nimport hetrain.recovery.runs  # noqa: E402\n")
+        f.write("\nimport hetrain.run.runs  # noqa: E402\n")
     with (tmp_path / "flows" / "train.py").open("a") as f:
         f.write("\nimport hetrain.testing.netbed  # noqa: E402\n")
     r = lint(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
@@ -68,7 +68,7 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: Path):
 
 def test_the_control_plane_does_not_load_torch_distributed_training():
     """What the CLI, recovery and the launcher import never pulls in pipelining or DTensor."""
-    code = ("import sys, hetrain.cli, hetrain.recovery.recover, hetrain.recovery.runs, hetrain.runtime.launch, "
+    code = ("import sys, hetrain.cli, hetrain.recovery.recover, hetrain.run.runs, hetrain.runtime.launch, "
             "hetrain.config; "
             "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
             "'torch.distributed.tensor', 'hetrain.runtime.trainer', 'hetrain.checkpoint.save'))))")

@@ -68,7 +68,7 @@ def train(
     from hetrain.config import RUN_ID, build_run_config
     from hetrain.plan.layout import build_layout
     from hetrain.plan.schema import check_optimizer_state
-    from hetrain.recovery.runs import prepare_run
+    from hetrain.run.prepare import prepare_run
 
     pl = _checked_plan(plan_file, model, cluster)
     try:
@@ -191,7 +191,7 @@ def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
 
 def _report_run(records: list[dict], config, run_dir: Path) -> None:
     """The run's last line, and exit 3 when its newest checkpoint did not reach the remote store."""
-    from hetrain.recovery.runs import EXIT_NOT_BACKED_UP, backup_problem
+    from hetrain.run.runs import EXIT_NOT_BACKED_UP, backup_problem
 
     if records:
         tail = records[len(records) // 2:] or records

@@ -56,7 +56,7 @@ from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.cost.notice import DEFAULT_SWITCH_RESERVE_S
 from hetrain.recovery.preemption import wait_for_checkpoint
 from hetrain.recovery.recover import Planner, RecoveryResult, recover, surviving_cluster, write_report
-from hetrain.recovery.runs import load_run, sources_for
+from hetrain.run.runs import load_run, sources_for
 from hetrain.rundir import (RunDir, done_files, done_step, live_offer_file, live_release_file, live_result_file,
                             ready_file)
 from hetrain.spec.specs import load_cluster

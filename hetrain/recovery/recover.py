@@ -25,7 +25,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.pictures import RECOVERY_PNG_SUFFIX, write_recovery_png
 from hetrain.plan.schema import Plan, load_plan, validate_plan
-from hetrain.recovery.runs import load_run, sources_for
+from hetrain.run.runs import load_run, sources_for
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster
 
 Planner = Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]
