@@ -20,7 +20,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 # What every rank process of ``spawn_ranks`` needs and would otherwise import anew (torch, DTensor and
 # the pipelining schedules: 3-5 s of CPU per process on the 2-core CI machine): imported once, in the
 # forkserver the ranks are forked from.
-RANK_PRELOAD = ["torch.distributed", "hetrain.runtime.trainer"]
+RANK_PRELOAD = ["torch.distributed", "hetrain.runtime.rank"]
 
 
 def _rank_main(rank: int, env: dict[str, str], fn, *args) -> None:

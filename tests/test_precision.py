@@ -90,7 +90,7 @@ def _wire_worker(rank: int, world: int, ports: list[int], plan_paths: list[str],
     import torch.distributed._functional_collectives as funcol
 
     from hetrain.config import RunConfig
-    from hetrain.runtime.trainer import run as run_rank
+    from hetrain.runtime.rank import run as run_rank
 
     seen: dict[str, set[str]] = {}
     real_funcol = funcol.all_reduce

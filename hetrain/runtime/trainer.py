@@ -1,10 +1,10 @@
 """One rank of a plan: build its stage, parallelize it, pipeline it, train it (torchtitan's split).
 
-``run`` is what every training process runs (``hetrain.runtime.worker``): it joins the process
-group, finds its role in the plan, and hands a ``Trainer`` the plain model (``runtime.model``)
-to parallelize (``runtime.parallelize``), put under the plan's precision
-(``runtime.precision``) and pipeline with one 1F1B schedule per plan pipeline. The trainer
-owns its loop; its checkpointer decides when to save.
+A ``Trainer`` takes the plain model (``runtime.model``) of its role, parallelizes it
+(``runtime.parallelize``), puts it under the plan's precision (``runtime.precision``) and
+pipelines it with its pipeline's schedule. The trainer owns its loop; its checkpointer decides
+when to save. The process around it (process group, device, a warm start's standby) is
+``runtime.rank``'s.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from hetrain.checkpoint.save import Checkpointer, load_training_state
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
-from hetrain.plan.layout import Layout, Role, build_layout
-from hetrain.plan.schema import Plan, check_optimizer_state, load_plan
-from hetrain.rundir import answer_request, live_offer_file, ready_file
+from hetrain.plan.layout import Layout, Role
+from hetrain.plan.schema import Plan, check_optimizer_state
+from hetrain.rundir import answer_request, live_offer_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
-from hetrain.runtime.groups import ProcessGroups, layout_rank, make_groups
+from hetrain.runtime.groups import ProcessGroups
 from hetrain.runtime.instrument import TRACED_PHASES, AllocationTracker, StageMeter
 from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.model import GPT, lm_loss
@@ -44,7 +44,7 @@ from hetrain.runtime.pipeline import ScheduleEager1F1B, ScheduleZeroBubbleH1
 from hetrain.runtime.zero import ShardedAdamW, adamw_defaults, sharded_adamw
 from hetrain.runtime.pretrained import load_pretrained
 from hetrain.spec.schedule import LRSchedule
-from hetrain.spec.specs import EmulateSpec, load_cluster
+from hetrain.spec.specs import EmulateSpec
 
 
 # The last stage would otherwise keep every micro-batch's logits until the step ends, to return
@@ -103,30 +103,7 @@ class Trainer:
             recompute = settings.stage_recompute(plan.pipelines[role.pipeline].stages[role.stage].recompute)
         self.precision = config.resolved_precision(plan, device.type, plan.pipelines[role.pipeline].stages[role.stage])
         self.reduce_dtype = GRAD_REDUCE_DTYPE[settings.grad_reduce]
-        model = GPT(plan.model, role.layers, recompute=recompute, chunks=role.chunk_layers)
-        model.init_weights(config.seed)
-        model.to(device)
-        # torchtitan's order: tensor parallelism, then precision, then compile each block.
-        if plan.tp > 1:
-            # DTensor shards by the rank in the TP group; pipeline sends and gradient buckets pair ranks
-            # by the layout's TP rank: the two agree while process ranks follow plan ranks on each node
-            if groups.tp.rank() != role.tp_rank:
-                raise HetrainError(f"device {role.device} is TP rank {role.tp_rank} of its stage but rank "
-                                   f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
-                                   f"processes out of device order")
-            parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
-        if config.init_from and not config.resume_from:  # after TP: each rank reads only its shards
-            load_pretrained(model, plan.model, config.init_from)
-        # the modules the schedule runs: the stage, or an interleaved rank's chunk views of it (same parameters)
-        self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
-        for chunk in self.chunks:
-            apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
-        if config.fp8:  # after autocast's hooks, before compile (torchtitan's order)
-            apply_fp8(model, self.precision, device, tp=plan.tp)
-        if config.compile and device.type == "cuda":
-            for block in model.layers.values():
-                block.compile()
-        self.model = model
+        self.model = model = self._build_model(groups, recompute)
         self.meter = StageMeter(
             model, role.device,
             slowdown=emulate.slowdown if emulate else 1.0,
@@ -175,6 +152,37 @@ class Trainer:
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
         self.buckets = [(g, ps) for g, ps in self.buckets if ps]
+
+    def _build_model(self, groups: ProcessGroups, recompute) -> GPT:
+        """The stage's model, parallelized, under the precision and compiled; sets ``self.chunks``.
+
+        torchtitan's order: tensor parallelism, then precision (fp8 after autocast's hooks), then
+        compile each block; pretrained weights after TP, so each rank reads only its shards.
+        """
+        config, plan, role, device = self.config, self.plan, self.role, self.device
+        model = GPT(plan.model, role.layers, recompute=recompute, chunks=role.chunk_layers)
+        model.init_weights(config.seed)
+        model.to(device)
+        if plan.tp > 1:
+            # DTensor shards by the rank in the TP group; pipeline sends and gradient buckets pair ranks
+            # by the layout's TP rank: the two agree while process ranks follow plan ranks on each node
+            if groups.tp.rank() != role.tp_rank:
+                raise HetrainError(f"device {role.device} is TP rank {role.tp_rank} of its stage but rank "
+                                   f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
+                                   f"processes out of device order")
+            parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
+        if config.init_from and not config.resume_from:
+            load_pretrained(model, plan.model, config.init_from)
+        # the modules the schedule runs: the stage, or an interleaved rank's chunk views of it (same parameters)
+        self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
+        for chunk in self.chunks:
+            apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
+        if config.fp8:
+            apply_fp8(model, self.precision, device, tp=plan.tp)
+        if config.compile and device.type == "cuda":
+            for block in model.layers.values():
+                block.compile()
+        return model
 
     def _make_schedule(self, pipe, groups: ProcessGroups, recompute):
         """The pipeline's schedule on this rank (``PipelinePlan.schedule_name``) over its stage or chunks."""
@@ -290,11 +298,44 @@ class Trainer:
     def _train_step(self, step: int) -> dict:
         started = time.perf_counter()
         self._phase("forward-backward")
+        losses = self._run_schedule(step)
+        compute_done = time.perf_counter()
+        self._phase("sync")
+        if self.zero is not None:
+            self.zero.reduce_scatter(self.reduce_dtype)
+        else:
+            sync_gradients(self.buckets, self.reduce_dtype)
+        synced = time.perf_counter()
+        totals = self._step_totals(losses, schedule_s=compute_done - started, sync_s=synced - compute_done)
+        dist.all_reduce(totals)
+        scale = self.scaler.scale
+        grad_norm = float(totals[StepTotals.GRAD_NORM_SQ].sqrt()) / scale
+        applied = self.scaler.update(grad_norm * scale)
+        lr = self.lr_schedule.lr_at(step)
+        if applied:
+            coef = 1.0 / scale
+            if self.config.max_grad_norm is not None:
+                coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
+            self._apply(step, coef, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
+                  "step_time_s": time.perf_counter() - started, "ranks": self._rank_records(totals),
+                  "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
+                  "stop_requested": bool(totals[StepTotals.STOP] > 0),
+                  "live_requested": bool(totals[StepTotals.LIVE] > 0),
+                  "checkpoint_busy": bool(totals[StepTotals.BUSY] > 0)}
+        if self.scaler.enabled:
+            record["loss_scale"] = scale
+            if not applied:
+                record["skipped"] = True  # fp16 overflow: no update, the scale halves
+        return record
+
+    def _run_schedule(self, step: int) -> list[torch.Tensor]:
+        """The step's forwards and backwards through the pipeline schedule; the last stage's losses."""
         inputs, targets = self.sampler.batch(step)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         losses: list[torch.Tensor] = []
-        role = self.role
-        kw = _NO_OUTPUTS
+        role, kw = self.role, _NO_OUTPUTS
         if role.num_stages == 1:
             self.schedule.step(inputs, target=targets, losses=losses, **kw)
         elif role.is_first:
@@ -303,20 +344,18 @@ class Trainer:
             self.schedule.step(target=targets, losses=losses, **kw)
         else:
             self.schedule.step(**kw)
-        compute_done = time.perf_counter()
-        self._phase("sync")
-        if self.zero is not None:
-            self.zero.reduce_scatter(self.reduce_dtype)
-        else:
-            sync_gradients(self.buckets, self.reduce_dtype)
-        synced = time.perf_counter()
+        return losses
 
-        # One world all-reduce per step carries the squared gradient norm (pipeline 0
-        # contributes), the loss (every pipeline's last stage its share), each rank's timings
-        # and, in the last slot, whether any rank was asked for a checkpoint.
+    def _step_totals(self, losses: list[torch.Tensor], schedule_s: float, sync_s: float) -> torch.Tensor:
+        """This rank's part of the one world all-reduce per step (``StepTotals``).
+
+        It carries the squared gradient norm (pipeline 0 contributes), the loss (every pipeline's
+        last stage its share), each rank's timings and whether any rank was asked for a checkpoint:
+        one collective rather than one per quantity.
+        """
+        role = self.role
         stats = self.meter.take_step_stats()
-        world = self.layout.world_size
-        totals = torch.zeros(StepTotals.size(world), dtype=torch.float64, device=self.device)
+        totals = torch.zeros(StepTotals.size(self.layout.world_size), dtype=torch.float64, device=self.device)
         if self.config.request_file and os.path.exists(self.config.request_file):
             totals[StepTotals.REQUEST] = 1.0
             totals[StepTotals.STOP] = float(_asks_to_stop(self.config.request_file))
@@ -335,19 +374,15 @@ class Trainer:
         peak_gb = self.tracker.peak_bytes / 1e9 if self.tracker is not None else stats["peak_memory_gb"]
         phase_gb = [self.tracker.phase_peak_bytes.get(p, 0) / 1e9 if self.tracker is not None else 0.0
                     for p in TRACED_PHASES]
-        totals[mine] = torch.tensor([compute_done - started, synced - compute_done, stats["compute_s"],
-                                     peak_gb, *phase_gb], dtype=torch.float64)
-        dist.all_reduce(totals)
-        scale = self.scaler.scale
-        grad_norm = float(totals[StepTotals.GRAD_NORM_SQ].sqrt()) / scale
-        applied = self.scaler.update(grad_norm * scale)
-        lr = self.lr_schedule.lr_at(step)
-        if applied:
-            coef = 1.0 / scale
-            if self.config.max_grad_norm is not None:
-                coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
-            self._apply(step, coef, lr)
-        self.optimizer.zero_grad(set_to_none=True)
+        totals[mine] = torch.tensor([schedule_s, sync_s, stats["compute_s"], peak_gb, *phase_gb], dtype=torch.float64)
+        return totals
+
+    def _rank_records(self, totals: torch.Tensor) -> list[dict]:
+        """Each rank's part of the step's record, from the all-reduced totals.
+
+        ``idle_s`` is the schedule's and the sync's time not spent computing, so it includes the
+        sync: ``compute_s + idle_s`` is the rank's step (``hetrain.pictures`` stacks those two).
+        """
         ranks = []
         for r, other in enumerate(self.layout.roles):
             schedule_s, sync_s, compute_s, peak_gb, *phase_gb = totals[StepTotals.rank_slice(r)].tolist()
@@ -357,17 +392,7 @@ class Trainer:
                           "peak_memory_gb": peak_gb})
             if self.tracker is not None:  # every rank traces or none (the run's --trace-memory)
                 ranks[-1]["peak_memory_by_phase_gb"] = dict(zip(TRACED_PHASES, phase_gb))
-        record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,
-                  "step_time_s": time.perf_counter() - started, "ranks": ranks,
-                  "checkpoint_requested": bool(totals[StepTotals.REQUEST] > 0),
-                  "stop_requested": bool(totals[StepTotals.STOP] > 0),
-                  "live_requested": bool(totals[StepTotals.LIVE] > 0),
-                  "checkpoint_busy": bool(totals[StepTotals.BUSY] > 0)}
-        if self.scaler.enabled:
-            record["loss_scale"] = scale
-            if not applied:
-                record["skipped"] = True  # fp16 overflow: no update, the scale halves
-        return record
+        return ranks
 
     def _apply(self, step: int, coef: float, lr: float) -> None:
         """The optimizer step on gradients scaled by ``coef`` (unscale and clip), at ``lr``."""
@@ -400,41 +425,7 @@ class Trainer:
             for step in range(config.start_step, config.steps):
                 with self._timeline(step if step == timeline_step else None):
                     record = self.train_step(step)
-                requested = record.pop("checkpoint_requested")
-                stop = record.pop("stop_requested") and self.checkpointer is not None
-                live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
-                busy = record.pop("checkpoint_busy")  # on any rank: all ranks decide alike
-                ckpt = self.checkpointer
-                if ckpt is not None:
-                    committed = ckpt.take_committed()  # raises a background commit's failure
-                    if committed:
-                        record["checkpoints_committed"] = committed
-                    if step == config.start_step:  # the state's shape is final: its snapshot buffers, off the step
-                        ckpt.prepare()
-                due = ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1)
-                if due and busy and ckpt.skips(requested or stop, last=step == config.steps - 1):
-                    record["checkpoint_skipped"] = ckpt.skipped(step)
-                elif due:
-                    saved = time.perf_counter()
-                    # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
-                    # live switch's served from memory (committed behind); the others stall for the snapshot
-                    if self.zero is not None:  # the checkpoint reads the parameters whole: the owners' fp32 rows
-                        self.zero.exact_params()
-                    ckpt.save(step, wait=requested, live_offer=live)
-                    record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
-                    record.update(ckpt.notes())
-                    if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
-                        record["checkpoint_waited_s"] = ckpt.waited_s
-                    if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
-                        self.release_device_memory()
-                    # only a requested checkpoint answers: a periodic one saved while a request waits unread
-                    # would take it (the controller then sees a commit the ranks never stopped at); live: once committed
-                    if requested and config.request_file and ckpt.node_leader and live is None:
-                        answer_request(config.request_file, step)
-                if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
-                    failures = ckpt.uploader.new_failures()
-                    if failures:
-                        record["backup_failed"] = failures
+                stop = self._checkpoint_after(step, record)
                 if step == config.start_step and self.load_s is not None:
                     record["resume_load_s"] = self.load_s  # rank 0's; all ranks load at once
                     if self.restored_schedule is not None:  # the checkpoint's schedule, not the options'
@@ -458,6 +449,50 @@ class Trainer:
                 status = self.checkpointer.close()
                 if status is not None and config.backup_status_file:
                     write_text_atomic(config.backup_status_file, json.dumps(status, indent=2) + "\n", "backup status")
+
+    def _checkpoint_after(self, step: int, record: dict) -> bool:
+        """The checkpoint after ``step``, if due, noted in its ``record``; whether the run stops after it.
+
+        Takes the all-ranks flags out of ``record`` (every rank decides alike from the same totals):
+        a request, a notice's stop, a live switch's offer, a previous checkpoint still committing.
+        """
+        config = self.config
+        requested = record.pop("checkpoint_requested")
+        stop = record.pop("stop_requested") and self.checkpointer is not None
+        live = live_offer_file(config.request_file) if record.pop("live_requested") and stop else None
+        busy = record.pop("checkpoint_busy")  # on any rank: all ranks decide alike
+        ckpt = self.checkpointer
+        if ckpt is not None:
+            committed = ckpt.take_committed()  # raises a background commit's failure
+            if committed:
+                record["checkpoints_committed"] = committed
+            if step == config.start_step:  # the state's shape is final: its snapshot buffers, off the step
+                ckpt.prepare()
+        due = ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1)
+        if due and busy and ckpt.skips(requested or stop, last=step == config.steps - 1):
+            record["checkpoint_skipped"] = ckpt.skipped(step)
+        elif due:
+            saved = time.perf_counter()
+            # a notice's checkpoint is committed before the watcher hears of it (the node may go), a
+            # live switch's served from memory (committed behind); the others stall for the snapshot
+            if self.zero is not None:  # the checkpoint reads the parameters whole: the owners' fp32 rows
+                self.zero.exact_params()
+            ckpt.save(step, wait=requested, live_offer=live)
+            record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
+            record.update(ckpt.notes())
+            if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
+                record["checkpoint_waited_s"] = ckpt.waited_s
+            if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
+                self.release_device_memory()
+            # only a requested checkpoint answers: a periodic one saved while a request waits unread
+            # would take it (the controller then sees a commit the ranks never stopped at); live: once committed
+            if requested and config.request_file and ckpt.node_leader and live is None:
+                answer_request(config.request_file, step)
+        if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
+            failures = ckpt.uploader.new_failures()
+            if failures:
+                record["backup_failed"] = failures
+        return stop
 
     @contextlib.contextmanager
     def _timeline(self, step: int | None) -> Iterator[None]:
@@ -518,130 +553,3 @@ class Trainer:
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim/{names[p]}/{key}"] = value
             self._dump("params", tensors)
-
-
-# --------------------------------------------------------------------------- process setup
-
-STANDBY_POLL_S = 0.02  # how often waiting ranks look for the switch: a fraction of a step, and idle otherwise
-
-
-def stand_by(config: RunConfig, groups: ProcessGroups, device: torch.device,
-             after: dict | None = None) -> dict | None:
-    """A warm start's wait: communicators up, ready said, then the switch (None: cancelled).
-
-    Every group this rank uses runs one collective first, so NCCL builds its communicators
-    (lazily made, seconds on a large job) now rather than in the first step after the switch;
-    the world's barrier then means every rank is built, and plan rank 0 says so. The wait
-    polls a file and sleeps: on CPU the old plan's ranks still train on the same cores.
-    The switch names a checkpoint (``resume_from``) or a live offer (``live``), the step to
-    train from and optionally the end. ``after``: a live switch that failed; wait for the next.
-    """
-    from hetrain.files import write_text_atomic
-
-    standby = Path(config.standby_file)
-    if after is None:
-        probe = torch.zeros(1, device=device)
-        for group in [groups.tp, groups.pp, *groups.sync.values()]:
-            if group is not None:
-                dist.all_reduce(probe, group=group)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            write_text_atomic(ready_file(standby), json.dumps({"time": time.time()}) + "\n", "standby ready")
-    deadline = time.monotonic() + config.standby_timeout_s
-    while True:
-        try:
-            switch = json.loads(standby.read_text())
-        except FileNotFoundError:
-            switch = None
-        except ValueError as e:
-            raise HetrainError(f"{standby}: not a switch ({e})") from None
-        if switch is not None and switch != after:
-            break
-        if time.monotonic() > deadline:
-            raise HetrainError(f"{standby}: no switch within {config.standby_timeout_s:g} s of standing by")
-        time.sleep(STANDBY_POLL_S)
-    if not isinstance(switch, dict):
-        raise HetrainError(f"{standby}: expected a JSON object")
-    if switch.get("cancel") is True:
-        return None
-    url, step, steps = switch.get("resume_from"), switch.get("start_step"), switch.get("steps")
-    live = switch.get("live")
-    if (not (isinstance(url, str) or (isinstance(live, dict) and after is None))
-            or not isinstance(step, int) or isinstance(step, bool) or step < 0
-            or not (steps is None or (isinstance(steps, int) and steps > step))):
-        raise HetrainError(f"{standby}: expected resume_from (a checkpoint URL) or live (an offer), start_step "
-                           f"(a step) and optionally steps (the end, after start_step), got {switch}")
-    return switch
-
-
-def load_switch(trainer: Trainer, config: RunConfig, groups: ProcessGroups, device: torch.device) -> bool:
-    """A warm start: wait for the switch and load what it names; False when cancelled.
-
-    A live switch that fails on any rank (a peer gone, bytes that differ from the offer, the
-    deadline) is answered as failed by every rank, which then waits for the switch's disk path.
-    """
-    from hetrain.checkpoint.live import load_live
-    from hetrain.checkpoint.save import prepare_optimizer_state
-
-    # what a load does first, done while the old plan still trains rather than after the switch
-    prepare_optimizer_state(trainer.model, trainer.optimizer)
-    switch = stand_by(config, groups, device)
-    if switch is not None and "live" in switch and not load_live(trainer, switch, config.standby_file, device):
-        switch = stand_by(config, groups, device, after=switch)
-    if switch is None:
-        return False
-    if "live" not in switch:
-        trainer.load(switch["resume_from"], switch["start_step"], switch.get("steps"))
-    return True
-
-
-def run(config: RunConfig) -> None:
-    plan = load_plan(config.plan)
-    layout = build_layout(plan)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != layout.world_size:
-        raise HetrainError(
-            f"{config.plan}: the plan uses {layout.world_size} devices, one process each, "
-            f"but {world} processes were launched"
-        )
-    if not plan.model.tp_divides(plan.tp):
-        raise HetrainError(f"{config.plan}: tp {plan.tp} must divide {plan.model.split_sizes()}")
-    emulate = None
-    if config.cluster:
-        cluster = load_cluster(config.cluster)
-    use_cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    dist.init_process_group("nccl" if use_cuda else "gloo", world_size=world)
-    try:
-        my_layout_rank = layout_rank(layout)
-        claimed = [None] * world
-        dist.all_gather_object(claimed, my_layout_rank)
-        if sorted(claimed) != list(range(world)):
-            raise HetrainError(f"processes claim plan ranks {claimed}; each device of the plan needs exactly one")
-        to_dist = [0] * world
-        for dist_rank, r in enumerate(claimed):
-            to_dist[r] = dist_rank
-        role = layout.roles[my_layout_rank]
-        if config.cluster:
-            node = next((n for n in cluster.nodes if n.name == role.node), None)
-            emulate = node.emulate if node is not None else None
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            device = torch.device("cuda", torch.cuda.current_device())
-            emulate = None  # emulation is for CPU runs only
-        else:
-            device = torch.device("cpu")
-            torch.set_num_threads(config.threads_per_rank)
-        groups = make_groups(layout, to_dist, my_layout_rank)
-        trainer = Trainer(config, plan, layout, role, groups, emulate, device)
-        if config.standby_file and not load_switch(trainer, config, groups, device):
-            dist.barrier()  # cancelled: the recovery took another path
-            return
-        trainer.train()
-        trainer.dump_params()
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -18,7 +18,7 @@ if __name__ == "__main__":  # first, before torch loads: no worker outlives its 
 from hetrain.config import RunConfig  # noqa: E402
 from hetrain.errors import HetrainError  # noqa: E402
 from hetrain.rundir import run_dir_of_config  # noqa: E402
-from hetrain.runtime.trainer import run  # noqa: E402
+from hetrain.runtime.rank import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
