@@ -8,7 +8,6 @@ committed checkpoint and trains ``steps`` more. The logic lives in ``hetrain`` a
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,19 +22,19 @@ from flows.events import emit_preempted
 from flows.fanout import PROFILE_DEPLOYMENT, first_row, node_run_parameters, queue_ready, run_on_nodes, run_tag
 from flows.report import (Progress, artifact_key, profile_from_markdown, publish_plan, publish_run_pictures,
                           publish_timing)
-from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
+from hetrain.config import RUN_ID_PATTERN, TrainOptions
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, TransientError
-from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.cost.notice import SWITCH_NOTICE_S
 from hetrain.recovery.preemption import SOURCES
-from hetrain.run.prepare import prepare_run
+from hetrain.run.request import RunHooks, RunRequest
 from hetrain.run.runs import backup_problem, load_run, run_dir_of
+from hetrain.run.start import check_inputs, start_run
 from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir
-from hetrain.runtime.launch import RunStopped, launch
+from hetrain.runtime.launch import RunStopped
 from hetrain.runtime.metrics import checkpoint_notes
 from hetrain.spec.schedule import describe_extension
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
@@ -74,7 +73,7 @@ def profile(model_spec: dict, gpus: dict[str, float], micro_batch_sizes: list[in
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=worth_retrying)
 def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, planner: str, run_id: str) -> dict:
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     cl, spec = load_cluster(repo_path(cluster)), load_model(repo_path(model))
     prof = Profile.from_dict(profile_json) if profile_json else None
@@ -91,33 +90,33 @@ def plan(cluster: str, model: str, settings: dict, profile_json: dict | None, pl
     return json.loads(result.plan.to_json())
 
 
+def run_request(run_id: str, runs_root: str, the_plan: Plan, cluster: str, options: TrainOptions) -> RunRequest:
+    """The flow's run as a ``RunRequest``: the run directory by name under ``runs_root``, paths relative to the
+    repository; a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)."""
+    if options.data:
+        options = options.model_copy(update={"data": str(repo_path(options.data))})
+    return RunRequest(plan=the_plan, run_dir=run_dir_of(runs_root, run_id), options=options,
+                      cluster=repo_path(cluster), run_id=run_id, start_over_without_checkpoint=True)
+
+
 @task(retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)  # a retry resumes from the newest committed checkpoint
 def train_run(run_id: str, runs_root: str, plan_json: dict, cluster: str, options: TrainOptions,
               spot_metadata_url: str | None, cloud: str, predicted_s: float) -> dict:
-    """Train the run under the plan on this machine; the run directory stays locked until its launch ends."""
-    with contextlib.ExitStack() as held:
-        return _train_run(held, run_id, runs_root, plan_json, cluster, options, spot_metadata_url, cloud, predicted_s)
-
-
-def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_json: dict, cluster: str,
-               options: TrainOptions, spot_metadata_url: str | None, cloud: str, predicted_s: float) -> dict:
+    """Train the run under the plan on this machine (``hetrain.run.start_run``), watching its spot nodes."""
     logger = get_run_logger()
-    run_dir = run_dir_of(runs_root, run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    the_plan = Plan.model_validate(plan_json)
-    plan_path = RunDir(run_dir).plan
-    base = build_run_config(run_dir, plan_path, options, run_id=run_id, cluster=repo_path(cluster))
-    # a scheduled run whose last attempt left no checkpoint starts over (its metrics are kept aside)
-    prepared = prepare_run(run_dir, base, the_plan, list(build_layout(the_plan).nodes),
-                           more_steps=options.more_steps, start_over_without_checkpoint=True,
-                           warn=logger.warning, hold=held)
-    config, resumed = prepared.config, prepared.resumed_step
-    the_plan.write(plan_path)
-    if resumed is not None:
-        logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id, resumed, config.steps)
-    metrics = Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
-    on_record = _on_record(run_id, config, options, metrics, run_dir, logger)
-    spot = _spot_sources(load_cluster(repo_path(cluster)), the_plan, spot_metadata_url, cloud)
+    request = run_request(run_id, runs_root, Plan.model_validate(plan_json), cluster, options)
+    run_dir = request.run_dir
+    hooks = RunHooks(note=logger.info, warn=logger.warning)
+
+    def on_start(prepared) -> None:
+        if prepared.resumed_step is not None:
+            logger.info("resuming run %s from its checkpoint of step %d, up to step %d", run_id,
+                        prepared.resumed_step, prepared.config.steps)
+        hooks.on_record = _on_record(run_id, prepared.config, options, _metrics_of(prepared.config, run_dir),
+                                     run_dir, logger)
+
+    hooks.on_start = on_start
+    spot = _spot_sources(load_cluster(repo_path(cluster)), request.plan, spot_metadata_url, cloud)
 
     def on_preempted(node: str, notice, checkpoint_step: int | None) -> None:
         emit_preempted(run_id, node, notice.to_dict(), checkpoint_step, str(run_dir.parent))
@@ -126,11 +125,11 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
                        "the checkpoint is left to the recovery's switch")
 
     # a notice long enough for a switch goes to the recovery at once: the switch takes the checkpoint
-    with LocalSpotRun(spot, Path(config.request_file), on_preempted, poll_s=0.5, log=logger.info,
+    with LocalSpotRun(spot, RunDir(run_dir).checkpoint_request, on_preempted, poll_s=0.5, log=logger.info,
                       defer_checkpoint_s=SWITCH_NOTICE_S) as watch:
+        hooks.stop_event = watch.stop_event
         try:
-            records = launch(config, build_layout(the_plan), run_dir, on_record=on_record,
-                             stop_event=watch.stop_event)
+            result = start_run(request, hooks)
         except HetrainError as e:
             if not watch.preempted:
                 raise  # a real failure: the task's retry resumes from the newest checkpoint
@@ -141,14 +140,25 @@ def _train_run(held: contextlib.ExitStack, run_id: str, runs_root: str, plan_jso
             logger.warning("node %s is gone: run %s stopped (%s); recovery takes over", node, run_id, e)
             return {"status": "preempted", "run_id": run_id, "node": node, "checkpoint_step": step,
                     "last_step": last}
+    return _finished(run_id, result, predicted_s, logger)
+
+
+def _metrics_of(config, run_dir: Path) -> Path:
+    return Path(config.metrics) if config.metrics else RunDir(run_dir).metrics
+
+
+def _finished(run_id: str, result, predicted_s: float, logger) -> dict:
+    """The flow's result for a run that trained to its end, or stopped at a checkpoint a request asked for."""
+    config, records, run_dir = result.config, result.records, result.run_dir
     if records and records[-1].get("stopped"):  # a checkpoint request with stop ended it
         last = records[-1]["step"]
-        switched = Path(load_run(run_dir).plan).name != plan_path.name
+        switched = Path(load_run(run_dir).plan).name != Path(config.plan).name
         logger.info("run %s: stopped at its checkpoint of step %d%s", run_id, last,
                     "; a recovery switched it to a new plan and follows it from there" if switched else "")
         return {"status": "switched" if switched else "stopped", "run_id": run_id, "first_step": config.start_step,
                 "last_step": last, "checkpoint_step": last}
-    return _completed(run_id, config, records, metrics, run_dir, predicted_s, resumed, logger)
+    return _completed(run_id, config, records, _metrics_of(config, run_dir), run_dir, predicted_s,
+                      result.resumed_step, logger)
 
 
 def _on_record(run_id: str, config, options: TrainOptions, metrics: Path, run_dir: Path, logger):
@@ -295,15 +305,12 @@ def train(
     it feeds the next run. ``options.precision``: default fp32 on clusters of emulated (CPU)
     devices, bf16 on GPUs.
     """
-    if options.data:
-        if not repo_path(options.data).is_file():
-            raise FileNotFoundError(f"options.data: {options.data}: file not found")
-        options = options.model_copy(update={"data": str(repo_path(options.data))})
     from hetrain.profiling.profiler import gpus_from_cluster
 
     cl, spec = load_cluster(repo_path(cluster)), load_model(repo_path(model))
-    precision = options.precision or ("fp32" if all(n.emulate is not None for n in cl.nodes) else "bf16")
-    settings = TrainingSettings(global_batch_size=global_batch_size, precision=precision)
+    # bad data or weights: one line now, before the profiling and the planning, not from the ranks
+    check_inputs(options.model_copy(update={"data": str(repo_path(options.data))}) if options.data else options, spec)
+    settings = TrainingSettings(global_batch_size=global_batch_size, precision=options.precision or cl.default_precision)
     prof = None
     tp_degrees = [t for t in settings.tp_degrees if spec.tp_divides(t)]
     if use_profile and launch == "per-node":

@@ -24,7 +24,7 @@ other.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,10 +37,12 @@ if TYPE_CHECKING:
     from hetrain.export import ExportResult
     from hetrain.plan.schema import Plan
     from hetrain.profiling.profile import Profile
+    from hetrain.run.request import RunRequest
     from hetrain.spec.specs import ClusterSpec, ModelSpec
-    from solver.common import PlanResult
+    from solver.search.common import PlanResult
 
 PathLike = str | Path
+_log = logging.getLogger("hetrain")  # what a run says at its start (number formats, a store that does not answer)
 
 
 def load_cluster(path: PathLike) -> ClusterSpec:
@@ -85,7 +87,7 @@ def _plan(plan: Plan | PathLike) -> Plan:
 
 
 def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_batch_size: int, *,
-         micro_batch_size: int | None = None, tp: Sequence[int] | None = None, precision: str = "bf16",
+         micro_batch_size: int | None = None, tp: Sequence[int] | None = None, precision: str | None = None,
          recompute: str = "auto", planner: str = "hetrain", profile: Profile | PathLike | None = None,
          time_limit_s: float = 10.0, progress: Callable[[str], None] | None = None) -> PlanResult:
     """The fastest plan for ``model`` on ``cluster`` (``hetrain plan``): ``.plan`` and its ``.estimate``.
@@ -100,11 +102,13 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
     from pydantic import ValidationError
 
     from hetrain.spec.specs import TrainingSettings, describe_validation_error
-    from solver.planner import PLANNERS, make_plan
+    from solver.planners.registry import PLANNERS, make_plan
 
     if planner not in PLANNERS:
         raise HetrainError(f"planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    fields: dict[str, Any] = {"global_batch_size": global_batch_size, "precision": precision,
+    the_cluster = _cluster(cluster)
+    fields: dict[str, Any] = {"global_batch_size": global_batch_size,
+                              "precision": precision or the_cluster.default_precision,
                               "activation_recompute": recompute}
     if micro_batch_size is not None:
         fields["micro_batch_sizes"] = [micro_batch_size]
@@ -117,7 +121,7 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
     if micro_batch_size is not None:
         settings.check_batch(micro_batch_size)
     prof = load_profile(profile) if isinstance(profile, (str, Path)) else profile
-    return make_plan(planner, _cluster(cluster), _model(model), settings, prof, time_limit_s=time_limit_s,
+    return make_plan(planner, the_cluster, _model(model), settings, prof, time_limit_s=time_limit_s,
                      progress=progress)
 
 
@@ -146,44 +150,36 @@ def train(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None
     to ``RUN_DIR/metrics.jsonl`` (TensorBoard files go to ``RUN_DIR/tensorboard``, and at the end
     ``loss.png`` and ``ranks.png`` into ``RUN_DIR``, where matplotlib is installed).
     """
+    from hetrain.run.request import RunHooks
+    from hetrain.run.start import start_run
+
+    result = start_run(train_request(plan, run_dir, options, cluster=cluster, resume=resume, restart=restart,
+                                     **option_values),
+                       RunHooks(on_record=on_record, note=_log.info, warn=_log.warning))
+    from hetrain.pictures import write_run_pictures
+    from hetrain.rundir import RunDir
+
+    write_run_pictures(RunDir(result.run_dir).metrics, result.run_dir)  # loss.png, ranks.png with matplotlib
+    return result.records
+
+
+def train_request(plan: Plan | PathLike, run_dir: PathLike, options: TrainOptions | None = None, *,
+                  cluster: PathLike | None = None, resume: bool = False, restart: bool = False,
+                  **option_values: Any) -> RunRequest:
+    """The ``RunRequest`` that ``train`` starts (the options validated whole, so a keyword is checked as the
+    command's option is)."""
     from pydantic import ValidationError
 
-    from hetrain.config import TrainOptions, build_run_config
-    from hetrain.plan.layout import build_layout
-    from hetrain.plan.schema import check_optimizer_state
-    from hetrain.run.prepare import prepare_run
-    from hetrain.rundir import RunDir
-    from hetrain.runtime.launch import launch
+    from hetrain.config import TrainOptions
+    from hetrain.run.request import RunRequest
     from hetrain.spec.specs import describe_validation_error
 
-    try:  # validated whole, so a keyword is checked as the command's option is
+    try:
         opts = TrainOptions.model_validate({**(options.model_dump() if options else {}), **option_values})
     except ValidationError as e:
         raise HetrainError(describe_validation_error("train() options", e)) from None
-    the_plan = check_plan(plan, cluster)
-    check_optimizer_state(the_plan, opts.optimizer)
-    run = Path(run_dir).resolve()
-    run.mkdir(parents=True, exist_ok=True)
-    nodes = list(build_layout(the_plan).nodes)
-    config = build_run_config(run, RunDir(run).plan, opts, cluster=Path(cluster) if cluster else None)
-    config.check_formats(the_plan)
-    if opts.data is not None:
-        from hetrain.runtime.data import TokenSource
-
-        TokenSource(the_plan.model.seq_length, the_plan.model.vocab_size, path=opts.data)  # bad data: one error now
-    if opts.init_from is not None:
-        from hetrain.spec.hf import check_pretrained
-
-        check_pretrained(opts.init_from, the_plan.model)
-    with contextlib.ExitStack() as held:  # the run directory's lock, until the launch ends
-        prepared = prepare_run(run, config, the_plan, nodes, more_steps=opts.more_steps, resume=resume,
-                               restart=restart, hold=held)
-        the_plan.write(RunDir(run).plan)
-        records = launch(prepared.config, build_layout(the_plan), run, on_record=on_record)
-    from hetrain.pictures import write_run_pictures
-
-    write_run_pictures(RunDir(run).metrics, run)  # loss.png, ranks.png where matplotlib is installed
-    return records
+    return RunRequest(plan=_plan(plan), run_dir=Path(run_dir), options=opts,
+                      cluster=Path(cluster) if cluster else None, resume=resume, restart=restart)
 
 
 def export(run_dir: PathLike, out_dir: PathLike, *, step: int | None = None, dtype: str = "fp32",

@@ -146,24 +146,17 @@ class RunConfig(BaseModel):
 
     plan: str
     cluster: str | None = None  # for emulated nodes; optional on real GPUs
+    # The user's options, as given (paths made absolute): the one declaration of seed, optimizer, learning-rate
+    # schedule, clipping, number format, compile, fp8, data and init_from. Their checkpoint part becomes
+    # ``checkpoint`` below (each node's root resolved), and ``steps`` below is the total the ranks train to
+    # (``options.steps``, or a resume's checkpoint plus ``options.more_steps``).
+    options: TrainOptions = Field(default_factory=TrainOptions)
     steps: PositiveInt = 100
     start_step: int = 0
-    data: str | None = None
-    seed: int = 0
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: PositiveFloat = DEFAULT_LR  # peak of the schedule
-    lr_min: NonNegativeFloat | None = None  # None: 10 % of lr
-    warmup_steps: NonNegativeInt | None = None  # None: min(200, 10 % of steps)
-    decay_steps: PositiveInt | None = None  # None: the steps after warmup
     weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
     activation_recompute: bool | None = None  # None: each stage as the plan says; True: full everywhere, False: none
-    precision: Precision | None = None  # None: the plan's (a plan without settings: bf16 on GPU, fp32 on CPU)
-    compile: bool = False  # torch.compile each block (GPU only)
-    fp8: bool = False  # the blocks' linear layers in float8 (hetrain.runtime.fp8); bf16 autocast around them
     trace_memory: bool = False  # CPU: count every allocation (AllocationTracker) for an allocator-like peak
     metrics: str | None = None
-    init_from: str | None = None  # a model directory (hetrain.spec.hf) to start from; a resume's checkpoint wins
     tensorboard_dir: str | None = None  # rank 0 writes TensorBoard event files here (RunDir.tensorboard)
     timeline_dir: str | None = None  # each stage's first rank writes one step's measured ops here (RunDir.timeline)
     dump_dir: str | None = None  # tests: gradients after the first step, parameters at the end
@@ -180,6 +173,21 @@ class RunConfig(BaseModel):
     standby_timeout_s: PositiveFloat = 900.0
     backup_status_file: str | None = None  # rank 0 writes what reached the remote store here when the run ends
 
+    @model_validator(mode="before")
+    @classmethod
+    def _options_nested(cls, data: Any) -> Any:
+        """A config.json written before the options were nested (2026-11) names them at the top level; they move
+        under ``options`` (as do keywords given so: ``RunConfig(plan=..., lr=1e-2)``)."""
+        if not isinstance(data, dict):
+            return data
+        flat = {k: data[k] for k in TrainOptions.model_fields if k in data and k not in cls.model_fields}
+        if not flat:
+            return data
+        rest = {k: v for k, v in data.items() if k not in flat}
+        nested = dict(rest.get("options") or {})
+        nested.update({k: (0.0 if k == "max_grad_norm" and v is None else v) for k, v in flat.items()})
+        return {**rest, "options": nested}
+
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         from hetrain.files import read_text
@@ -192,16 +200,18 @@ class RunConfig(BaseModel):
 
     def lr_schedule(self) -> LRSchedule:
         """The schedule a run starting now follows (a resumed run takes its checkpoint's instead)."""
-        return LRSchedule.for_run(self.steps, self.lr, self.lr_min, self.warmup_steps, self.decay_steps)
+        o = self.options
+        return LRSchedule.for_run(self.steps, o.lr, o.lr_min, o.warmup_steps, o.decay_steps)
 
     def resolved_precision(self, plan: Plan, device_type: str, stage=None) -> Precision:
         """A stage's number format: the run's override, else the plan's for that stage (``stage``, a
         ``StagePlan``), else the plan's training settings', else bf16 on GPUs and fp32 on CPUs."""
-        if self.precision is not None:
-            if stage is not None and stage.precision == "fp16" and self.precision == "bf16":
-                raise HetrainError(f"--precision bf16: the plan's {stage.gpu} stage computes in fp16 (that GPU has no "
-                                   f"bf16 tensor cores); expected fp16 or fp32 there, or no --precision")
-            return self.precision
+        forced = self.options.precision
+        if forced is not None:
+            if stage is not None and stage.precision == "fp16" and forced == "bf16":
+                raise HetrainError(f"`precision` bf16: the plan's {stage.gpu} stage computes in fp16 (that GPU has no "
+                                   f"bf16 tensor cores); expected fp16 or fp32 there, or no `precision`")
+            return forced
         if stage is not None and stage.precision is not None:
             return stage.precision
         if plan.training is not None:
@@ -219,6 +229,18 @@ class RunConfig(BaseModel):
         """Whether the run scales its loss: some stage computes in fp16. One scale for the whole step, on every
         rank: the last stages scale the loss once, every gradient carries it, an overflow anywhere skips the step."""
         return any(self.resolved_precision(plan, device_type, s) == "fp16" for p in plan.pipelines for s in p.stages)
+
+
+def describe_precision(config: RunConfig, plan: Plan) -> str:
+    """The number formats a run computes in and where the choice came from: said at the start of every run."""
+    if config.options.precision is not None:
+        return f"number format: {config.options.precision} everywhere (`precision`)"
+    if plan.training is None:
+        return "number format: bf16 on GPUs, fp32 on CPUs (the plan has no training settings; `precision` sets one)"
+    own = sorted({f"{s.precision} on the {s.gpu} stages" for p in plan.pipelines for s in p.stages
+                  if s.precision is not None and s.precision != plan.training.precision})
+    return (f"number format: {plan.training.precision}, the plan's" + (f" ({', '.join(own)})" if own else "")
+            + "; `precision` overrides it")
 
 
 def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, steps: int | None = None,
@@ -249,15 +271,13 @@ def build_run_config(run_dir: Path, plan_path: Path, options: TrainOptions, *, s
                                     upload_retries=o.upload_retries, peers=peers or {},
                                     background=not o.sync_checkpoints, when_busy=o.checkpoint_when_busy,
                                     host_memory_gb=o.checkpoint_host_memory_gb)
+        resolved = o.model_copy(update={"data": str(Path(o.data).resolve()) if o.data else None,
+                                        "init_from": str(Path(o.init_from).resolve()) if o.init_from else None})
         return RunConfig(plan=str(Path(plan_path).resolve()), cluster=str(Path(cluster).resolve()) if cluster else None,
-                         steps=steps or o.steps, data=str(Path(o.data).resolve()) if o.data else None,
+                         options=resolved, steps=steps or o.steps,
                          metrics=str(Path(metrics).resolve()) if metrics else None, run_id=run_id or run.path.name,
                          tensorboard_dir=str(run.tensorboard), timeline_dir=str(run.timeline),
-                         init_from=str(Path(o.init_from).resolve()) if o.init_from else None,
                          checkpoint=ckpt, request_file=str(run.checkpoint_request),
-                         backup_status_file=str(run.backup_status) if o.remote else None,
-                         seed=o.seed, optimizer=o.optimizer, lr=o.lr, lr_min=o.lr_min, warmup_steps=o.warmup_steps,
-                         decay_steps=o.decay_steps, max_grad_norm=o.max_grad_norm or None, precision=o.precision,
-                         compile=o.compile, fp8=o.fp8, **internal)
+                         backup_status_file=str(run.backup_status) if o.remote else None, **internal)
     except ValidationError as e:
         raise HetrainError(describe_validation_error("options", e)) from None

@@ -177,11 +177,11 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         # safetensors creates its file private (0600); the export is for others to read, like the files
         # written here through open(), whose mode the user's umask set
         os.chmod(staged[WEIGHTS], staged[SPEC_FILE].stat().st_mode & 0o777)
-        for name, source in tokenizer_files(config.data).items():  # the tokenizer travels with the model
+        for name, source in tokenizer_files(config.options.data).items():  # the tokenizer travels with the model
             staged[name] = work / name
             shutil.copyfile(source, staged[name])
         if spec.arch == "llama":
-            _stage_transformers_files(work, staged, spec, dtype, config.data)
+            _stage_transformers_files(work, staged, spec, dtype, config.options.data)
         for name, path in staged.items():  # whole files only, each renamed into place
             os.replace(path, out_dir / name)
     finally:

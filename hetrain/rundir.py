@@ -167,7 +167,7 @@ class RunDir:
         return alive
 
     @contextlib.contextmanager
-    def lock(self, what: str = "--run-dir", workers_grace_s: float = LOCK_WORKERS_GRACE_S) -> Iterator[None]:
+    def lock(self, what: str = "`run_dir`", workers_grace_s: float = LOCK_WORKERS_GRACE_S) -> Iterator[None]:
         """Hold the run while the block runs: a second ``hetrain train`` (or train flow run) on it is refused.
 
         An advisory ``flock`` on ``RUN/.lock``: the kernel drops it when the holder exits, however it

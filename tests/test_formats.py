@@ -51,7 +51,7 @@ def test_a_t4_only_cluster_plans_fp16_and_the_table_says_what_bf16_everywhere_wo
                 "--global-batch-size", "16", "--no-compare")
     assert r.returncode == 0, r.stderr
     assert "T4 in fp16 (no bf16 tensor cores)" in " ".join(r.stdout.split())
-    with pytest.raises(HetrainError, match="^--precision bf16: the plan's T4 stage computes in fp16"):
+    with pytest.raises(HetrainError, match="^`precision` bf16: the plan.s T4 stage computes in fp16"):
         RunConfig(plan="p.json", precision="bf16").resolved_precision(plan, "cuda", plan.pipelines[0].stages[0])
     plan.write(tmp_path / "plan.json")  # forced from the command line: one line, exit 2, before any process
     r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--precision", "bf16", "--steps", "1",

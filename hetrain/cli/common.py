@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import typer
 from rich.console import Console
@@ -31,12 +32,28 @@ def one_line(message: object) -> str:
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(message))
 
 
+# The library names what it was given by field (`run_dir`, `restart`: RunRequest, TrainOptions); the CLI says the
+# flag that sets it. Fields whose flag is not the field's name in dashes:
+_FLAG_OF_FIELD = {"peers": "--peer", "checkpoints": "--no-checkpoints"}
+_FIELD = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+def as_flags(message: object) -> str:
+    """A library message with each named field (`` `run_dir` ``) as the flag that sets it (``--run-dir``)."""
+    from hetrain.config import TrainOptions
+    from hetrain.run.request import RunRequest
+
+    fields = set(TrainOptions.model_fields) | set(RunRequest.model_fields)
+    return _FIELD.sub(lambda m: _FLAG_OF_FIELD.get(m[1], "--" + m[1].replace("_", "-")) if m[1] in fields else m[0],
+                      str(message))
+
+
 def say_error(message: object) -> None:
-    err.print(labelled("error", one_line(message)), highlight=False, soft_wrap=True)
+    err.print(labelled("error", one_line(as_flags(message))), highlight=False, soft_wrap=True)
 
 
 def say_note(message: object, console: Console | None = None) -> None:
-    (console or err).print(labelled("note", message, "yellow"), highlight=False, soft_wrap=True)
+    (console or err).print(labelled("note", as_flags(message), "yellow"), highlight=False, soft_wrap=True)
 
 
 def user_errors(fn):

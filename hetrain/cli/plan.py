@@ -57,7 +57,7 @@ def capacity_line(cost, plan, est) -> str:
 
 
 def claim_line(plan) -> str:
-    """What the plan's optimality covers (``solver.planner.plan_hetrain``), where the planner says."""
+    """What the plan's optimality covers (``solver.planners.hetrain.plan_hetrain``), where the planner says."""
     claim = (plan.solver.model_extra or {}).get("claim") if plan.solver else None
     return f"optimality: {claim}" if claim else ""
 
@@ -73,7 +73,8 @@ def plan(
                                                                "max_position_embeddings, at most 4096)")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="fix the micro-batch size (default: search 1, 2, 4)")] = None,
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
-    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    precision: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: fp32 on a cluster of emulated "
+                                                        "CPU devices, bf16 on GPUs)")] = None,
     grad_reduce: Annotated[str, typer.Option(help="dtype of the gradient all-reduce between pipelines: fp32, or "
                                                    "bf16 (half the bytes: where the sync binds, as on large "
                                                    "clusters with one NIC per node); training follows the plan")] = "fp32",
@@ -110,10 +111,14 @@ def plan(
     request = offers_request(cluster, compare, offers, objective, budget_per_hour, tokens, deadline, cluster_out,
                              on_demand_only)
     from hetrain.profiling.profile import load_profile
-    from solver.planner import PLANNERS
+    from solver.planners.registry import PLANNERS
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
+    if precision is None:  # the one rule (ClusterSpec.default_precision); rented GPUs are GPUs
+        from hetrain.spec.specs import load_cluster
+
+        precision = load_cluster(cluster).default_precision if request is None and cluster else "bf16"
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce)
     prof = load_profile(profile) if profile else None
     if request is not None:
@@ -128,7 +133,7 @@ def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | No
     from hetrain.spec.hf import load_any_model as load_model
     from hetrain.spec.hf import seq_length_note
     from hetrain.spec.specs import load_cluster
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     cl, md = load_cluster(cluster), load_model(model, seq_length)
     note = seq_length_note(model, md) if seq_length is None else None

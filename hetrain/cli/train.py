@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from hetrain.cli.common import _peer_urls, err, labelled, out, say_note, user_errors
+from hetrain.cli.common import _peer_urls, as_flags, err, labelled, out, say_note, user_errors
 from hetrain.cli.options import model_options
 from hetrain.config import TrainOptions
 from hetrain.errors import HetrainError
@@ -19,10 +17,10 @@ from hetrain.rundir import RunDir
 from hetrain.spec.schedule import describe_extension
 
 
-def _checked_plan(plan_file: Path, model: Path | None, cluster: Path | None):
-    """The plan, checked against the model and cluster files when given (one line naming the plan otherwise)."""
-    from hetrain.plan.schema import load_plan, validate_plan, validate_plan_structure
-    from hetrain.spec.specs import load_cluster, load_model
+def _loaded_plan(plan_file: Path, model: Path | None):
+    """The plan file, and the model file it must be for when given (one line naming both otherwise)."""
+    from hetrain.plan.schema import load_plan
+    from hetrain.spec.specs import load_model
 
     pl = load_plan(plan_file)
     if model is not None:
@@ -32,13 +30,6 @@ def _checked_plan(plan_file: Path, model: Path | None, cluster: Path | None):
                                if spec.name != pl.model.name else
                                f"{plan_file}: the plan's '{pl.model.name}' differs from {model} "
                                f"({', '.join(k for k in spec.model_fields if getattr(spec, k) != getattr(pl.model, k))})")
-    try:
-        if cluster is not None:
-            validate_plan(pl, load_cluster(cluster))
-        else:
-            validate_plan_structure(pl)
-    except HetrainError as e:
-        raise HetrainError(f"{plan_file}: {e}") from None
     return pl
 
 
@@ -65,59 +56,23 @@ def train(
     run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
 ):
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
-    from hetrain.config import RUN_ID, build_run_config
-    from hetrain.plan.layout import build_layout
-    from hetrain.plan.schema import check_optimizer_state
-    from hetrain.run.prepare import prepare_run
+    from hetrain.run.request import RunDebug, RunHooks, RunRequest
+    from hetrain.run.start import check_request, start_run
 
-    pl = _checked_plan(plan_file, model, cluster)
-    try:
-        check_optimizer_state(pl, options.optimizer)
-    except HetrainError as e:
-        raise HetrainError(f"{plan_file}: {e}") from None
-    layout = build_layout(pl)
-    run_dir = run_dir or Path("runs") / plan_file.stem
-    if not RUN_ID.match(run_id or run_dir.resolve().name):
-        raise HetrainError(f"--run-id '{run_id or run_dir.resolve().name}': expected letters, digits, '.', '_' or "
-                           f"'-' (at most 64), starting with a letter or digit")
-    _check_inputs(options, pl)  # before their paths are resolved: a link loop is one line, not a traceback
-    config = build_run_config(run_dir, plan_file, options, run_id=run_id, cluster=cluster, metrics=metrics,
-                              peers=_peer_urls(peer), trace_memory=trace_memory,
-                              dump_dir=str(dump_dir.resolve()) if dump_dir else None)
-    config.check_formats(pl)
+    request = RunRequest(plan=_loaded_plan(plan_file, model), run_dir=run_dir or Path("runs") / plan_file.stem,
+                         options=options, cluster=cluster, run_id=run_id or "", metrics=metrics,
+                         peers=_peer_urls(peer), resume=resume, restart=restart,
+                         debug=RunDebug(dump_dir=dump_dir, trace_memory=trace_memory))
+    pl = request.plan
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
     if print_launch:
-        _print_launch(config, layout, run_dir, main_address)
+        _print_launch(check_request(request), main_address)
         _note_analytic(pl)
         return
-    with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends
-        prepared = prepare_run(run_dir.resolve(), config, pl, list(layout.nodes), more_steps=options.more_steps,
-                               resume=resume, restart=restart, warn=say_note, hold=held)
-        if prepared.archived is not None:
-            err.print(f"previous run moved to {prepared.archived}", highlight=False)
-        config = prepared.config
-        out.print(f"training {pl.model.name} on {layout.world_size} processes "
-                  f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
-                  + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
-                     if prepared.resumed_step is not None else "")
-                  + f"; run directory {run_dir}", highlight=False)
-        _note_analytic(pl)
-        records = _launch_with_progress(config, layout, run_dir)
-    _report_run(records, config, run_dir)
-
-
-def _check_inputs(options: TrainOptions, pl) -> None:
-    """Bad data or weights of another model: one line now, not one from every rank after the launch."""
-    if options.data is not None:
-        from hetrain.runtime.data import TokenSource
-
-        TokenSource(pl.model.seq_length, pl.model.vocab_size, path=options.data)
-    if options.init_from is not None:
-        from hetrain.spec.hf import check_pretrained
-
-        check_pretrained(options.init_from, pl.model)
+    result = _start_with_progress(request, start_run, RunHooks)
+    _report_run(result.records, result.config, result.run_dir)
 
 
 def _note_analytic(pl) -> None:
@@ -128,65 +83,89 @@ def _note_analytic(pl) -> None:
         say_note(f"the plan's predicted times: {ANALYTIC_NOTE}")
 
 
-def _print_launch(config, layout, run_dir: Path, main_address: str) -> None:
+def _print_launch(checked, main_address: str) -> None:
     from hetrain.runtime.launch import node_commands, write_config
 
+    run_dir, config = checked.request.run_dir, checked.config
     existing = [f.name for f in (RunDir.of(run_dir).config, RunDir.of(run_dir).metrics, RunDir.of(run_dir).checkpoints)
                 if f.exists() or f.is_symlink()]
     if existing:  # its config.json says where its checkpoints are: never rewritten by a printout
         raise HetrainError(f"--run-dir {run_dir}: holds a run already ({', '.join(existing)}); --print-launch writes "
                            f"a new run's config.json and never touches an existing run's; give a new --run-dir")
-    check_output_dir(run_dir, "--run-dir")  # the config is written here; the nodes' paths are theirs
-    path = write_config(config, run_dir.resolve())
-    out.print(f"# copy {run_dir} (config.json), the plan and data to every node, then run there:")
-    for cmd in node_commands(layout, str(path), main_address, 29500, run_dir.name):
+    check_output_dir(run_dir, "--run-dir")  # the config and the plan are written here; the nodes' paths are theirs
+    checked.request.plan.write(config.plan)
+    path = write_config(config, run_dir)
+    out.print(f"# copy {run_dir} (config.json, plan.json) and the data to every node, then run there:")
+    for cmd in node_commands(checked.layout, str(path), main_address, 29500, run_dir.name):
         out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
 
 
-def _launch_with_progress(config, layout, run_dir: Path) -> list[dict]:
-    """Launch the run under a progress bar; a signal stops every worker and exits 128 + its number."""
+def _start_with_progress(request, start_run, hooks) -> object:
+    """Start the run under a progress bar (opened once its resume is decided); a signal stops every worker and
+    exits 128 + its number."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from hetrain.runtime.launch import launch
-    from hetrain.runtime.metrics import checkpoint_notes
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)
-    with progress:
-        task = progress.add_task("train", total=config.steps, completed=config.start_step, info="starting processes")
+    tasks: list = []
 
-        def show(record: dict) -> None:
-            progress.update(task, completed=record["step"] + 1,
-                            info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
-            if "lr_schedule_extended" in record:
-                progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
-                                       highlight=False, soft_wrap=True)
-            for note in checkpoint_notes(record):  # skipped, a long wait, the synchronous fallback
-                progress.console.print(f"note: {note}", highlight=False, soft_wrap=True)
-            for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
-                progress.console.print(labelled("backup failed", f"{failure} ({config.checkpoint.remote_url})"),
-                                       highlight=False, soft_wrap=True)
+    def on_start(prepared) -> None:
+        from hetrain.plan.layout import build_layout
 
-        received: list[int] = []
+        config, pl = prepared.config, request.plan
+        if prepared.archived is not None:
+            err.print(f"previous run moved to {prepared.archived}", highlight=False)
+        out.print(f"training {pl.model.name} on {build_layout(pl).world_size} processes "
+                  f"({len(pl.pipelines)} pipelines, tp {pl.tp})"
+                  + (f", resuming after step {prepared.resumed_step} up to step {config.steps}"
+                     if prepared.resumed_step is not None else "")
+                  + f"; run directory {request.run_dir}", highlight=False)
+        _note_analytic(pl)
+        progress.start()
+        tasks.append(progress.add_task("train", total=config.steps, completed=config.start_step,
+                                       info="starting processes"))
 
-        def terminate(signum, _frame):  # Ctrl-C, SIGTERM, SIGHUP: stop every worker
-            received.append(signum)
-            raise KeyboardInterrupt
+    received: list[int] = []
 
-        # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must still stop the run
-        previous_handlers = {sig: signal.signal(sig, terminate)
-                             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            return launch(config, layout, run_dir, on_record=show)
-        except KeyboardInterrupt:
-            name = signal.Signals(received[0]).name if received else "interrupted"
-            err.print(f"{name}: every training process of this run has been stopped; "
-                      + ("the same command resumes it from its newest checkpoint" if config.checkpoint else
-                         "it kept no checkpoints (--no-checkpoints), so --restart starts it over"))
-            raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
-        finally:
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
+    def terminate(signum, _frame):  # Ctrl-C, SIGTERM, SIGHUP: stop every worker
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must still stop the run
+    previous_handlers = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return start_run(request, hooks(on_start=on_start, on_record=_shown(progress, tasks, request),
+                                        note=lambda line: err.print(as_flags(line), highlight=False, soft_wrap=True),
+                                        warn=say_note))
+    except KeyboardInterrupt:
+        name = signal.Signals(received[0]).name if received else "interrupted"
+        err.print(f"{name}: every training process of this run has been stopped; "
+                  + ("the same command resumes it from its newest checkpoint" if request.options.checkpoints else
+                     "it kept no checkpoints (--no-checkpoints), so --restart starts it over"))
+        raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
+    finally:
+        progress.stop()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _shown(progress, tasks: list, request):
+    """Each step's record on the progress bar, and what the user should see as it happens."""
+    from hetrain.runtime.metrics import checkpoint_notes
+
+    def show(record: dict) -> None:
+        progress.update(tasks[0], completed=record["step"] + 1,
+                        info=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+        if "lr_schedule_extended" in record:
+            progress.console.print(f"note: {describe_extension(record['lr_schedule_extended'], record['step'])}",
+                                   highlight=False, soft_wrap=True)
+        for note in checkpoint_notes(record):  # skipped, a long wait, the synchronous fallback
+            progress.console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        for failure in record.get("backup_failed", []):  # as it happens, not only when the run ends
+            progress.console.print(labelled("backup failed", f"{failure} ({request.options.remote})"),
+                                   highlight=False, soft_wrap=True)
+
+    return show
 
 
 def _report_run(records: list[dict], config, run_dir: Path) -> None:

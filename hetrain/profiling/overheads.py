@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.profiling.profile import RuntimeOverheads
-from hetrain.profiling.profiler import _sync, _time_fwd_bwd
+from hetrain.profiling.timing import sync, time_fwd_bwd
 from hetrain.spec.specs import ModelSpec
 
 # The stand-in: one block small enough that its compute is a few percent of the step's
@@ -89,7 +89,7 @@ def _one_process_group(device: torch.device):
 
 def _overhead_per_step(num_microbatches: int, device: torch.device, precision: str, work: Path) -> float:
     """Median over steps of (step time - compute), the stand-in's optimizer step included."""
-    from hetrain.config import RunConfig
+    from hetrain.config import RunConfig, TrainOptions
     from hetrain.plan.layout import build_layout
     from hetrain.runtime.groups import make_groups
     from hetrain.runtime.trainer import Trainer
@@ -98,7 +98,7 @@ def _overhead_per_step(num_microbatches: int, device: torch.device, precision: s
     path = work / f"plan-{num_microbatches}.json"
     plan.write(path)
     layout = build_layout(plan)
-    config = RunConfig(plan=str(path), steps=WARMUP_STEPS + MEASURED_STEPS, precision=precision)
+    config = RunConfig(plan=str(path), steps=WARMUP_STEPS + MEASURED_STEPS, options=TrainOptions(precision=precision))
     groups = make_groups(layout, [0], 0)
     trainer = Trainer(config, plan, layout, layout.roles[0], groups, None, device)
     out = []
@@ -118,10 +118,10 @@ def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
     opt = torch.optim.AdamW(params, lr=1e-4, **impl)
     times = []
     for i in range(2 + repeats):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync(device)
         if i >= 2:
             times.append(time.perf_counter() - started)
     return statistics.median(times) / OPTIMIZER_PARAMS
@@ -145,7 +145,7 @@ def tp_block_overhead_s(device: torch.device, precision: str, repeats: int = 9) 
     x = torch.randn(1, STAND_IN.seq_length, STAND_IN.hidden_size, device=device, requires_grad=True)
 
     def time_block(block: torch.nn.Module) -> float:
-        fwd, bwd = _time_fwd_bwd(lambda: block(x), lambda out: out.float().sum().backward(), device, precision,
+        fwd, bwd = time_fwd_bwd(lambda: block(x), lambda out: out.float().sum().backward(), device, precision,
                                  warmup=2, repeats=repeats)
         return fwd + bwd
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetrain.checkpoint.manifest import committed_steps, step_owners
 from hetrain.checkpoint.reassemble import NoCheckpoint, reassemble_newest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
@@ -34,21 +34,22 @@ def check_run_paths(run_dir: Path, config: RunConfig, nodes: list[str]) -> None:
     """
     from hetrain.files import check_output_dir, check_output_file
 
-    check_output_dir(run_dir, "--run-dir")
+    check_output_dir(run_dir, "`run_dir`")
     if config.metrics:
-        check_output_file(config.metrics, "--metrics", {"--plan": config.plan, "--cluster": config.cluster,
-                                                        "--data": config.data})
+        check_output_file(config.metrics, "`metrics`", {"`plan`": config.plan, "`cluster`": config.cluster,
+                                                        "`data`": config.options.data})
     ckpt = config.checkpoint
     if ckpt is None or "://" in ckpt.local_dir:
         return
     for node in nodes:
         root = Path(ckpt.node_root(node))
-        check_output_dir(root, "--checkpoint-dir")
-        other = [(step, owner) for step, owner in step_owners(str(root)).items() if owner not in (None, config.run_id)]
+        check_output_dir(root, "`checkpoint_dir`")
+        owners = CheckpointStore.for_node(ckpt, node).step_owners()
+        other = [(step, owner) for step, owner in owners.items() if owner not in (None, config.run_id)]
         if other:
             step, run_id = max(other)
-            raise HetrainError(f"--checkpoint-dir {root}: holds committed checkpoints of run '{run_id}' (newest: step "
-                               f"{step}), not of this run '{config.run_id}'; give this run its own --checkpoint-dir")
+            raise HetrainError(f"`checkpoint_dir` {root}: holds committed checkpoints of run '{run_id}' (newest: step "
+                               f"{step}), not of this run '{config.run_id}'; give this run its own `checkpoint_dir`")
 
 
 def start_or_resume(run_dir: Path, config: RunConfig, plan: Plan, more_steps: int,
@@ -95,7 +96,7 @@ def _metrics_records(path: Path) -> int:
         if not isinstance(record, dict) or "step" not in record:
             if i == len(lines) - 1 and count and not line.endswith(b"\n"):
                 break  # a record cut short by a crash: the resume drops it
-            raise HetrainError(f"--metrics {path}: the file exists and is not a hetrain metrics file "
+            raise HetrainError(f"`metrics` {path}: the file exists and is not a hetrain metrics file "
                                f"(line {i + 1}); choose another path")
         count += 1
     return count
@@ -112,7 +113,8 @@ def previous_run_files(run_dir: Path, config: RunConfig, nodes: list[str]) -> li
         found.append(f"{metrics.name} with {_metrics_records(metrics)} steps")
     ckpt = config.checkpoint
     if ckpt is not None and "://" not in ckpt.local_dir:
-        if any(committed_steps(ckpt.node_root(node)) for node in nodes if Path(ckpt.node_root(node)).is_dir()):
+        if any(CheckpointStore.for_node(ckpt, node).committed_steps() for node in nodes
+               if Path(ckpt.node_root(node)).is_dir()):
             found.append("committed checkpoints")
     return found
 
@@ -130,7 +132,7 @@ def archive_run(run_dir: Path, config: RunConfig, nodes: list[str]) -> Path:
     dest.mkdir(parents=True, exist_ok=False)
     # the new run's inputs (a plan, cluster or data file kept in the run directory) stay where the new run reads
     # them; the archive gets a copy
-    inputs = {Path(p).resolve() for p in (config.plan, config.cluster, config.data) if p}
+    inputs = {Path(p).resolve() for p in (config.plan, config.cluster, config.options.data) if p}
     for entry in list(run_dir.iterdir()):
         if entry == archive or entry.name == LOCK:  # the lock stays with the directory its holder locked
             continue
@@ -177,7 +179,7 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
     from hetrain.checkpoint.backup import probe_remote
 
     if resume and restart:
-        raise HetrainError("give --resume or --restart, not both")
+        raise HetrainError("give `resume` or `restart`, not both")
     check_run_paths(run_dir, config, nodes)
     if config.checkpoint is not None:
         # before --restart archives or a resume reassembles; a store that is down is a warning, not a refusal
@@ -189,8 +191,8 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
     previous = previous_run_files(run_dir, config, nodes)
     if previous and restart:
         if config.checkpoint is not None and config.checkpoint.remote_url:
-            raise HetrainError(f"--restart: {config.checkpoint.remote_url} still holds the old run's checkpoints, which "
-                               f"a recovery would take for this run's; give the new run another --remote prefix")
+            raise HetrainError(f"`restart`: {config.checkpoint.remote_url} still holds the old run's checkpoints, which "
+                               f"a recovery would take for this run's; give the new run another `remote` prefix")
         return PreparedRun(fresh, archived=archive_run(run_dir, config, nodes))
     if not previous and not resume:
         return PreparedRun(fresh)
@@ -202,11 +204,11 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
         if start_over_without_checkpoint and not resume:
             return PreparedRun(fresh)
         raise HetrainError(
-            f"--run-dir {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
-            f"resume from; pass --restart to archive it and start over, or choose another --run-dir"
+            f"`run_dir` {run_dir}: holds a previous run ({', '.join(previous)}) with no committed checkpoint to "
+            f"resume from; pass `restart` to archive it and start over, or choose another `run_dir`"
             if previous else f"--resume: {run_dir} has no committed checkpoint to resume from")
     if config.start_step >= config.steps:
-        raise HetrainError(f"--run-dir {run_dir}: its newest checkpoint is of step {resumed_step}, the run is already "
-                           f"at --steps {config.steps}; raise --steps (the learning-rate decay is stretched to the new "
-                           f"total) or give --more-steps")
+        raise HetrainError(f"`run_dir` {run_dir}: its newest checkpoint is of step {resumed_step}, the run is already "
+                           f"at `steps` {config.steps}; raise `steps` (the learning-rate decay is stretched to the new "
+                           f"total) or give `more_steps`")
     return PreparedRun(config, resumed_step)

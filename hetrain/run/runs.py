@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from hetrain.checkpoint.reassemble import Source
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
@@ -30,8 +31,10 @@ def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
     if ckpt is None:
         raise HetrainError(f"{config.plan}: the run was started without checkpoints; nothing to recover from")
     nodes = list(dict.fromkeys(d.split("/")[0] for d in plan.devices()))
-    peers = [Source(node, ckpt.peer_url(node)) for node in nodes if node not in lost_nodes] if use_peers else []
-    remote = Source("remote", ckpt.remote_url, remote=True, options=ckpt.remote_options) if ckpt.remote_url else None
+    peers = [Source(node, CheckpointStore.for_peer(ckpt, node)) for node in nodes if node not in lost_nodes] \
+        if use_peers else []
+    store = CheckpointStore.for_remote(ckpt)
+    remote = Source("remote", store, remote=True) if store is not None else None
     return peers, remote
 
 

@@ -138,7 +138,7 @@ class Trainer:
         self.checkpointer = None
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
-                                             self.optimizer, config.optimizer, train_state=self.train_state)
+                                             self.optimizer, config.options.optimizer, train_state=self.train_state)
 
         # under TP the last stage holds the logits of its vocabulary shard (``parallelize_stage``)
         self.tp_group = groups.tp if plan.tp > 1 else None
@@ -147,7 +147,7 @@ class Trainer:
         self.schedule = self._make_schedule(plan.pipelines[role.pipeline], groups, recompute)
         offset, count = pipeline_slices([p.num_microbatches for p in plan.pipelines],
                                         plan.micro_batch_size)[role.pipeline]
-        source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.seed, path=config.data)
+        source = TokenSource(plan.model.seq_length, plan.model.vocab_size, seed=config.options.seed, path=config.options.data)
         self.sampler = PipelineSampler(source, plan.global_batch_size, offset, count)
         self.buckets = [(groups.sync[b.ranks], bucket_params(model, b))
                         for b in layout.buckets_of(role.rank)]
@@ -161,7 +161,7 @@ class Trainer:
         """
         config, plan, role, device = self.config, self.plan, self.role, self.device
         model = GPT(plan.model, role.layers, recompute=recompute, chunks=role.chunk_layers)
-        model.init_weights(config.seed)
+        model.init_weights(config.options.seed)
         model.to(device)
         if plan.tp > 1:
             # DTensor shards by the rank in the TP group; pipeline sends and gradient buckets pair ranks
@@ -171,15 +171,15 @@ class Trainer:
                                    f"{groups.tp.rank()} of its TP group: the launcher numbered a node's "
                                    f"processes out of device order")
             parallelize_stage(model, DeviceMesh.from_group(groups.tp, device.type))
-        if config.init_from and not config.resume_from:
-            load_pretrained(model, plan.model, config.init_from)
+        if config.options.init_from and not config.resume_from:
+            load_pretrained(model, plan.model, config.options.init_from)
         # the modules the schedule runs: the stage, or an interleaved rank's chunk views of it (same parameters)
         self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
         for chunk in self.chunks:
             apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
-        if config.fp8:
+        if config.options.fp8:
             apply_fp8(model, self.precision, device, tp=plan.tp)
-        if config.compile and device.type == "cuda":
+        if config.options.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()
         return model
@@ -208,7 +208,7 @@ class Trainer:
         config, model, role = self.config, self.model, self.role
         # Fused AdamW on GPUs (one kernel for every parameter), foreach on CPU; fp32 state either way.
         # (DTensor has no sharding rule for fused SGD: SGD runs foreach everywhere.)
-        fused = self.device.type == "cuda" and config.optimizer == "adamw"
+        fused = self.device.type == "cuda" and config.options.optimizer == "adamw"
         impl = {"fused": True, "foreach": False} if fused else {"fused": None, "foreach": True}
         if self.optimizer_state != "replicated":  # ZeRO-1 across the replicas of each layer (``runtime.zero``)
             self.zero = sharded_adamw(model, layout, role, groups, offload=self.optimizer_state == "offloaded",
@@ -222,7 +222,7 @@ class Trainer:
         params = list(model.parameters())
         param_groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
                                     [p for p in params if not isinstance(p, DTensor)]) if g]
-        optim_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        optim_class = torch.optim.AdamW if config.options.optimizer == "adamw" else torch.optim.SGD
         self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
                                      weight_decay=config.weight_decay, **impl)
         return impl
@@ -230,13 +230,13 @@ class Trainer:
     @staticmethod
     def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
         """The stage's ``optimizer_state`` (absent: replicated); sharding is for AdamW, the optimizer with state."""
-        check_optimizer_state(plan, config.optimizer)
+        check_optimizer_state(plan, config.options.optimizer)
         return plan.pipelines[role.pipeline].stages[role.stage].optimizer_state or "replicated"
 
     def _state_factor(self) -> float:
         """Optimizer state bytes per parameter byte on the device, for the meter: AdamW's two moments, 1/D of
         them when sharded over D replicas, none when offloaded to the host; SGD keeps none."""
-        if self.config.optimizer != "adamw" or self.optimizer_state == "offloaded":
+        if self.config.options.optimizer != "adamw" or self.optimizer_state == "offloaded":
             return 0.0
         if self.zero is None:
             return 2.0
@@ -314,8 +314,8 @@ class Trainer:
         lr = self.lr_schedule.lr_at(step)
         if applied:
             coef = 1.0 / scale
-            if self.config.max_grad_norm is not None:
-                coef *= min(1.0, self.config.max_grad_norm / (grad_norm + 1e-6))
+            if self.config.options.max_grad_norm:
+                coef *= min(1.0, self.config.options.max_grad_norm / (grad_norm + 1e-6))
             self._apply(step, coef, lr)
         self.optimizer.zero_grad(set_to_none=True)
         record = {"step": step, "loss": float(totals[StepTotals.LOSS]) / scale, "grad_norm": grad_norm, "lr": lr,

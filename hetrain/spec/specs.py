@@ -198,6 +198,14 @@ class ClusterSpec(_Spec):
 
     # ---- derived views (not part of the file format)
 
+    @property
+    def default_precision(self) -> Literal["bf16", "fp32"]:
+        """The number format a run plans and trains in when the user names none: the one rule, for ``hetrain
+        plan``, the Python API and the flows. fp32 where every node is an emulated (CPU) device: a CPU has no
+        bf16 matrix units, so bf16 there is slower and no closer to a GPU's numerics; bf16 on GPUs (a type
+        without bf16 tensor cores computes in fp16, per stage: ``GPUType.format_for``)."""
+        return "fp32" if all(n.emulate is not None for n in self.nodes) else "bf16"
+
     def gpu_type(self, name: str) -> GPUType:
         return self.gpu_types.get(name) or CATALOG[name]
 
