@@ -10,16 +10,12 @@ What is measured, for each (TP degree ``tp``, micro-batch size ``b``), one micro
 * the embedding (token + position lookup and their sum) and the head (final LayerNorm, LM
   head and the loss), forward and backward;
 * ``block_activation_bytes`` per mode: bytes one block keeps alive for backward for one
-  micro-batch, its input included (``_kept_bytes``: the storages its forward creates that
+  micro-batch, its input included (``timing.kept_bytes``: the storages its forward creates that
   outlive it, which also sees selective recompute's cache). With full recompute that is just
   the block input (the checkpoint keeps it to recompute from).
 
-On a GPU: the mean wall-clock time (``time.perf_counter``) of ``repeats`` runs issued back to
-back after ``warmup`` runs, synchronised only around the batch, as a training step overlaps
-kernel launches with the GPU's work. On CPU: the median of ``repeats`` runs of the CPU
-seconds of the profiling thread (``time.thread_time``), which is what an emulated CPU device
-is charged for (``hetrain.runtime.instrument``) and, unlike wall time, does not count the
-moments other processes of this shared machine held the core.
+How each is timed (medians of CPU seconds on CPU, back-to-back means on a GPU) and how the
+kept bytes are counted is ``hetrain.profiling.timing``'s.
 
 Tensor parallelism: for ``tp > 1`` the profiler times the shard ONE rank computes, on this
 single device, with NO communication: a block whose attention has ``num_heads / tp`` heads
@@ -37,32 +33,24 @@ Emulated GPU types (``emulate.slowdown`` on a CPU node): the runtime makes such 
 times by ``slowdown`` (it does not sleep); activation bytes are unchanged.
 
 Precision: ``fp32`` runs plain fp32; ``bf16``/``fp16`` run forward under ``torch.autocast``
-with that dtype (parameters stay fp32). Threads: whatever ``torch.set_num_threads`` the
+with that dtype (parameters stay fp32; ``timing.autocast``). Threads: whatever ``torch.set_num_threads`` the
 caller left (CPU ranks of ``hetrain train`` run with ``threads_per_rank``, 1 by default).
 """
 
 from __future__ import annotations
 
-import contextlib
-import statistics
-import time
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Literal
 
 import torch
 from torch import nn
 
 from hetrain.errors import HetrainError
 from hetrain.profiling.profile import Profile, ProfileEntry, RecomputeEntry, RuntimeOverheads
-from hetrain.runtime.instrument import StageMeter
+from hetrain.profiling.timing import DTYPES, Precision, kept_bytes, time_fwd_bwd, time_split_backward
 from hetrain.runtime.model import final_norm, init_parameter, lm_loss, make_block, run_block
 from hetrain.runtime.loss import vocab_parallel_lm_loss, vocab_shard
 from hetrain.spec.arithmetic import block_params
 from hetrain.spec.specs import RECOMPUTE_MODES, ClusterSpec, ModelSpec
-
-Precision = Literal["bf16", "fp16", "fp32"]
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 # --------------------------------------------------------------------------- modules
@@ -137,130 +125,6 @@ def _init(module: nn.Module, seed: int = 0) -> None:
         init_parameter(name, param, gen)
 
 
-# --------------------------------------------------------------------------- timing
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _autocast(device: torch.device, precision: Precision) -> contextlib.AbstractContextManager:
-    dtype = _DTYPES[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)  # as the runtime runs it
-
-
-def _time_fwd_bwd(
-    forward: Callable[[], torch.Tensor],
-    backward: Callable[[torch.Tensor], None],
-    device: torch.device,
-    precision: Precision,
-    warmup: int,
-    repeats: int,
-) -> tuple[float, float]:
-    """Forward and backward seconds of one run: medians on CPU, back-to-back means on a GPU."""
-    if device.type == "cuda":
-        return _time_fwd_bwd_pipelined(forward, backward, device, precision, warmup, repeats)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    clock = time.thread_time  # what an emulated CPU device is charged for
-    # a CPU rank's stage meter counts every tensor saved for backward through Python hooks, inside
-    # the compute it is charged for (20-30 % of a gpt-tiny block): time the block with them too
-    counting = StageMeter(nn.Module(), "profiler").saved_tensor_hooks
-    for i in range(warmup + repeats):
-        t0 = clock()
-        with _autocast(device, precision), counting():
-            out = forward()
-        t1 = clock()
-        backward(out)
-        t2 = clock()
-        del out
-        if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
-
-
-def _time_fwd_bwd_pipelined(
-    forward: Callable[[], torch.Tensor],
-    backward: Callable[[torch.Tensor], None],
-    device: torch.device,
-    precision: Precision,
-    warmup: int,
-    repeats: int,
-) -> tuple[float, float]:
-    """GPU timing as training sees it: runs issued back to back, synchronised only around the batch.
-
-    Synchronising around every forward and backward (as the CPU path does) charges each run
-    the kernel-launch latency and the idle GPU while Python issues the first kernels; in a
-    training step the CPU runs ahead of the GPU and hides both, which made profile-fed
-    predictions about 24 % slower than measured steps on an H100. Here ``repeats`` forwards
-    are timed back to back, then ``repeats`` forward + backward pairs; backward is the difference.
-    """
-    for _ in range(warmup):
-        with _autocast(device, precision):
-            out = forward()
-        backward(out)
-        del out
-    _sync(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        with _autocast(device, precision):
-            out = forward()
-        del out
-    _sync(device)
-    fwd = (time.perf_counter() - started) / repeats
-    started = time.perf_counter()
-    for _ in range(repeats):
-        with _autocast(device, precision):
-            out = forward()
-        backward(out)
-        del out
-    _sync(device)
-    both = (time.perf_counter() - started) / repeats
-    return fwd, max(both - fwd, 0.0)
-
-
-def _kept_bytes(run: Callable[[], torch.Tensor], params: Iterable[torch.Tensor], x: torch.Tensor,
-                device: torch.device, precision: Precision) -> int:
-    """Bytes ``run``'s forward leaves alive for backward, its input included: what one block keeps per micro-batch.
-
-    Every storage an op creates during the forward is followed (weakly); those still alive
-    once the forward returned, but for its output, are what autograd (or selective recompute's
-    cache, which saved-tensor hooks do not see) keeps. The input is counted too: every mode
-    keeps it (the first norm saves it, or the checkpoint recomputes from it). Parameters and
-    views of them are left out, as in ``StageMeter``; ``x``, the tensor ``run`` feeds the block
-    (a view of it is the input), is counted once, as fp32. The graph is dropped without backward.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params} | {x.untyped_storage().data_ptr()}
-    created: dict[int, tuple[weakref.ref, int]] = {}
-
-    class _Follow(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    st = t.untyped_storage()
-                    ptr = st.data_ptr()
-                    prev = created.get(ptr)
-                    # an allocator (CUDA's caching one) hands a freed block's address to the next tensor
-                    if ptr not in param_ptrs and st.nbytes() and (prev is None or prev[0]() is None):
-                        created[ptr] = (weakref.ref(st), st.nbytes())
-            return out
-
-    with _autocast(device, precision), _Follow():
-        out = run()
-    out_ptr = out.untyped_storage().data_ptr()
-    kept = sum(n for ptr, (ref, n) in created.items() if ptr != out_ptr and ref() is not None)
-    del out
-    return kept + x.numel() * 4  # the block input: the fp32 residual stream
-
-
 # --------------------------------------------------------------------------- public API
 
 
@@ -274,8 +138,8 @@ def _check_device(device: torch.device | str | None) -> torch.device:
 
 
 def _check_precision(precision: str) -> Precision:
-    if precision not in _DTYPES:
-        raise HetrainError(f"precision: expected one of {', '.join(_DTYPES)}, got {precision!r}")
+    if precision not in DTYPES:
+        raise HetrainError(f"precision: expected one of {', '.join(DTYPES)}, got {precision!r}")
     return precision  # type: ignore[return-value]
 
 
@@ -305,9 +169,9 @@ def _measure(
             # A fresh leaf each run, like a received stage input: its gradient is computed too.
             return run_block(block, x0.detach().requires_grad_(), mode)
 
-        fwd_s, bwd_s = _time_fwd_bwd(block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats)
-        per_mode[mode] = (fwd_s, bwd_s, _kept_bytes(block_fwd, block.parameters(), x0, device, precision))
-    split_s, weight_s = _time_split_backward(block, x0, gy, device, precision, warmup, repeats)
+        fwd_s, bwd_s = time_fwd_bwd(block_fwd, lambda y: y.backward(gy), device, precision, warmup, repeats)
+        per_mode[mode] = (fwd_s, bwd_s, kept_bytes(block_fwd, block.parameters(), x0, device, precision))
+    split_s, weight_s = time_split_backward(block, x0, gy, device, precision, warmup, repeats)
     del block
     own = "full" if activation_recompute else "none"
     block_fwd_s = per_mode["none"][0]  # the forward every mode runs (selective's policy adds its own dispatch)
@@ -338,33 +202,6 @@ def _measure(
     )
 
 
-def _time_split_backward(block: nn.Module, x0: torch.Tensor, gy: torch.Tensor, device: torch.device,
-                         precision: Precision, warmup: int, repeats: int) -> tuple[float, float]:
-    """(input + weight gradient, weight gradient alone) seconds of one block's backward split as ZB-H1
-    runs it (``stage_backward_input``, then ``stage_backward_weight``, no recompute): the split walks
-    the graph twice, which costs more than one backward on a CPU."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    clock = time.thread_time if device.type == "cpu" else time.perf_counter
-    leaf: list[torch.Tensor] = []
-    weight: list[float] = []
-
-    def forward() -> torch.Tensor:
-        leaf[:] = [x0.detach().requires_grad_()]
-        return run_block(block, leaf[0], "none")
-
-    def split(y: torch.Tensor) -> None:
-        groups = stage_backward_input([y], [gy], leaf, block.parameters())[1]
-        _sync(device)
-        started = clock()
-        stage_backward_weight(block.parameters(), groups)
-        _sync(device)
-        weight.append(clock() - started)
-
-    both = _time_fwd_bwd(forward, split, device, precision, warmup, repeats)[1]
-    return both, statistics.median(weight[warmup:]) if len(weight) > warmup else statistics.median(weight)
-
-
 def _measure_ends(
     spec: ModelSpec, b: int, *, device: torch.device, precision: Precision, warmup: int, repeats: int,
     tps: Iterable[int] = (1,),
@@ -384,7 +221,7 @@ def _measure_ends(
     _init(embed)
     embed.to(device)
     g_embed = (torch.randn(b, s, h, generator=gen) * 1e-3).to(device)
-    embed_fwd_s, embed_bwd_s = _time_fwd_bwd(
+    embed_fwd_s, embed_bwd_s = time_fwd_bwd(
         lambda: embed(ids), lambda y: y.backward(g_embed), device, precision, warmup, repeats
     )
     del embed
@@ -400,7 +237,7 @@ def _measure_ends(
             logits = head(x0.detach().requires_grad_())
             return lm_loss(logits, targets) if tp == 1 else vocab_parallel_lm_loss(logits, targets, 0, None)
 
-        head_fwd_s, head_bwd_s = _time_fwd_bwd(head_fwd, lambda loss: loss.backward(), device, precision, warmup,
+        head_fwd_s, head_bwd_s = time_fwd_bwd(head_fwd, lambda loss: loss.backward(), device, precision, warmup,
                                                repeats)
         del head
         ends[tp] = (embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s)
