@@ -46,7 +46,7 @@ def load_pretrained(stage: nn.Module, spec: ModelSpec, directory: str | Path) ->
         for name, param in stage.named_parameters():
             key = exported_name(spec, name)
             if key not in files:
-                raise HetrainError(f"--init-from {directory}: no tensor '{key}' (the model's {name})")
+                raise HetrainError(f"`init_from` {directory}: no tensor '{key}' (the model's {name})")
             path = files[key]
             if path not in handles:
                 handles[path] = opened.enter_context(safe_open(str(path), framework="pt", device="cpu"))

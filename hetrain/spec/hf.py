@@ -321,7 +321,7 @@ def _architecture(spec: ModelSpec) -> dict[str, Any]:
     return values | {"qkv_bias": bool(spec.qkv_bias), "qk_norm": bool(spec.qk_norm)}
 
 
-def check_pretrained(directory: str | Path, spec: ModelSpec, option: str = "--init-from") -> None:
+def check_pretrained(directory: str | Path, spec: ModelSpec, option: str = "`init_from`") -> None:
     """One line unless the weights in ``directory`` are of ``spec``'s architecture (the plan's model)."""
     theirs = pretrained_spec(directory, spec.seq_length)
     mine, its = _architecture(spec), _architecture(theirs)
