@@ -36,7 +36,7 @@ from hetrain.plan.layout import build_layout
 from hetrain.runtime.launch import launch
 from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster
 from recovery import CLUSTER
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 
 MODES = {  # name: (background, replicate)

@@ -30,7 +30,7 @@ from hetrain.plan.layout import build_layout
 from hetrain.profiling.profiler import gpus_from_cluster, profile_model
 from hetrain.runtime.launch import launch
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 WARMUP_STEPS = 5
 

@@ -25,7 +25,7 @@ from _common import MIX, ROOT, print_table, write_results
 
 from hetrain.spec.offers import OffersSpec, load_offers
 from hetrain.spec.specs import TrainingSettings, load_model
-from solver.offers import Objective, choose_rental
+from solver.rent.offers import Objective, choose_rental
 
 # tokens to train for the deadline rows: about two days on the cheapest rental that holds gpt-6.7b
 DEADLINE_TOKENS, DEADLINE_H = 1e10, 72.0

@@ -20,7 +20,7 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.cost.report import CAPACITY_PARTS, where_time_goes
 from hetrain.errors import NoPlanError
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 CASES = [
     ("paper-12gpu", "gpt-6.7b", 512),

@@ -42,7 +42,7 @@ from hetrain.plan.schema import Plan
 from hetrain.profiling.profiler import gpus_from_cluster, profile_model, scale_profile
 from hetrain.runtime.launch import launch
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 WARMUP_STEPS = 5
 LINK_MBIT = 200  # the shaped group's node link: 25 MB/s, where gpt-small's sends and gradient sync show

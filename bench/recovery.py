@@ -83,7 +83,7 @@ from hetrain.plan.layout import build_layout
 from hetrain.recovery.recover import recover
 from hetrain.runtime.launch import free_port, launch, write_config
 from hetrain.spec.specs import ModelSpec, TrainingSettings, load_cluster
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 BUCKET = "hetrain-bench"
 LOST = "n3"

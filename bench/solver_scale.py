@@ -3,7 +3,7 @@
 Clusters are generated from a 4-type mix (A100-80G, H100-SXM, V100-32G, RTX3090) in nodes of
 8 (smaller ones in nodes of 4), the model is gpt-13b (gpt-30b for the largest), global batch
 512. Each case is planned REPEATS times and the median wall time reported (the development
-machine is shared, single runs vary by up to 2x). The covering LP bound (``solver.bounds``)
+machine is shared, single runs vary by up to 2x). The covering LP bound (``solver.search.bounds``)
 runs on the numpy simplex and on HiGHS (highspy's direct API) alternately, side by side in
 the same run: the table gives both wall times and their ratio, and checks both found the same
 plan. Prints a table, writes bench/results/solver_scale.json.
@@ -18,8 +18,8 @@ import time
 from _common import ROOT, generated_cluster, print_table, write_results
 
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-import solver.bounds
-from solver.planner import make_plan
+import solver.search.bounds
+from solver.planners.registry import make_plan
 
 REPEATS = 3
 # The CLI's wall time on the large cases of issue 34 (cluster, model, global batch, target s on this machine)
@@ -41,11 +41,11 @@ def main() -> None:
         found = {}
         for _ in range(REPEATS):  # the machine is shared: report the median of a few runs, backends alternating
             for backend in walls:
-                solver.bounds.LP_BACKEND = backend
+                solver.search.bounds.LP_BACKEND = backend
                 t0 = time.perf_counter()
                 found[backend] = make_plan("hetrain", cluster, model, settings)
                 walls[backend].append(time.perf_counter() - t0)
-        solver.bounds.LP_BACKEND = "numpy"
+        solver.search.bounds.LP_BACKEND = "numpy"
         r = found["numpy"]
         same = abs(found["highs"].estimate.tokens_per_s - r.estimate.tokens_per_s) <= 1e-6 * r.estimate.tokens_per_s
         wall_highs = statistics.median(walls["highs"])
@@ -127,7 +127,7 @@ def lp_alone(count: int = 300) -> dict:
     """Both LP solvers on the same random covering LPs of the planner's sizes, interleaved."""
     import numpy as np
 
-    from solver.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
+    from solver.search.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
 
     rng = np.random.default_rng(0)
     times: dict[str, list[float]] = {"numpy": [], "highs": []}

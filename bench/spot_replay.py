@@ -1,7 +1,7 @@
 """The spot objectives on a replayed market: what each rental does when its spot GPUs really go away.
 
 For each example offer set (examples/offers/, gpt-6.7b, global batch 512), four rentals are
-chosen by ``hetrain plan --offers`` (``solver.offers.choose_rental``): the cost objective's, the
+chosen by ``hetrain plan --offers`` (``solver.rent.offers.choose_rental``): the cost objective's, the
 throughput objective's (no budget), the deadline objective's (DEADLINE_TOKENS by DEADLINE_H) and
 the cost objective on on-demand GPUs only. Each is replayed through REPLAYS seeded markets drawn
 from its offers' preemption rates (``hetrain simulate``: notices, hetrain's switch or restart,
@@ -30,8 +30,8 @@ from hetrain.cost.recovery_costs import SECONDS_PER_HOUR, load_recovery_costs
 from hetrain.recovery.simulate import BUCKET_RESTART, HETRAIN, Candidate, SimulateOptions, simulate
 from hetrain.spec.offers import load_offers
 from hetrain.spec.specs import TrainingSettings, load_model
-from solver.offers import Objective, choose_rental
-from solver.planner import replanner
+from solver.rent.offers import Objective, choose_rental
+from solver.planners.registry import replanner
 
 EXAMPLE_SETS = ("aws-us-east-1", "gcp-us-central1", "gpu-clouds")
 # about two days of the cheapest rental that holds gpt-6.7b (bench/offers.py's deadline rows)

@@ -4,7 +4,7 @@
 
 Writes the plan and the rented cluster file (which ``hetrain train`` and the train flow take as
 ``cluster``) and publishes the rental, its economics and the plan as artifacts. The logic lives
-in ``solver.offers``; this is the thin Prefect layer over it.
+in ``solver.rent.offers``; this is the thin Prefect layer over it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hetrain.files import write_text_atomic
 from hetrain.profiling.profile import ANALYTIC_NOTE
 from hetrain.spec.offers import cluster_yaml, load_offers
 from hetrain.spec.specs import TrainingSettings, load_model
-from solver.offers import Objective, choose_rental, economics, rental_rows
+from solver.rent.offers import Objective, choose_rental, economics, rental_rows
 
 
 @task(retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)

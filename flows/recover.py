@@ -156,7 +156,7 @@ def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: in
     ``lost_until``: when the lost nodes go (their notice's deadline); until then the restores
     may fetch from them too.
     """
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     logger = get_run_logger()
     cl = load_cluster(cluster_file)
@@ -274,7 +274,7 @@ def recover(
 def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path | None, steps: int | None,
                   timeout_s: float, until: datetime | None, hand_over: Callable[[], None]) -> dict:
     """Recover a run whose ranks all run on this machine: a switch inside the notice if it still trains, else a restart."""
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     logger = get_run_logger()
     run_dir, config = existing_run(root, run_id)

@@ -28,7 +28,7 @@ def plan_cluster(cluster: str, model: str, global_batch_size: int, planner: str,
                  out: str) -> str:
     """The plan for one cluster (as ``hetrain plan`` makes it), written to ``out``; its path."""
     from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     plan = replanner(planner, time_limit_s)(load_cluster(repo_path(cluster)), load_model(repo_path(model)),
                                            TrainingSettings(global_batch_size=global_batch_size))
@@ -42,7 +42,7 @@ def run_simulation(clusters: list[str], plans: list[str], options: SimulateOptio
     """Simulate every cluster and plan under every strategy; the report and the picture's path (None: none)."""
     from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import load_candidates, simulate, write_outputs
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     if options.market:
         options = options.model_copy(update={"market": str(repo_path(options.market))})

@@ -66,7 +66,7 @@ def plan_offers(request: OffersRequest, model_path: Path, settings, profile, pla
     """Choose the rental, print it with its plan and economics, write the plan and the rented cluster file."""
     from hetrain.spec.hf import load_any_model
     from hetrain.spec.offers import cluster_yaml, load_offers
-    from solver.offers import Objective, choose_rental, economics, rental_rows
+    from solver.rent.offers import Objective, choose_rental, economics, rental_rows
 
     objective = Objective(request.objective, request.budget_per_hour, request.tokens, request.deadline_h)
     offers, model = load_offers(request.offers), load_any_model(model_path, seq_length)
@@ -104,7 +104,7 @@ def print_choice(offers, choice, report: dict, plan, model_name: str) -> None:
     from rich.table import Table
 
     from hetrain.cli.tables import _compact_table, plan_table, summary_line
-    from solver.offers import rental_rows
+    from solver.rent.offers import rental_rows
 
     best = choice.best
     table: Table

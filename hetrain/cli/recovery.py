@@ -34,7 +34,7 @@ def recover(
     from rich.progress import BarColumn, Progress, TextColumn
 
     from hetrain.recovery.recover import recover as do_recover
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     lost = [n.strip() for n in lost_nodes.split(",") if n.strip()]
     if not lost:
@@ -92,7 +92,7 @@ def switch(
 
     from hetrain.recovery.preemption import parse_utc
     from hetrain.recovery.proactive import recover_in_notice_window
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     leaving = [n.strip() for n in leaving_nodes.split(",") if n.strip()]
     if not leaving:

@@ -103,7 +103,7 @@ def simulate(
     from hetrain.cost.recovery_costs import load_recovery_costs
     from hetrain.recovery.simulate import STRATEGIES, load_candidates, write_outputs
     from hetrain.recovery.simulate import simulate as run
-    from solver.planner import replanner
+    from solver.planners.registry import replanner
 
     replan = replanner(planner, time_limit_s)
     check_output_dir(out_dir, "--out")

@@ -129,7 +129,7 @@ class CostModel:
         sync_copies: int = 1,
     ):
         """``sync_copies`` > 1: ``cluster`` is one of that many alike copies of a larger cluster, each running the
-        same plan on its share of the batch (``solver.symmetry``), so every gradient bucket syncs among
+        same plan on its share of the batch (``solver.search.symmetry``), so every gradient bucket syncs among
         ``sync_copies`` times the plan's pipelines, across nodes: the plan is priced as on the whole cluster, which
         a planner searching the copy needs (a slice's plan of one pipeline syncs nothing in the slice, and all of
         its gradients on the whole)."""
@@ -234,7 +234,7 @@ class CostModel:
         ``with_sync=False``: without the gradient sync (after the pipelines only the optimizer step and the
         fixed work), what searches that rank many plans need first: its pipelines and memory are the plan's
         exactly and its iteration time a lower bound on the plan's (the sync only adds), at a fraction of the
-        cost on thousands of GPUs (``solver.baselines.whale_search``)."""
+        cost on thousands of GPUs (``solver.planners.baselines.whale_search``)."""
         cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
         node_of = cl.node_of
         pipes: list[PipelineEstimate] = []

@@ -92,7 +92,7 @@ def schedule_terms(schedule: str, stage_s: list[float] | tuple[float, ...],
     zb-h1 c_k holds what the split costs beyond the whole backward). Sends take e_k both ways per
     micro-batch as in 1F1B:
         1f1b, eager-1f1b:  ``pipeline_terms`` (eager with 1F1B's counts; more in flight is
-                            ``solver.assemble``'s pass, played out);
+                            ``solver.search.assemble``'s pass, played out);
         zb-h1:  tau = max_k (c_k + e_{k-1} + e_k),
                 fill = sum_k g_k - g_{k*} + 2 sum_k e_k,  g_k = f_k + max(b_k - w_k, 0) (k > 0), g_0 = f_0,
                 f_k = c_k - b_k - w_k, k* the stage that sets tau.
@@ -311,7 +311,7 @@ def one_f_one_b_play_s(stage_s: list[float] | tuple[float, ...], backward_s: lis
 
     What ``pipeline_terms`` prices in closed form, without its one simplification: the fill is
     ``sum c_k + 2 sum e_k`` there, which overstates it where an early stage is the slowest (it never
-    idles). The planner compares the two schedules like for like with this (``solver.assemble``).
+    idles). The planner compares the two schedules like for like with this (``solver.search.assemble``).
     Stage k runs S - k forwards, then a backward and a forward in turn; each send waits with the
     receive it is fused with (``Schedule1F1B``: the last warm-up activation with the first gradient,
     then each gradient with the next activation and each activation with the next gradient); a

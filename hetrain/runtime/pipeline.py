@@ -9,7 +9,7 @@ the critical path of the pair of stages. With stage k keeping two more in flight
 k + 1, that round trip has a whole extra forward + backward of slack, and the boundary's sends
 are hidden as long as they take less than that compute (``hetrain.cost.pipeline.eager_pipeline_s``
 plays it out). The cost is memory: one more micro-batch of activations on every stage before
-such a boundary. The planner decides per boundary (``solver.assemble.eager_in_flight``); the
+such a boundary. The planner decides per boundary (``solver.search.assemble.eager_in_flight``); the
 plan records it as each stage's ``in_flight``, and plans without it run torch's 1F1B.
 
 The schedule runs torch's 1F1B order (``in_flight`` forwards, then a backward and a forward in

@@ -24,31 +24,9 @@ from hetrain.cost.pipeline import pipeline_terms
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import ClusterSpec, RecomputeMode
-from solver.assemble import allocate_microbatches, finish
-from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
-from solver.space import group_classes
-
-
-def _even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    base, extra = divmod(num_layers, stages)
-    out, start = [], 0
-    for k in range(stages):
-        n = base + (1 if k < extra else 0)
-        out.append((start, start + n))
-        start += n
-    return out
-
-
-def _plan(cost: CostModel, cluster: ClusterSpec, t: int, b: int, pipelines: list[PipelinePlan]) -> Plan:
-    return Plan(
-        model=cost.model,
-        cluster=cluster.name,
-        global_batch_size=cost.settings.global_batch_size,
-        micro_batch_size=b,
-        tp=t,
-        pipelines=pipelines,
-        training=cost.settings,
-    )
+from solver.search.assemble import allocate_microbatches, even_split, finish, plan_of
+from solver.search.common import PlanResult, explain_no_plan, tp_and_micro_batch
+from solver.search.classes import group_classes
 
 
 def _better(cost: CostModel, plan: Plan, best: tuple[float, Plan] | None) -> tuple[float, Plan] | None:
@@ -110,7 +88,7 @@ def megatron_search(cluster: ClusterSpec, cost: CostModel,
                              * cost.stage_params(1, False, False, t) for m in modes] for n in cluster.nodes}
         opt_per_block = np.array([opt_node[h.node] for h in heads])
         for p in (p for p in range(1, L + 1) if L % p == 0 and p * t <= N):
-            blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
+            blocks = np.array([hi - lo for lo, hi in even_split(L, p)], dtype=float)
             for d in range(N // (t * p), 0, -1):
                 if (M % d) or (M // d < p) or crosses[p * d - 1]:
                     continue  # d must split the batch; 1F1B needs a micro-batch per stage; TP stays in a node
@@ -122,7 +100,7 @@ def megatron_search(cluster: ClusterSpec, cost: CostModel,
     for bound_s, t, b, p, d, i in _bound_order(candidates):
         if not _beats(bound_s, best, incumbent_s):
             break
-        best = _better(cost, _plan(cost, cluster, t, b, _megatron_grid(cost, devices, t, p, d, G // b, modes[i])),
+        best = _better(cost, plan_of(cost, cluster, t, b, _megatron_grid(cost, devices, t, p, d, G // b, modes[i])),
                        best)
         tried += 1
     if best is not None and incumbent_s is not None and best[0] >= incumbent_s:
@@ -134,7 +112,7 @@ def _megatron_grid(cost: CostModel, devices: list, t: int, p: int, d: int, M: in
                    mode: RecomputeMode) -> list[PipelinePlan]:
     """The d pipelines of p stages Megatron builds from the first t p d devices (TP fastest, then DP, then PP)."""
     groups = [devices[i: i + t] for i in range(0, t * p * d, t)]
-    split = _even_split(cost.model.num_layers, p)
+    split = even_split(cost.model.num_layers, p)
     return [PipelinePlan(num_microbatches=M // d, stages=[
         StagePlan(devices=[x.name for x in groups[k * d + r]], gpu=groups[k * d + r][0].gpu, layers=split[k],
                   recompute=mode) for k in range(p)]) for r in range(d)]
@@ -174,7 +152,7 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
             d = len(groups) // p
             if d > M:
                 continue
-            blocks = np.array([hi - lo for lo, hi in _even_split(L, p)], dtype=float)
+            blocks = np.array([hi - lo for lo, hi in even_split(L, p)], dtype=float)
             c = _per_stage(per_block, per_embed, per_head, p, d, blocks) + per_mb[: p * d].reshape(d, p, len(modes))
             tau = c.max(axis=1)  # (d, modes)
             first = (p - 1) * tau + c.sum(axis=1)
@@ -214,7 +192,7 @@ def _first_sync_bound_s(cluster: ClusterSpec, cost: CostModel, groups: list, t: 
     if d < 2 or len(nodes) < 2 or cluster.links:
         return 0.0
     bw = cluster.inter_node_bandwidth_gbps / (t if any(cluster.node_by_name[n].shares_nic for n in nodes) else 1)
-    lo, hi = _even_split(cost.model.num_layers, p)[0]
+    lo, hi = even_split(cost.model.num_layers, p)[0]
     return ring_allreduce_s(cost.grad_bytes(hi - lo, True, p == 1, t), d, bw, cost.latency_s)
 
 
@@ -223,7 +201,7 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
                      sync_s: float = 0.0) -> tuple[float, Plan] | None:
     """Whale's d pipelines of p groups (the fastest first, layers split evenly), batch split by each one's speed.
     ``sync_s``: what its gradient sync adds at least (``_first_sync_bound_s``)."""
-    split = _even_split(cost.model.num_layers, p)
+    split = even_split(cost.model.num_layers, p)
     M = cost.settings.global_batch_size // b
     # probed with p micro-batches a pipeline, the fewest the plan gives one: each stage then holds as many in flight
     # as in the plan (1F1B's S - k), so the probe's memory is the plan's; the sync, after the pipelines, is left out
@@ -231,7 +209,7 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
     pipes = [PipelinePlan.model_construct(num_microbatches=p, stages=[
         StagePlan.model_construct(devices=[f"{node}/{i}" for i in idx], gpu=gpu, layers=split[k], recompute=mode)
         for k, (_, node, idx, gpu, _) in enumerate(groups[r * p: (r + 1) * p])]) for r in range(d)]
-    probe = cost.estimate(_plan(cost, cluster, t, b, pipes), with_sync=False)
+    probe = cost.estimate(plan_of(cost, cluster, t, b, pipes), with_sync=False)
     if probe.over_capacity():
         return best
     terms = [pipeline_terms(pe.stage_s, pe.p2p_s) for pe in probe.pipelines]  # 1F1B: T = m tau + fill
@@ -243,7 +221,7 @@ def _whale_candidate(cluster: ClusterSpec, cost: CostModel, t: int, b: int, p: i
                                     + probe.step_overhead_s, best, incumbent_s):
         return best
     pipes = [pp.model_copy(update={"num_microbatches": m}) for pp, m in zip(pipes, counts)]
-    return _better(cost, _plan(cost, cluster, t, b, pipes), best)
+    return _better(cost, plan_of(cost, cluster, t, b, pipes), best)
 
 
 def _best_of(planner: str, none_fits: str, best: tuple[float, Plan] | None, tried: int, t0: float,

@@ -14,9 +14,9 @@ import time
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError, NoPlanError
 from hetrain.spec.specs import ClusterSpec
-from solver.assemble import choose_schedules, finish, score
-from solver.common import PlanResult, explain_no_plan, spaces
-from solver.space import Template
+from solver.search.assemble import choose_schedules, finish, score
+from solver.search.common import PlanResult, explain_no_plan, spaces
+from solver.search.templates import Template
 
 MAX_CANDIDATES = 2_000_000
 
@@ -39,7 +39,7 @@ def plan_exhaustive(cluster: ClusterSpec, cost: CostModel, max_devices: int = 12
             f"cluster '{cluster.name}' has {cluster.num_devices}"
         )
     t0 = time.perf_counter()
-    # per family of spaces, as the MILP planner searches them (``solver.milp_planner.plan_milp``): those whose
+    # per family of spaces, as the MILP planner searches them (``solver.planners.milp.plan_milp``): those whose
     # stages keep their optimizer state whole, and those that keep less; each's best gets its schedules
     best: dict[bool, tuple] = {}
     seen = 0

@@ -1,32 +1,28 @@
-"""The planners by name, all on one cost model: ``make_plan("hetrain" | "milp" | "megatron" | "whale" | "exhaustive", ...)``.
+"""The hetrain planner: the MILP planner's search with the baselines' layouts and per-type pipelines as seeds.
 
-``hetrain`` is the product: the MILP planner's search (``milp``: exact over its template
-space, ``solver.space``) with the baselines' layouts as seeds, so no baseline in the tool ever
-predicts faster than the plan it returns, whatever the template space lacks; each plan says
-what its optimality covers (``claim``) and how far it is from a bound no plan beats.
+The MILP planner (``solver.planners.milp``) is exact over its template space (``solver.search.space``); seeded with
+megatron's and whale's layouts (``solver.planners.baselines``) and per-type pipelines (``solver.planners.typed``),
+no baseline in the tool ever predicts faster than the plan it returns, whatever the template space lacks. Each
+plan says what its optimality covers (``claim``) and how far it is from a bound no plan beats. Large clusters are
+planned as a slice, repeated (``solver.search.symmetry``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-from dataclasses import replace
 from collections.abc import Callable
 
 from hetrain.cost.costmodel import CostModel
-from hetrain.errors import HetrainError, NoPlanError
+from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan, SolverInfo
-from hetrain.profiling.profile import Profile
-from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.assemble import choose_schedules, finish, schedules_bound_s
-from solver.baselines import megatron_search, plan_megatron, plan_whale, whale_search
-from solver.common import PlanResult, with_stage_formats
-from solver.exhaustive import plan_exhaustive
-from solver.milp_planner import NothingBetter, plan_milp
-from solver.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
-from solver.symmetry import Slice, replicate, slice_of
-from solver.typed import typed_search
+from hetrain.spec.specs import ClusterSpec
+from solver.planners.baselines import megatron_search, whale_search
+from solver.planners.milp import NothingBetter, plan_milp
+from solver.planners.typed import typed_search
+from solver.search.assemble import choose_schedules, finish, schedules_bound_s
+from solver.search.common import PlanResult
+from solver.search.space import MANY_CLASSES, MAX_CLASSES_PER_PIPELINE, ONE_PIPELINE_CLASSES, ONE_PIPELINE_GROUPS
+from solver.search.symmetry import Slice, replicate, slice_of
 
 
 def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10.0,
@@ -36,7 +32,7 @@ def plan_hetrain(cluster: ClusterSpec, cost: CostModel, time_limit_s: float = 10
 
     On a cluster planned whole the seeds search with the MILP's plan as incumbent, so they score only layouts
     that could beat it (``megatron_search``: exact lower bounds first): a few estimates when the MILP's plan is
-    already better. By slice (over ``solver.symmetry.SLICE_ABOVE_GPUS``) the seeds come first and the slice's
+    already better. By slice (over ``solver.search.symmetry.SLICE_ABOVE_GPUS``) the seeds come first and the slice's
     MILP searches only for plans that beat their best: there the seeds win (large-1024, 10,240 GPUs), and the
     MILP's pruning saves most of its second. Where the MILP finds nothing, a seed's plan is still one.
     """
@@ -85,7 +81,7 @@ SEEDS = "megatron's and whale's layouts and per-type pipelines (one GPU type eac
 
 def _baseline_seeds(cluster: ClusterSpec, cost: CostModel, best: PlanResult | None,
                     progress: Callable[[str], None] | None) -> list[tuple[float, str, Plan]]:
-    """Megatron's and whale's best layouts, and the best of the per-type pipelines (``solver.typed``), that come
+    """Megatron's and whale's best layouts, and the best of the per-type pipelines (``solver.planners.typed``), that come
     within ``SCHEDULES_WITHIN`` of the best plan so far (``best``, its schedules chosen) as they are, each (its
     time, where it is from, the plan) before its schedules are chosen, the fastest first.
 
@@ -142,7 +138,7 @@ def _slice_space(part: Slice) -> str:
 
 def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: float,
               progress: Callable[[str], None] | None, incumbent_s: float | None = None) -> PlanResult:
-    """The MILP's plan for the slice, on every copy of it (``solver.symmetry``), priced on the whole cluster, its
+    """The MILP's plan for the slice, on every copy of it (``solver.search.symmetry``), priced on the whole cluster, its
     pipelines on 1F1B: ``plan_hetrain`` chooses their schedules only if it could beat the seeds (a second on
     1,024 GPUs)."""
     # priced with each bucket's sync over every copy (``sync_copies``), as the replicated plan will be
@@ -153,65 +149,3 @@ def _by_slice(cluster: ClusterSpec, cost: CostModel, part: Slice, time_limit_s: 
     info = small.plan.solver.model_dump() | {"scope": f"{small.plan.solver.model_extra.get('scope', 'milp')}, "
                                                       f"1/{part.copies} slice x {part.copies}"}
     return PlanResult(*finish(plan, cost, info, est))
-
-
-# name -> planner(cluster, cost, time_limit_s, progress)
-REGISTRY: dict[str, Callable[..., PlanResult]] = {
-    "hetrain": plan_hetrain,
-    "milp": lambda cluster, cost, time_limit_s, progress: plan_milp(cluster, cost, time_limit_s=time_limit_s,
-                                                                     progress=progress),
-    "megatron": lambda cluster, cost, time_limit_s, progress: plan_megatron(cluster, cost),
-    "whale": lambda cluster, cost, time_limit_s, progress: plan_whale(cluster, cost),
-    "exhaustive": lambda cluster, cost, time_limit_s, progress: plan_exhaustive(cluster, cost),
-}
-PLANNERS = tuple(REGISTRY)  # what --planner accepts
-
-
-def canonical(planner: str) -> str:
-    """``planner`` if it is a registry name; HetrainError naming the choices otherwise."""
-    name = planner
-    if name not in REGISTRY:
-        raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    return name
-
-
-def make_plan(
-    planner: str,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    settings: TrainingSettings,
-    profile: Profile | None = None,
-    time_limit_s: float = 10.0,
-    progress: Callable[[str], None] | None = None,
-) -> PlanResult:
-    planner_fn = REGISTRY[canonical(planner)]
-    with _cycles_collected_after():
-        result = planner_fn(cluster, CostModel(cluster, model, settings, profile), time_limit_s, progress)
-    return replace(result, plan=with_stage_formats(result.plan, cluster))
-
-
-@contextlib.contextmanager
-def _cycles_collected_after():
-    """Python's cycle collector off while planning (as it was before, after): the planners allocate hundreds of
-    thousands of short-lived objects (candidate plans of thousands of stages), and each collection they trigger
-    rescans every template and plan still alive, a tenth of planning 10,240 GPUs (1 s of 10 here), while the
-    cycles it would free there stay under 5 MB. Reference counting still frees everything else at once."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
-def replanner(planner: str, time_limit_s: float = 10.0) -> Callable[[ClusterSpec, ModelSpec, TrainingSettings], Plan]:
-    """``planner`` as the function recovery and the market replay take (``hetrain.recovery.recover.Planner``):
-    a cluster, model and settings in, the plan out. Checks the name at once (a bad one is a user error before
-    any work, not at the first preemption)."""
-    canonical(planner)
-
-    def plan_for(cluster: ClusterSpec, model: ModelSpec, settings: TrainingSettings) -> Plan:
-        return make_plan(planner, cluster, model, settings, time_limit_s=time_limit_s).plan
-
-    return plan_for

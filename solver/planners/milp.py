@@ -1,9 +1,11 @@
-"""The MILP planner (hetrain's own): symmetric TP groups, asymmetric pipelines, each pipeline's share.
+"""The MILP planner (``milp`` in the registry): symmetric TP groups, asymmetric pipelines, each pipeline's share.
 
-For each TP degree and micro-batch size (``solver.common``) it builds the pipeline templates
-(``solver.space``), lets HiGHS choose how many copies of each template to run and their
-micro-batches (``solver.milp``), assembles and scores the best candidates exactly on the one
-cost model (``solver.assemble``) and improves the best few locally (``solver.improve``).
+The search alone; the hetrain planner (``solver.planners.hetrain``) runs it beside the baselines' layouts. For each
+TP degree and micro-batch size (``solver.search.common``) it builds the pipeline templates (``solver.search.space``),
+for each sync scope (the nodes a plan may use, ``_sync_scopes``) lets HiGHS choose how many copies of each template
+to run and their micro-batches (the formulation, ``solver.search.formulation``), assembles and scores the best
+candidates exactly on the one cost model (``solver.search.assemble``) and improves the best few locally
+(``solver.search.improve``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
-from solver.common import PlanResult, explain_no_plan, tp_and_micro_batch
-from solver.assemble import choose_schedules, finish, schedules_bound_s, score
-from solver.improve import improve
-from solver.milp import fluid_lower_bound_s, solve_templates
-from solver.space import Space, group_classes, search_spaces
+from solver.search.common import PlanResult, explain_no_plan, tp_and_micro_batch
+from solver.search.assemble import choose_schedules, finish, schedules_bound_s, score
+from solver.search.improve import improve
+from solver.search.formulation import fluid_lower_bound_s, solve_templates
+from solver.search.classes import group_classes
+from solver.search.space import Space, search_spaces
 
 # (t, b, scope) combinations whose MILP optimum is within this fraction of the best so far are
 # still assembled and scored exactly: the MILP's sync estimate is conservative.
@@ -227,7 +230,7 @@ class _Search:
 
     def improve_best(self) -> None:
         """The cost model prices gradient sync per block bucket, the MILP per scope: search the
-        neighbourhood of the best plans found, scored exactly (see solver.improve)."""
+        neighbourhood of the best plans found, scored exactly (see solver.search.improve)."""
         ranked = sorted(self.starts.values(), key=lambda s: s[0])
         firsts = {}  # the best plan of each space as well
         for s in ranked:
@@ -292,7 +295,7 @@ def plan_milp(
     incumbent_s: float | None = None,
 ) -> PlanResult:
     """Best plan over TP degree x micro-batch size x sync scope, each an exact MILP; ``schedules=False``: its
-    pipelines left on 1F1B, for a caller that chooses them on a bigger plan (``solver.planner``'s slice);
+    pipelines left on 1F1B, for a caller that chooses them on a bigger plan (``solver.planners.hetrain``'s slice);
     ``incumbent_s``: a plan's time from elsewhere, which prunes as the search's own best does (``NothingBetter``
     where nothing in the space beats it).
 

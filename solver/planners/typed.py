@@ -4,8 +4,8 @@ Why a layout family of its own: on large mixed fleets with a small batch per GPU
 baselines hold the layout that wins. Whale gives every pipeline the same depth and fills them from the
 fastest groups down, so a pipeline of 8 H100 stages beside 8 A100 stages idles the H100s (large-1024,
 gpt-30b, global batch 512: 20.7 % of the capacity lost to stage imbalance), and the slow types get the
-same depth as the fast ones. The MILP plans such clusters by a slice (``solver.symmetry``) holding one
-H100 node, where no H100 pipeline of its own exists. Here each type (``solver.space.group_classes``) runs
+same depth as the fast ones. The MILP plans such clusters by a slice (``solver.search.symmetry``) holding one
+H100 node, where no H100 pipeline of its own exists. Here each type (``solver.search.classes.group_classes``) runs
 pipelines of one depth d (its blocks split evenly; its groups in turn, or side by side over the same nodes)
 or sits out, which is also how a type too slow for the batch is left out: a pipeline of p stages takes at least
 p stage times (one micro-batch, forward and back), which may be longer than all the other pipelines take. A
@@ -30,10 +30,9 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import pipeline_terms
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan
 from hetrain.spec.specs import ClusterSpec
-from solver.assemble import allocate_microbatches
-from solver.baselines import _even_split, _plan
-from solver.common import tp_and_micro_batch
-from solver.space import GroupClass, group_classes
+from solver.search.assemble import allocate_microbatches, even_split, plan_of
+from solver.search.common import tp_and_micro_batch
+from solver.search.classes import GroupClass, group_classes
 
 # Coordinate-descent rounds over the types' depths: the second round revisits each type with the others
 # moved; over the benchmark clusters a third never changed the layout.
@@ -113,7 +112,7 @@ def _stages(cost: CostModel, cls: GroupClass, t: int, b: int, pipe: list, bumps:
             gpipe: int | None = None) -> list[StagePlan]:
     """One pipeline's stages, each at the least recompute that holds its blocks and its in-flight micro-batches
     (``_least_modes``), ``bumps`` modes more on the devices named there; [] where none fits."""
-    split, modes = _even_split(cost.model.num_layers, len(pipe)), cost.settings.recompute_modes
+    split, modes = even_split(cost.model.num_layers, len(pipe)), cost.settings.recompute_modes
     least = _least_modes(cost, cls, t, b, len(pipe), gpipe)
     if least is None:
         return []
@@ -133,7 +132,7 @@ def _least_modes(cost: CostModel, cls: GroupClass, t: int, b: int, depth: int,
     Cached on the class: copies of a pipeline, and every layout giving the type that depth, ask again."""
     key = ("typed", t, b, depth, gpipe)
     if key not in cls._options:
-        split, modes, out = _even_split(cost.model.num_layers, depth), cost.settings.recompute_modes, []
+        split, modes, out = even_split(cost.model.num_layers, depth), cost.settings.recompute_modes, []
         for k in range(depth):
             first, last, blocks = k == 0, k == depth - 1, split[k][1] - split[k][0]
             units = [cost.unit_costs(cls.gpu, cls.intra_bw_gbps, t, b, m) for m in modes]
@@ -197,8 +196,8 @@ class _Layouts:
         if sum(n for _, _, n in used) > self.M or not rate:
             return math.inf
         D = sum(n for _, _, n in used)
-        common = min(_even_split(L, d)[0][1] for _, (d, _), _ in used)
-        rings = min(self._rings_s(cls, _even_split(L, d)[0][1], n, D, common) for cls, (d, _), n in used)
+        common = min(even_split(L, d)[0][1] for _, (d, _), _ in used)
+        rings = min(self._rings_s(cls, even_split(L, d)[0][1], n, D, common) for cls, (d, _), n in used)
         return max(longest, (self.M + fill) / rate) + rings
 
     def type_terms(self, i: int, choice: Choice) -> tuple[int, list[tuple[float, float]], float] | None:
@@ -240,7 +239,7 @@ class _Layouts:
         pipes = self._type_pipelines(i, choice, {}, groups, gpipe=gpipe)
         if gpipe is not None:
             pipes = [p.with_microbatches(gpipe) for p in pipes]
-        probe = self.cost.estimate(_plan(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False) \
+        probe = self.cost.estimate(plan_of(self.cost, self.cluster, self.t, self.b, pipes), with_sync=False) \
             if pipes else None
         if probe is None or probe.over_capacity():
             return None, 0.0
@@ -266,7 +265,7 @@ class _Layouts:
             pipes = self._pipelines(used, counts, bumps, hit)
             if pipes is None:  # some stage fits no recompute
                 return None
-            plan = _plan(self.cost, self.cluster, self.t, self.b, pipes)
+            plan = plan_of(self.cost, self.cluster, self.t, self.b, pipes)
             est = self.cost.estimate(plan)
             over = est.over_capacity()
             if not over:
@@ -327,11 +326,11 @@ class _Layouts:
         (``CostModel._post_s``): those of its blocks and the embedding, each among at least the type's own
         pipelines, the first blocks every pipeline's first stage holds among all of them. Across nodes (more
         replicas than a node holds groups) over the default link at most, shared by at least a stage's TP ranks
-        where its node shares a NIC (as ``solver.baselines._first_sync_bound_s``); no sync where links are
+        where its node shares a NIC (as ``solver.planners.baselines._first_sync_bound_s``); no sync where links are
         overridden (their speeds are not known here)."""
         L = self.cost.model.num_layers
         D, at, ends = len(counts), 0, 0.0
-        first_blocks = [_even_split(L, c[0])[0][1] for _, c in used]
+        first_blocks = [even_split(L, c[0])[0][1] for _, c in used]
         common = min(first_blocks)
         for (i, (depth, _side)), part, blocks in zip(used, parts, first_blocks):
             n = part[0]
@@ -408,7 +407,7 @@ class _Layouts:
 def typed_search(cluster: ClusterSpec, cost: CostModel,
                  incumbent_s: float | None = None) -> tuple[tuple[float, Plan] | None, int]:
     """The best per-type layout (time, plan) that beats ``incumbent_s``, and how many layouts were priced
-    (``solver.baselines.whale_search``'s contract: what ``solver.planner`` seeds its search with).
+    (``solver.planners.baselines.whale_search``'s contract: what ``solver.planners.hetrain`` seeds its search with).
 
     The uniform layouts of every (TP degree, micro-batch size) pair first (``_Layouts.uniform_layouts``), then a
     descent from each of the ``DESCENT_STARTS`` fastest of them."""

@@ -16,7 +16,7 @@ The search has two steps, so that thousands of offered GPUs plan in seconds:
 2. **Plan.** The best few by the objective (``PLAN_TOP`` by the estimate, by its upper bound and on
    demand only, and the best rental of a single offer) are
    planned on their cluster (``cluster_from_rental``) as the offers' reference plans repeated over the
-   rented nodes (``solver.rental_plan``, a fraction of a second at any size); the objective is scored
+   rented nodes (``solver.rent.rental_plan``, a fraction of a second at any size); the objective is scored
    again on the planned throughput. Rentals of at most ``FULL_PLAN_MAX_GPUS`` whose upper bound
    could beat the best plan so far are planned by the full planner too (pipelines across GPU types,
    deeper pipelines), the faster plan kept; the best feasible rental wins. A larger rental's cluster
@@ -45,9 +45,9 @@ from hetrain.profiling.profile import Profile
 from hetrain.spec.offers import Market, OfferSpec, OffersSpec, Rental, cluster_from_rental
 from hetrain.spec.arithmetic import total_params
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.common import PlanResult
-from solver.planner import make_plan
-from solver.rental_plan import replicated_plan
+from solver.search.common import PlanResult
+from solver.planners.registry import make_plan
+from solver.rent.rental_plan import replicated_plan
 
 OBJECTIVES = ("throughput", "cost", "deadline")
 PLAN_TOP = 3  # rentals planned per ranking: the estimate ranks close rentals within its error of each other
@@ -213,7 +213,7 @@ def estimate(pools: list[Pool], counts: tuple[int, ...], model: ModelSpec, setti
     for pool, n in zip(pools, counts):
         if n <= 0:
             continue
-        ref, copies = pool.ref, n // pool.ref.nodes  # whole copies of the reference plan, as solver.rental_plan
+        ref, copies = pool.ref, n // pool.ref.nodes  # whole copies of the reference plan, as solver.rent.rental_plan
         sync_s = ref.sync_bytes_per_gpu / (ref.sync_gbps_per_gpu * 1e9)
         if copies:
             wide.append((copies * ref.pipelines, ref.micro_batch_size, ref.stages, ref.microbatch_s, sync_s))
@@ -429,7 +429,7 @@ def _full_where_it_may_win(planned: list[Candidate], objective: Objective, plann
 
 @dataclass
 class _Planner:
-    """Plans candidate rentals: the offers' references repeated (``solver.rental_plan``), or the full planner."""
+    """Plans candidate rentals: the offers' references repeated (``solver.rent.rental_plan``), or the full planner."""
 
     offers: OffersSpec
     refs: dict[str, Reference]

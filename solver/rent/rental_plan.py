@@ -1,6 +1,6 @@
 """A plan for a large rental in a fraction of a second: each offer's reference plan repeated over its nodes.
 
-``solver.offers`` plans each offer alone on the fewest of its nodes that hold the model (its
+``solver.rent.offers`` plans each offer alone on the fewest of its nodes that hold the model (its
 *reference*). A rental of n such nodes holds n // k copies of that plan's pipelines; the
 rental's plan is every copy of every offer's pipelines, the global batch shared out so that the
 pipelines end together (pipeline p of S_p stages at t_p per micro-batch gets
@@ -10,7 +10,7 @@ another are planned again at the rental's (that of its largest offer).
 
 This is what the full planner's space holds too (one-class pipelines, repeated); it is not a
 search over the rental's cross-type pipelines, which the full planner runs where a rental is
-small enough for it to finish in seconds (``solver.offers.FULL_PLAN_MAX_GPUS``). The plan's claim
+small enough for it to finish in seconds (``solver.rent.offers.FULL_PLAN_MAX_GPUS``). The plan's claim
 says which it is.
 """
 
@@ -25,8 +25,8 @@ from hetrain.plan.schema import PipelinePlan
 from hetrain.profiling.profile import Profile
 from hetrain.spec.offers import Rental, node_names
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.assemble import finish
-from solver.common import PlanResult
+from solver.search.assemble import finish
+from solver.search.common import PlanResult
 
 CLAIM = ("each offer's reference plan (megatron's grid on its GPU type alone) repeated over the rented nodes, "
          "the batch shared so the pipelines end together; not searched across GPU types (plan the rented cluster "
@@ -60,7 +60,7 @@ def share_microbatches(microbatch_s: list[float], stages: list[int], total: int)
 
 def replicated_plan(rentals: tuple[Rental, ...], cluster: ClusterSpec, references: dict,
                     model: ModelSpec, settings: TrainingSettings, profile: Profile | None) -> PlanResult:
-    """The rental's plan from ``references`` (offer -> its ``solver.offers.Reference``, all at one TP degree and
+    """The rental's plan from ``references`` (offer -> its ``solver.rent.offers.Reference``, all at one TP degree and
     micro-batch size); NoPlanError if it has no pipeline or does not fit."""
     t0 = time.perf_counter()
     pipes, times, stages = [], [], []

@@ -12,8 +12,9 @@ from hetrain.plan.schema import SHARDS_STATE
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s, pipeline_terms, schedule_held
 from hetrain.plan.schema import PipelinePlan, Plan, Predicted, SolverInfo, StagePlan
 from hetrain.spec.specs import ClusterSpec
-from solver.interleave import interleaved_choices
-from solver.space import Space, Template
+from solver.search.interleave import interleaved_choices
+from solver.search.space import Space
+from solver.search.templates import Template
 
 
 def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total: int,
@@ -59,6 +60,32 @@ def allocate_microbatches(tau_s: Sequence[float], fill_s: Sequence[float], total
     return counts
 
 
+def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Each stage's [start, end) blocks, as even as the blocks allow (the first stages take one more): the split
+    Megatron and Whale use, and the per-type pipelines (``solver.planners.typed``) within a GPU type."""
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for k in range(stages):
+        n = base + (1 if k < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def plan_of(cost: CostModel, cluster: ClusterSpec, t: int, b: int, pipelines: list[PipelinePlan]) -> Plan:
+    """The plan of ``pipelines`` at TP degree ``t`` and micro-batch size ``b``, for the cost model's model and
+    settings: how every planner turns its layout into a ``Plan``."""
+    return Plan(
+        model=cost.model,
+        cluster=cluster.name,
+        global_batch_size=cost.settings.global_batch_size,
+        micro_batch_size=b,
+        tp=t,
+        pipelines=pipelines,
+        training=cost.settings,
+    )
+
+
 def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Sequence[Template],
              stage_major: bool = False) -> Plan | None:
     """Concrete plan for one copy of each template in ``templates`` (repeats allowed).
@@ -75,8 +102,7 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
     inside a node, and the sends cross nodes instead. Which is faster depends on sync volume
     against send volume: ``score`` tries both.
     """
-    settings, model = cost.settings, cost.model
-    M = settings.global_batch_size // space.micro_batch_size
+    M = cost.settings.global_batch_size // space.micro_batch_size
     counts = allocate_microbatches([t.tau_s for t in templates], [t.fill_s for t in templates], M,
                                    [len(t.classes) for t in templates])
     if counts is None:
@@ -117,15 +143,7 @@ def assemble(cluster: ClusterSpec, cost: CostModel, space: Space, templates: Seq
                 prev_node[i] = stage_node[cls_idx] = node
             start += blocks
     pipelines = [PipelinePlan(num_microbatches=counts[i], stages=stages_of[i]) for i in range(len(templates))]
-    return Plan(
-        model=model,
-        cluster=cluster.name,
-        global_batch_size=settings.global_batch_size,
-        micro_batch_size=space.micro_batch_size,
-        tp=t,
-        pipelines=pipelines,
-        training=settings,
-    )
+    return plan_of(cost, cluster, t, space.micro_batch_size, pipelines)
 
 
 def _state_of(tpl: Template, k: int) -> str | None:
@@ -344,7 +362,7 @@ def _sends_cost_s(stage_s: Sequence[float], p2p_s: Sequence[float], m: int) -> f
 def choose_schedules(plan: Plan, cost: CostModel, est: Estimate | None = None) -> tuple[Plan, Estimate]:
     """The plan with its optimizer state sharded where that is faster (``shard_if_faster``), then each pipeline
     on the fastest schedule that fits: torch's 1F1B, eager 1F1B (``eager_in_flight``), ZB-H1
-    (``zero_bubble_pipelines``) or interleaved 1F1B (``solver.interleave``), and its estimate; the whole plan is kept only if the cost model predicts it
+    (``zero_bubble_pipelines``) or interleaved 1F1B (``solver.search.interleave``), and its estimate; the whole plan is kept only if the cost model predicts it
     faster. What a planner calls after assembly."""
     plan, est = shard_if_faster(plan, cost, est)
     plan, est = eager_in_flight(plan, cost, est)

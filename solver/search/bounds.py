@@ -1,6 +1,6 @@
 r"""LP bounds that let the planner skip MILP solves which could only prove infeasibility.
 
-At a fixed iteration time T and pipeline count D, the covering MILP of ``solver.milp`` asks
+At a fixed iteration time T and pipeline count D, the covering MILP of ``solver.search.formulation`` asks
 for x in Z+^J with sum_j cap_j x_j >= M, sum_j use_jc x_j <= A_c and sum_j x_j <= D. Its LP
 relaxation
 
@@ -121,7 +121,7 @@ def _capacity(cap: np.ndarray, use: np.ndarray, available: np.ndarray, max_pipel
 
 
 class CoverLp:
-    """The LP relaxation of ``solver.milp.TemplateMilp``'s covering problem, for quick infeasibility proofs."""
+    """The LP relaxation of ``solver.search.formulation.TemplateMilp``'s covering problem, for quick infeasibility proofs."""
 
     def __init__(self, templates, available: list[int], M: int):
         self.use = np.array([t.usage for t in templates], dtype=float)

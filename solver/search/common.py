@@ -1,6 +1,6 @@
 """What every planner shares: the result type, the discrete choices (TP degree, micro-batch size) and
-the explanation when nothing fits. Imports only ``hetrain`` and ``solver.space``: the planners
-import it, never each other.
+the explanation when nothing fits. Part of the search machinery (``solver.search``): the planners import it, never
+each other.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
 from hetrain.spec.arithmetic import total_params
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings
-from solver.space import Space, search_spaces
+from solver.search.space import Space, search_spaces
 
 
 @dataclass

@@ -1,7 +1,7 @@
-r"""The hetrain planner: a Pyomo MILP over pipeline templates, solved by HiGHS inside a bisection.
+r"""The MILP formulation: a Pyomo model over pipeline templates, solved by HiGHS inside a bisection.
 
 For a fixed TP degree ``t`` and micro-batch size ``b`` (enumerated outside), templates ``j``
-(pipeline shapes, see ``solver.space``) whose copies finish m micro-batches in
+(pipeline shapes, see ``solver.search.space``) whose copies finish m micro-batches in
 ``m tau_j + fill_j`` seconds and then spend ``post_j(D)`` on gradient sync and the optimizer
 step when there are D pipelines, group classes ``c`` with ``A_c`` groups, and ``M = G / b``
 micro-batches.
@@ -24,13 +24,13 @@ smallest feasible T (to ``rel_tol``). The pipeline count D sets gradient sync's 
 more, charged at the largest D (one per power of two when the sync has a latency).
 D = 1 and 2 are enumerated directly (``best_of_one_or_two``), exact and cheaper.
 Gradient sync runs over the slowest link of the *scope* (a set of nodes the plan may use;
-``solver.planner`` enumerates them). The variables grow with the number of templates, never
+``solver.planners.milp`` enumerates them). The variables grow with the number of templates, never
 with the number of GPUs; the model is built once per scope and re-solved with new ``cap``,
 ``ok`` and pipeline-count parameters through Pyomo's persistent HiGHS interface. The best
 answer for each pipeline count is handed back, to be assembled into a concrete plan and
 scored by the full cost model.
 
-Most of the bisection never reaches HiGHS: the LP relaxation (``solver.bounds``) proves many
+Most of the bisection never reaches HiGHS: the LP relaxation (``solver.search.bounds``) proves many
 pipeline counts infeasible outright and locates its own threshold on T, and the first MILP
 question is asked just above that threshold (covering knapsacks are nearly integral). For
 the best pipeline count the MILP also plans with one post-backward level for the whole plan
@@ -45,9 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetrain.cost.collectives import collective_steps
-from solver.assemble import allocate_microbatches
-from solver.bounds import CoverLp
-from solver.space import Space, Template
+from solver.search.assemble import allocate_microbatches
+from solver.search.bounds import CoverLp
+from solver.search.space import Space
+from solver.search.templates import Template
 
 # pipeline counts the MILP plans for one by one (exact gradient-sync ring factor)
 EXACT_PIPELINE_COUNTS = 8

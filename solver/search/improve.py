@@ -1,6 +1,6 @@
 """Local improvement of an assembled plan, scored by the full cost model.
 
-The MILP (``solver.milp``) charges gradient sync per pipeline over one link per *scope*,
+The MILP (``solver.search.formulation``) charges gradient sync per pipeline over one link per *scope*,
 while the cost model charges it per block bucket over the slowest link among exactly the
 stages that hold the bucket, each GPU's starting when the GPUs it syncs with leave their
 schedules (``CostModel.estimate``). Plans whose pipelines keep some block ranges inside one node (their
@@ -30,8 +30,8 @@ from hetrain.cost.collectives import collective_steps
 from hetrain.cost.costmodel import CostModel, Estimate
 from hetrain.plan.schema import Plan
 from hetrain.spec.specs import ClusterSpec
-from solver.assemble import score
-from solver.space import Space
+from solver.search.assemble import score
+from solver.search.space import Space
 
 # templates considered for insertion: those already in the plan plus this many of the best
 # by throughput per group (keeps the pair moves cheap on 1000-GPU spaces)

@@ -7,7 +7,7 @@ and each device holds more micro-batches in flight (``PipelinePlan.chunk_held``)
 depends on the pipeline's micro-batches, its sends and its memory, so each candidate is priced by
 the cost model itself (``CostModel.estimate``, which plays torch's order) rather than by a formula
 of its own: a pipeline's time and its devices' memory in the candidate plan are what the plan would
-be predicted at. ``solver.assemble.choose_schedules`` keeps the whole plan only if it is faster.
+be predicted at. ``solver.search.assemble.choose_schedules`` keeps the whole plan only if it is faster.
 """
 
 from __future__ import annotations

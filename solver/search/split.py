@@ -61,16 +61,29 @@ def split_layers_modes(
     before any other value; a heap hands out the few left. ``tables``: a cache of the
     per-stage tables (``_stage_table``) across calls with the same options.
     """
-    S = len(options)
-    L = num_layers
+    S, L = len(options), num_layers
     if S == 0 or S > L:
         return None
     most = [max(c for _, c in opts) for opts in options]
     if min(most) < 1 or sum(most) < L:
         return None
-    # No stage holds more than L - (S - 1) blocks (every other holds one).
-    limit = L - S + 1
-    fastest, modes = [], []  # fastest[k][n]: seconds per block of stage k's fastest mode holding n blocks
+    limit = L - S + 1  # no stage holds more than L - (S - 1) blocks (every other holds one)
+    fastest, modes = _stage_tables(options, limit, tables)
+    tau = max(fastest[k][1] + extra_s[k] for k in range(S))  # every stage holds a block
+    if tau == math.inf:
+        return None
+    handed = _hand_out(fastest, extra_s, L - S, limit, tau)
+    if handed is None:
+        return None
+    held, tau = handed
+    return _split_at(options, modes, extra_s, held, tau, L)
+
+
+def _stage_tables(options: list[list[tuple[float, int]]], limit: int,
+                  tables: dict | None) -> tuple[list[list[float]], list[list[tuple[float, int]]]]:
+    """Per stage ``_stage_table`` (fastest[k][n]: seconds per block of stage k's fastest mode holding n blocks, and
+    its modes capped at ``limit``), from the cache ``tables`` where given."""
+    fastest, modes = [], []
     for opts in options:
         if tables is None:
             found = _stage_table(opts, limit)
@@ -81,29 +94,18 @@ def split_layers_modes(
                 found = tables[key] = _stage_table(opts, limit)
         fastest.append(found[0])
         modes.append(found[1])
-    e = extra_s
+    return fastest, modes
 
-    tau = max(fastest[k][1] + e[k] for k in range(S))  # every stage holds a block
-    if tau == math.inf:
-        return None
-    need = L - S  # blocks left to hand out
+
+def _hand_out(fastest: list[list[float]], e: list[float], need: int, limit: int,
+              tau: float) -> tuple[list[int], float] | None:
+    """The blocks each stage holds once ``need`` more than one each are handed out, one at a time to the stage it
+    leaves fastest, and the bottleneck ``tau`` that reaches; None where the stages cannot hold them. Below the
+    balance point in bulk (``_bulk``) where that hands out no more than ``need``, the few left from a heap."""
+    S = len(fastest)
     held = [1] * S
     if need > S and min(f[1] for f in fastest) > 0:
-        # A stage holding about n blocks at b seconds each takes (v - e_k) / b - 1 more blocks
-        # below v: the v where they add up to ``need``, with b re-read at the counts it implies.
-        per_block = [f[1] for f in fastest]
-        for _ in range(BULK_REFINES + 1):
-            v0 = (need + sum(1 + ek / b for ek, b in zip(e, per_block))) / sum(1 / b for b in per_block)
-            guess = [min(limit, max(1, int((v0 - ek) / b))) for ek, b in zip(e, per_block)]
-            per_block = [fastest[k][n] if fastest[k][n] < math.inf else per_block[k] for k, n in enumerate(guess)]
-        bulk = []
-        for k in range(S):  # largest n with f_k(n) < v0 (at least 1), walking from the guess
-            pb, ek, n = fastest[k], e[k], guess[k]
-            while n > 1 and n * pb[n] + ek >= v0:
-                n -= 1
-            while n < limit and (n + 1) * pb[n + 1] + ek < v0:
-                n += 1
-            bulk.append(n)
+        bulk = _bulk(fastest, e, need, limit)
         if sum(bulk) - S <= need:
             for k in range(S):
                 if bulk[k] > 1:
@@ -121,6 +123,37 @@ def split_layers_modes(
             tau = max(tau, value)
             n = held[k] + 1
             heapq.heappush(offers, (n * fastest[k][n] + e[k], k))
+    return held, tau
+
+
+def _bulk(fastest: list[list[float]], e: list[float], need: int, limit: int) -> list[int]:
+    """Per stage the largest n (at least 1) with f_k(n) below the threshold ``v0``: the blocks one at a time would
+    hand it before any value at ``v0`` or above.
+
+    A stage holding about n blocks at b seconds each takes (v - e_k) / b - 1 more blocks below v: ``v0`` is the v
+    where they add up to ``need``, with b re-read at the counts it implies (``BULK_REFINES`` times)."""
+    per_block = [f[1] for f in fastest]
+    for _ in range(BULK_REFINES + 1):
+        v0 = (need + sum(1 + ek / b for ek, b in zip(e, per_block))) / sum(1 / b for b in per_block)
+        guess = [min(limit, max(1, int((v0 - ek) / b))) for ek, b in zip(e, per_block)]
+        per_block = [fastest[k][n] if fastest[k][n] < math.inf else per_block[k] for k, n in enumerate(guess)]
+    bulk = []
+    for k in range(len(fastest)):  # walking from the guess
+        pb, ek, n = fastest[k], e[k], guess[k]
+        while n > 1 and n * pb[n] + ek >= v0:
+            n -= 1
+        while n < limit and (n + 1) * pb[n + 1] + ek < v0:
+            n += 1
+        bulk.append(n)
+    return bulk
+
+
+def _split_at(options: list[list[tuple[float, int]]], modes: list[list[tuple[float, int]]], e: list[float],
+              held: list[int], tau: float, num_layers: int) -> tuple[list[int], list[int]]:
+    """The split at the bottleneck ``tau``: each stage takes as many blocks as its best mode holds within it, the
+    surplus goes back from the slowest stages (least total work), and each stage runs the fastest mode that holds
+    what it kept. (blocks, mode index) per stage."""
+    S = len(options)
     at_tau = []  # per stage: the most blocks a mode holds within tau (ties to the least recompute), its per-block s
     for k in range(S):
         ek = e[k]
@@ -129,7 +162,7 @@ def split_layers_modes(
         # never fewer than the greedy pass handed out (it fits within tau; rounding may say one less)
         at_tau.append((max(takes[i], held[k]), modes[k][i][0]))
     n = [blocks for blocks, _ in at_tau]
-    surplus = sum(n) - L
+    surplus = sum(n) - num_layers
     for k in sorted(range(S), key=lambda k: -at_tau[k][1]):
         give = min(surplus, n[k] - 1)
         n[k] -= give
@@ -142,7 +175,6 @@ def split_layers_modes(
                 best_i, best_b = i, b
         chosen.append(best_i)
     return n, chosen
-
 
 
 def split_layers_batch(
@@ -169,45 +201,51 @@ def split_layers_batch(
     for (S, _), idx in groups.items():
         if S > L:
             continue
-        opt = np.array([jobs[i][0] for i in idx], dtype=float)  # (N, S, modes, 2)
-        B, C = opt[..., 0], opt[..., 1]
-        e = np.array([jobs[i][1] for i in idx], dtype=float)  # (N, S)
-        ok = (C.max(axis=2) >= 1).all(axis=1) & (C.max(axis=2).sum(axis=1) >= L)
-        limit = L - S + 1
-        cap = np.minimum(np.maximum(C, 0), limit)
-        n = np.arange(1, limit + 2, dtype=float)
-        # per_block[n]: the least seconds per block of the modes holding n blocks (inf if none)
-        per_block = np.where(cap[..., None] >= n, B[..., None], np.inf).min(axis=2)  # (N, S, limit + 1)
-        f = n * per_block + e[..., None]
-        tau = f[:, :, 0].max(axis=1)
-        need = L - S
-        held = np.ones((len(idx), S))
-        if need > 0:
-            V = f[:, :, 1:limit]  # n = 2 .. limit
-            t = np.partition(V.reshape(len(idx), -1), need - 1, axis=1)[:, need - 1]
-            ok &= np.isfinite(t)
-            less = (V < t[:, None, None]).sum(axis=2)
-            eq = (V == t[:, None, None]).sum(axis=2)
-            left = need - less.sum(axis=1)
-            take_eq = np.clip(left[:, None] - (np.cumsum(eq, axis=1) - eq), 0, eq)
-            held = 1 + less + take_eq
-            tau = np.maximum(tau, t)
-        ok &= np.isfinite(tau)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            fit = np.floor((tau[:, None, None] - e[..., None]) / B + 1e-9)
-        takes = np.where(B <= 0, cap, np.minimum(cap, fit))
-        mode = takes.argmax(axis=2)[..., None]
-        blocks = np.maximum(np.take_along_axis(takes, mode, axis=2)[..., 0], held)
-        per = np.take_along_axis(B, mode, axis=2)[..., 0]
-        # surplus blocks go back from the slowest stages first (stable: ties in stage order)
-        surplus = blocks.sum(axis=1) - L
-        order = np.argsort(-per, axis=1, kind="stable")
-        spare = np.take_along_axis(blocks, order, axis=1) - 1
-        give = np.clip(surplus[:, None] - (np.cumsum(spare, axis=1) - spare), 0, spare)
-        np.put_along_axis(blocks, order, np.take_along_axis(blocks, order, axis=1) - give, axis=1)
-        chosen = np.where(C >= blocks[..., None], B, np.inf).argmin(axis=2)
-        blocks_l, chosen_l = blocks.astype(int).tolist(), chosen.tolist()
-        for r, i in enumerate(idx):
-            if ok[r]:
-                out[i] = (blocks_l[r], chosen_l[r])
+        for i, found in zip(idx, _split_group(jobs, idx, S, L)):
+            out[i] = found
     return out
+
+
+def _split_group(jobs: list[tuple[list[list[tuple[float, int]]], list[float]]], idx: list[int], S: int,
+                 L: int) -> list[tuple[list[int], list[int]] | None]:
+    """``split_layers_batch`` for its jobs ``idx``, all of S stages with as many modes each: ``split_layers_modes``'
+    arithmetic elementwise over the jobs, in the same order, so the same floats."""
+    opt = np.array([jobs[i][0] for i in idx], dtype=float)  # (N, S, modes, 2)
+    B, C = opt[..., 0], opt[..., 1]
+    e = np.array([jobs[i][1] for i in idx], dtype=float)  # (N, S)
+    ok = (C.max(axis=2) >= 1).all(axis=1) & (C.max(axis=2).sum(axis=1) >= L)
+    limit = L - S + 1
+    cap = np.minimum(np.maximum(C, 0), limit)
+    n = np.arange(1, limit + 2, dtype=float)
+    # per_block[n]: the least seconds per block of the modes holding n blocks (inf if none)
+    per_block = np.where(cap[..., None] >= n, B[..., None], np.inf).min(axis=2)  # (N, S, limit + 1)
+    f = n * per_block + e[..., None]
+    tau = f[:, :, 0].max(axis=1)
+    need = L - S
+    held = np.ones((len(idx), S))
+    if need > 0:
+        V = f[:, :, 1:limit]  # n = 2 .. limit
+        t = np.partition(V.reshape(len(idx), -1), need - 1, axis=1)[:, need - 1]
+        ok &= np.isfinite(t)
+        less = (V < t[:, None, None]).sum(axis=2)
+        eq = (V == t[:, None, None]).sum(axis=2)
+        left = need - less.sum(axis=1)
+        take_eq = np.clip(left[:, None] - (np.cumsum(eq, axis=1) - eq), 0, eq)
+        held = 1 + less + take_eq
+        tau = np.maximum(tau, t)
+    ok &= np.isfinite(tau)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit = np.floor((tau[:, None, None] - e[..., None]) / B + 1e-9)
+    takes = np.where(B <= 0, cap, np.minimum(cap, fit))
+    mode = takes.argmax(axis=2)[..., None]
+    blocks = np.maximum(np.take_along_axis(takes, mode, axis=2)[..., 0], held)
+    per = np.take_along_axis(B, mode, axis=2)[..., 0]
+    # surplus blocks go back from the slowest stages first (stable: ties in stage order)
+    surplus = blocks.sum(axis=1) - L
+    order = np.argsort(-per, axis=1, kind="stable")
+    spare = np.take_along_axis(blocks, order, axis=1) - 1
+    give = np.clip(surplus[:, None] - (np.cumsum(spare, axis=1) - spare), 0, spare)
+    np.put_along_axis(blocks, order, np.take_along_axis(blocks, order, axis=1) - give, axis=1)
+    chosen = np.where(C >= blocks[..., None], B, np.inf).argmin(axis=2)
+    blocks_l, chosen_l = blocks.astype(int).tolist(), chosen.tolist()
+    return [(blocks_l[r], chosen_l[r]) if ok[r] else None for r in range(len(idx))]
