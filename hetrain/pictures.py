@@ -1,9 +1,11 @@
 """A run's pictures, drawn from its ``metrics.jsonl`` when it ends: PNG files in the run directory.
 
 * ``loss.png``: the loss (and the learning rate, on its own axis) by step;
-* ``ranks.png``: where each rank's step time goes, averaged over the steps: computing (forward
-  and backward), idle in the pipeline schedule (sending, receiving, waiting for other stages)
-  and the gradient sync between pipelines; the ranks of a slow stage stand out at a glance;
+* ``ranks.png``: where each rank's step time goes, averaged over the steps, in parts that add up
+  to the step (``rank_step_parts``): computing (forward and backward), idle in the pipeline
+  schedule (sending, receiving, waiting for other stages), the gradient sync between pipelines,
+  and the rest (the optimizer step, waiting for the other ranks at the step's end); the ranks
+  of a slow stage stand out at a glance;
 * ``timeline-predicted.png`` (``write_timeline_png``): a plan's pipelines as the cost model plays
   them, op by op: each stage's forward and backward of each micro-batch, and the gaps between
   them (waiting for an activation or a gradient);
@@ -35,8 +37,11 @@ MEASURED_TIMELINE_PNG = "timeline-measured.png"
 OP_KINDS = {"F": ("forward", "tab:blue"), "B": ("backward", "tab:orange"), "W": ("weight gradient", "tab:green")}
 MAX_TIMELINE_ROWS = 24  # stages drawn at most: beyond that the rows are too thin to read
 LABEL_MIN_SHARE = 0.02  # an op wider than this share of the time axis gets its micro-batch written on it
-RANK_PARTS = (("compute_s", "compute", "tab:blue"), ("idle_s", "idle (send, receive, wait)", "tab:orange"),
-              ("sync_s", "gradient sync", "tab:green"))
+# (part, label, colour) of ``rank_step_parts``, in the order the bars stack them
+RANK_PARTS = (("compute", "compute", "tab:blue"),
+              ("pipeline_idle", "pipeline idle (send, receive, wait)", "tab:orange"),
+              ("sync", "gradient sync", "tab:green"),
+              ("rest", "optimizer step, waiting at the step's end", "tab:gray"))
 
 
 def read_records(metrics: str | Path) -> list[dict]:
@@ -138,25 +143,59 @@ def _loss_png(plt, MaxNLocator, records: list[dict], path: Path) -> Path:  # noq
     return path
 
 
-def _ranks_png(plt, records: list[dict], path: Path) -> Path:
-    """Each rank's mean seconds per step by part, one horizontal bar a rank (rank 0 on top)."""
+def rank_step_parts(rank: dict, step_time_s: float) -> dict[str, float]:
+    """One rank's seconds of one step in parts that add up to ``step_time_s`` (``RANK_PARTS``' order).
+
+    The runtime's ``idle_s`` is the schedule's and the sync's time not spent computing
+    (``Trainer._rank_records``), so it already holds ``sync_s``: stacked as it is beside
+    ``sync_s`` it counted the sync twice and a slow rank's bar ran past the step. The pipeline's
+    own idle is ``idle_s - sync_s``; what the step has besides (the optimizer step, the step's
+    all-reduce, where a fast rank waits for the slowest) is the rest, never below zero. The
+    step time is rank 0's: every rank ends each step at the same all-reduce, so each one's steps
+    take as long on average.
+    """
+    compute_s, idle_s, sync_s = (float(rank.get(k, 0.0)) for k in ("compute_s", "idle_s", "sync_s"))
+    parts = {"compute": compute_s, "pipeline_idle": max(0.0, idle_s - sync_s), "sync": sync_s}
+    parts["rest"] = max(0.0, step_time_s - sum(parts.values()))
+    return parts
+
+
+def mean_rank_parts(records: list[dict]) -> tuple[list[dict], list[dict[str, float]], float]:
+    """(the ranks, each rank's mean ``rank_step_parts`` over the steps, the mean step seconds) that ``ranks.png`` draws.
+
+    The first step is left out when there are others: it pays for start-up (allocations, communicators).
+    """
     ranks = records[-1]["ranks"]
-    steps = records[1:] or records  # the first step pays for start-up (allocations, communicators)
+    steps = records[1:] or records
+    step_s = sum(float(s.get("step_time_s", 0.0)) for s in steps) / len(steps)
+    means = []
+    for i in range(len(ranks)):
+        parts = [rank_step_parts(s["ranks"][i], float(s.get("step_time_s", 0.0)))
+                 for s in steps if len(s.get("ranks", [])) > i]
+        means.append({key: sum(p[key] for p in parts) / max(1, len(parts)) for key, _, _ in RANK_PARTS})
+    return ranks, means, step_s
+
+
+def _ranks_png(plt, records: list[dict], path: Path) -> Path:
+    """Each rank's mean seconds per step by part, one horizontal bar a rank (rank 0 on top), the mean step marked."""
+    ranks, means, step_s = mean_rank_parts(records)
+    steps = records[1:] or records
     labels = [f"rank {r['rank']} {r.get('device', '')} (p{r.get('pipeline', '?')} s{r.get('stage', '?')})"
               for r in ranks]
     fig, ax = plt.subplots(figsize=(6.4, 1.0 + 0.35 * len(ranks)))
     left = [0.0] * len(ranks)
     for key, label, color in RANK_PARTS:
-        widths = [sum(s["ranks"][i].get(key, 0.0) for s in steps if len(s.get("ranks", [])) > i) / len(steps)
-                  for i in range(len(ranks))]
+        widths = [m[key] for m in means]
         ax.barh(range(len(ranks)), widths, left=left, color=color, label=label)
         left = [a + b for a, b in zip(left, widths)]
+    if step_s > 0:
+        ax.axvline(step_s, color="black", linestyle="--", linewidth=0.8, label=f"step ({step_s:.3g} s)")
     ax.set_yticks(range(len(ranks)), labels, fontsize=8)
     ax.invert_yaxis()
     first, last = steps[0]["step"], steps[-1]["step"]
     ax.set_xlabel(f"seconds per step (mean of steps {first}-{last})" if last > first else f"seconds in step {first}")
     # below the axis, outside the bars (bbox_inches="tight" makes room for it)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(RANK_PARTS), frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
     ax.set_title("where each rank's step goes")
     fig.savefig(path, dpi=PNG_DPI, bbox_inches="tight")
     plt.close(fig)

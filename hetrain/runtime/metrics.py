@@ -11,9 +11,9 @@ Scalars, by tag (the record's own names, so a curve and its JSONL field are foun
 * the run's: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``, and when
   present ``loss_scale``, ``checkpoint_s``, ``resume_load_s``;
 * each rank's, one chart per quantity with a curve per rank (``compute_s/rank3``):
-  ``compute_s`` (forward and backward), ``idle_s`` (the rest of the pipeline schedule:
-  sending, receiving and waiting for other stages), ``sync_s`` (the gradient all-reduce
-  between pipelines), ``peak_memory_gb``.
+  ``compute_s`` (forward and backward), ``idle_s`` (the schedule's and the sync's time not
+  spent computing: sending, receiving, waiting for other stages, and ``sync_s``), ``sync_s``
+  (the gradient all-reduce between pipelines), ``peak_memory_gb``.
 
 A resumed run trains again from its checkpoint's step; its writer starts with TensorBoard's
 purge marker at that step, so the curves show each step once, as ``metrics.jsonl`` does.
