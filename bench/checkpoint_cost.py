@@ -30,7 +30,7 @@ from pathlib import Path
 
 from _common import print_table, write_results
 
-from hetrain.checkpoint.manifest import read_manifest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.plan.layout import build_layout
 from hetrain.runtime.launch import launch
@@ -77,7 +77,7 @@ def main() -> None:
                 step_s[mode] += [r["step_time_s"] for r in records]
                 wall_s[mode].append(sum(r["step_time_s"] + r.get("checkpoint_s", 0.0) for r in records) / len(records))
                 commit_s[mode] += [c["commit_s"] for r in records for c in r.get("checkpoints_committed", [])]
-                manifest = read_manifest(ckpt.node_root("n0"), steps - 1)
+                manifest = CheckpointStore.for_node(ckpt, "n0").read_manifest(steps - 1)
                 copied_mb[mode] = sum(f.size * (len(f.nodes) - 1) for f in manifest.files
                                       if f.path.endswith(".distcp")) / 1e6
                 total_mb = manifest.total_bytes / 1e6

@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    from hetrain.checkpoint.manifest import read_manifest
+    from hetrain.checkpoint.store import CheckpointStore
     from hetrain.config import CheckpointConfig
 
     tmp_dir = os.environ.get("HETRAIN_BENCH_TMP")  # the disk checkpoints go to (default: the system's temp)
@@ -108,7 +108,7 @@ def main() -> None:
         tmp = Path(tmp_str)
         records = _train(tmp, args)
         root = str(tmp / "run" / "checkpoints" / "n0")
-        manifest = read_manifest(root, args.steps - 1)
+        manifest = CheckpointStore(root).read_manifest(args.steps - 1)
         nbytes = manifest.total_bytes
         files = sum(f.path.endswith(".distcp") for f in manifest.files)
         stalls = [r["checkpoint_s"] - r.get("checkpoint_waited_s", 0.0) for r in records if "checkpoint_s" in r]

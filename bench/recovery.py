@@ -77,7 +77,7 @@ from _common import print_table, write_results
 
 import s3fs
 
-from hetrain.checkpoint.manifest import committed_steps, read_manifest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.plan.layout import build_layout
 from hetrain.recovery.recover import recover
@@ -174,8 +174,8 @@ def main() -> None:
             base = RunConfig(plan=str(tmp / "plan.json"), cluster=str(tmp / "cluster.yaml"), steps=2, checkpoint=ckpt)
             print(f"training {model.name} two steps on 4 nodes and checkpointing ...", flush=True)
             launch(base, build_layout(plan), tmp / "train")
-            assert committed_steps(ckpt.remote_url, ckpt.remote_options) == [1], "backup did not finish"
-            manifest = read_manifest(ckpt.node_root("n0"), 1)
+            assert CheckpointStore.for_remote(ckpt).committed_steps() == [1], "backup did not finish"
+            manifest = CheckpointStore.for_node(ckpt, "n0").read_manifest(1)
             shards = [f for f in manifest.files if f.path.endswith(".distcp")]
             print(f"checkpoint: {manifest.total_bytes / 1e6:.0f} MB in {len(shards)} shards "
                   f"({', '.join(f'{f.nodes[0]} {f.size / 1e6:.0f} MB' for f in shards)})", flush=True)
@@ -429,8 +429,8 @@ def bed_main(args) -> None:
         print(f"training {model.name} two steps on 4 nodes of the bed and checkpointing ...", flush=True)
         launch(base, layout, tmp / "train", commands=bed.launch_commands(layout, "bench"))
         host_view = {"endpoint_url": s3_host}
-        assert committed_steps(ckpt.remote_url, host_view) == [1], "backup did not finish"
-        manifest = read_manifest(ckpt.node_root("n0"), 1)
+        assert CheckpointStore(ckpt.remote_url, host_view).committed_steps() == [1], "backup did not finish"
+        manifest = CheckpointStore.for_node(ckpt, "n0").read_manifest(1)
         shards = [f for f in manifest.files if f.path.endswith(".distcp")]
         print(f"checkpoint: {manifest.total_bytes / 1e6:.0f} MB in {len(shards)} shards "
               f"({', '.join(f'{f.nodes[0]} {f.size / 1e6:.0f} MB' for f in shards)})", flush=True)

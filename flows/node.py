@@ -26,7 +26,8 @@ from pydantic import Field
 from flows import repo_path
 from flows.report import Progress, artifact_key, publish_json, publish_profile
 from hetrain.checkpoint.backup import probe_remote
-from hetrain.checkpoint.manifest import MANIFEST, committed_steps
+from hetrain.checkpoint.manifest import MANIFEST
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
 from hetrain.rundir import RunDir
 from hetrain.errors import HetrainError
@@ -102,7 +103,7 @@ def node(
         check_run_paths(run_dir, config, [node])
         if config.checkpoint is not None and (problem := probe_remote(config.checkpoint)) is not None:
             logger.warning("node %s: %s", node, problem)
-        if config.checkpoint and committed_steps(config.checkpoint.node_root(node)):
+        if config.checkpoint and CheckpointStore.for_node(config.checkpoint, node).committed_steps():
             raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
                                f"per node start from step 0; pick a new run_id")
     else:
@@ -132,7 +133,7 @@ def node(
     with mark_active(run_dir, {"run_id": run_id, "node": node, "recover": recover or {}}):
         records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].host,
                               on_record=on_record)
-    kept = committed_steps(config.checkpoint.node_root(node)) if config.checkpoint else []
+    kept = CheckpointStore.for_node(config.checkpoint, node).committed_steps() if config.checkpoint else []
     summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir), "first_step": config.start_step,
                "steps": len(records), "last_step": records[-1]["step"] if records else None,
                "final_loss": round(records[-1]["loss"], 4) if records else None,

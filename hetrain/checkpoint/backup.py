@@ -21,9 +21,8 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
-from fsspec.core import url_to_fs
-
-from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest, prune, step_name
+from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 
@@ -43,16 +42,6 @@ def is_permanent(e: BaseException) -> bool:
     return isinstance(e, PERMANENT_ERRORS) or type(e).__name__ in PERMANENT_ERROR_NAMES
 
 
-def remote_fs(url: str, options: dict | None = None):
-    """``(fs, root)`` of a remote store; a local one (``file://``, a path) makes the directories it writes into."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs, root = url_to_fs(url, **(options or {}))
-    if isinstance(fs, LocalFileSystem):
-        fs = LocalFileSystem(auto_mkdir=True)
-    return fs, root
-
-
 def probe_remote(config: CheckpointConfig) -> str | None:
     """Before the first step: the remote store exists, takes a write and a delete with these credentials.
 
@@ -61,15 +50,15 @@ def probe_remote(config: CheckpointConfig) -> str | None:
     store that does not answer (down, unreachable) is no reason to lose the training time:
     the run starts and its uploads retry, and the returned line says so (None when all is well).
     """
-    url = config.remote_url
-    if not url:
+    store = CheckpointStore.for_remote(config)
+    if store is None:
         return None
+    url = store.url
 
     def write_and_delete() -> None:
-        fs, root = remote_fs(url, config.remote_options)
-        probe = join(root, f"{PROBE_NAME}-{uuid.uuid4().hex[:12]}")
-        fs.pipe_file(probe, b"hetrain")
-        fs.rm_file(probe)
+        probe = join(store.root, f"{PROBE_NAME}-{uuid.uuid4().hex[:12]}")
+        store.fs.pipe_file(probe, b"hetrain")
+        store.fs.rm_file(probe)
 
     try:
         write_and_delete()  # s3fs already retries a store that does not answer (about 10 s)
@@ -107,7 +96,8 @@ class Uploader:
     def __init__(self, config: CheckpointConfig, node: str, coordinator: bool, run_id: str | None = None) -> None:
         assert config.remote_url
         self.config, self.node, self.coordinator, self.run_id = config, node, coordinator, run_id
-        self.local_root = config.node_root(node)
+        self.local = CheckpointStore.for_node(config, node)
+        self.remote = CheckpointStore.for_remote(config)
         self.uploaded: list[int] = []  # steps this node finished (coordinator: with the manifest)
         self.failed: list[tuple[int, str]] = []  # (step, why)
         self._reported = 0  # failures already handed out by new_failures()
@@ -155,16 +145,14 @@ class Uploader:
             finally:
                 self.pending.discard(step)
                 try:  # steps kept past `keep` only because they were still uploading can go now
-                    prune(self.local_root, self.config.keep, protect=set(self.pending), run_id=self.run_id)
+                    self.local.prune(self.config.keep, protect=set(self.pending), run_id=self.run_id)
                 except Exception as e:
-                    log.warning("pruning %s failed: %s", self.local_root, e)
+                    log.warning("pruning %s failed: %s", self.local.url, e)
 
     def upload(self, step: int, manifest_bytes: bytes) -> None:
         cfg = self.config
         manifest = parse_manifest(manifest_bytes, "manifest")
-        store, remote_root = remote_fs(cfg.remote_url, cfg.remote_options)
-        local_fs, local_dir = url_to_fs(join(self.local_root, step_name(step)))
-        remote_dir = join(remote_root, step_name(step))
+        store, local_dir, remote_dir = self.remote.fs, self.local.step_path(step), self.remote.step_path(step)
         started = time.perf_counter()
         mine = [f for f in manifest.files if f.path != METADATA and f.nodes[0] == self.node]
         for f in mine:
@@ -192,8 +180,8 @@ class Uploader:
                      lambda: store.put_file(join(local_dir, METADATA), join(remote_dir, METADATA)),
                      cfg.upload_retries)
         with_retries(f"upload {MANIFEST} of step {step}",
-                     lambda: store.pipe_file(join(remote_dir, MANIFEST), manifest_bytes), cfg.upload_retries)
+                     lambda: self.remote.write_manifest(step, manifest_bytes), cfg.upload_retries)
         store.invalidate_cache()
-        prune(cfg.remote_url, cfg.keep, cfg.remote_options, run_id=manifest.run_id)
+        self.remote.prune(cfg.keep, run_id=manifest.run_id)
         log.info("step %d backed up to %s (%.1f MB, %.1f s)", step, cfg.remote_url, manifest.total_bytes / 1e6,
                  time.perf_counter() - started)

@@ -14,7 +14,8 @@ ranks gather each file's size and SHA-256, and rank 0 builds the manifest: step,
 model, and every file with the nodes that hold it. Each node's first rank writes the
 ``.metadata`` and then the manifest into its directory (temporary name, then rename). A
 directory without a manifest is an unfinished save and is never loaded; the newest
-committed step is. Older steps beyond ``keep`` are removed manifest first.
+committed step is. Older steps beyond ``keep`` are removed manifest first. This module says what a
+manifest is and checks an untrusted one; ``store.CheckpointStore`` lists, reads, writes and prunes under a root.
 
 What is saved (``torch.distributed.checkpoint.state_dict`` with flattened optimizer state, so
 every key names a parameter and loading works into any other TP/PP/DP layout): the model,
@@ -31,11 +32,9 @@ import json
 import re
 import time
 import uuid
-from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import fsspec
-from fsspec.core import url_to_fs
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from hetrain.errors import HetrainError
@@ -163,78 +162,6 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # unique: several nodes may share one root
     fs.pipe_file(tmp, data)
     fs.mv(tmp, path)
-
-
-# --------------------------------------------------------------------------- committed steps
-
-
-def committed_steps(root_url: str, storage_options: dict | None = None) -> list[int]:
-    """Steps under ``root_url`` that have a manifest, oldest first."""
-    fs, root = url_to_fs(root_url, **(storage_options or {}))
-    try:
-        entries = fs.ls(root, detail=False)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for entry in entries:
-        name = PurePosixPath(entry.rstrip("/")).name
-        step = step_of_dir(name)
-        if step is not None and fs.exists(join(root, name, MANIFEST)):
-            steps.append(step)
-    return sorted(steps)
-
-
-def read_manifest(root_url: str, step: int, storage_options: dict | None = None) -> Manifest:
-    fs, root = url_to_fs(root_url, **(storage_options or {}))
-    path = join(root, step_name(step), MANIFEST)
-    return parse_manifest(fs.cat_file(path), join(root_url, step_name(step), MANIFEST))
-
-
-def step_owners(root_url: str, storage_options: dict | None = None) -> dict[int, str | None]:
-    """Committed step -> the run id its manifest names (None for a manifest that cannot be read)."""
-    owners: dict[int, str | None] = {}
-    for step in committed_steps(root_url, storage_options):
-        try:
-            owners[step] = read_manifest(root_url, step, storage_options).run_id
-        except Exception:  # damaged: says nothing about whose it is
-            owners[step] = None
-    return owners
-
-
-def prune(root_url: str, keep: int, storage_options: dict | None = None, protect: set[int] | frozenset = frozenset(),
-          run_id: str | None = None) -> list[int]:
-    """Remove committed steps beyond the newest ``keep`` (manifest first), and unfinished saves older than them.
-
-    Steps in ``protect`` (e.g. still being uploaded) stay. Paths another node removed first are fine.
-    With ``run_id``, committed steps whose manifest names another run are neither counted nor
-    removed: a run never deletes what another run committed.
-    """
-    fs, root = url_to_fs(root_url, **(storage_options or {}))
-    others: set[int] = set()
-    if run_id is None:
-        steps = committed_steps(root_url, storage_options)
-    else:  # a damaged manifest counts as this run's, so it ages out
-        owners = step_owners(root_url, storage_options)
-        others = {step for step, owner in owners.items() if owner not in (None, run_id)}
-        steps = sorted(set(owners) - others)
-    if len(steps) <= keep:
-        return []
-    oldest_kept = steps[-keep]
-    removed = []
-    for entry in fs.ls(root, detail=False):
-        name = PurePosixPath(entry.rstrip("/")).name
-        step = step_of_dir(name)
-        if step is None or step >= oldest_kept or step in protect or step in others:
-            continue
-        manifest = join(root, name, MANIFEST)
-        try:
-            if fs.exists(manifest):
-                fs.rm_file(manifest)  # uncommit first: a half-deleted step is never mistaken for a checkpoint
-            fs.rm(join(root, name), recursive=True)
-        except FileNotFoundError:
-            pass
-        removed.append(step)
-    return removed
 
 
 def build_manifest(run_id: str, step: int, plan: Plan, optimizer: str,

@@ -40,7 +40,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hetrain.checkpoint.manifest import CHECKPOINT_FILE, MANIFEST, STEP_DIR, committed_steps
+from hetrain.checkpoint.manifest import CHECKPOINT_FILE, MANIFEST, STEP_DIR
+from hetrain.checkpoint.store import STEPS_LISTING, CheckpointStore
 from hetrain.errors import HetrainError
 
 try:
@@ -198,7 +199,7 @@ def servable(path: str) -> bool:
     if len(parts) < 2 or parts[0] != "" or any(p in ("", ".", "..") for p in parts[1:]):
         return False
     name = parts[-1]
-    if name == "_steps":
+    if name == STEPS_LISTING:
         return True
     return (len(parts) >= 3 and STEP_DIR.fullmatch(parts[-2]) is not None
             and (name == MANIFEST or CHECKPOINT_FILE.fullmatch(name) is not None))
@@ -290,9 +291,10 @@ def make_app(root: str | Path, token: str | None = None, max_downloads: int = MA
         sub = (root / request.path_params.get("sub", "")).resolve()
         if not sub.is_relative_to(root):
             return PlainTextResponse("outside the served root", status_code=404)
-        return JSONResponse(committed_steps(str(sub)) if sub.is_dir() else [])
+        return JSONResponse(CheckpointStore(str(sub)).committed_steps() if sub.is_dir() else [])
 
-    app: ASGIApp = _CheckpointFilesOnly(Starlette(routes=[Route("/_steps", steps), Route("/{sub:path}/_steps", steps),
+    app: ASGIApp = _CheckpointFilesOnly(Starlette(routes=[Route(f"/{STEPS_LISTING}", steps),
+                                                          Route(f"/{{sub:path}}/{STEPS_LISTING}", steps),
                                                           Mount("/", StaticFiles(directory=root))]))
     return _Limits(_BearerToken(app, token) if token else app, max_downloads)
 

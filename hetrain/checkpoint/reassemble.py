@@ -1,22 +1,20 @@
 """Reassemble the newest committed checkpoint: surviving peers first, the remote store for the rest.
 
-Sources are fsspec URLs of checkpoint roots: a peer's HTTP server (``hetrain serve``), any
-other filesystem a peer's root is reachable by (``file://`` on a shared disk, ``sftp://``),
-and the remote backup (``s3://``). The newest step whose manifest any source has is chosen;
-for every file of it the candidates are the surviving peers the manifest says hold it, in
-order, then the remote store. A candidate that is unreachable within ``timeout_s``, lacks the
-file, or serves bytes whose size or SHA-256 differ from the manifest is skipped (and
-reported). Files are streamed in parallel, hashed on the way, into ``<dest>.partial`` and
-the directory is renamed to ``dest`` only when every file arrived intact, with the manifest
-written last: an error leaves nothing that could be loaded.
+Sources are checkpoint roots (``store.CheckpointStore``: a URL and its options): a peer's
+HTTP server (``hetrain serve``), any other filesystem a peer's root is reachable by
+(``file://`` on a shared disk, ``sftp://``), and the remote backup (``s3://``). The newest
+step whose manifest any source has is chosen; for every file of it the candidates are the
+surviving peers the manifest says hold it, in order, then the remote store. A candidate that
+is unreachable within ``timeout_s``, lacks the file, or serves bytes whose size or SHA-256
+differ from the manifest is skipped (and reported). Files are streamed in parallel, hashed on
+the way, into ``<dest>.partial`` and the directory is renamed to ``dest`` only when every
+file arrived intact, with the manifest written last: an error leaves nothing that could be
+loaded.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -25,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
-from fsspec.core import url_to_fs
 
-from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, Manifest, committed_steps, join, parse_manifest, step_name)
 from hetrain.checkpoint import PEER_SILENCE_S, PEER_TOKEN_ENV
+from hetrain.checkpoint.manifest import MANIFEST, METADATA, FileEntry, Manifest, join
+from hetrain.checkpoint.store import CheckpointStore, url_filesystem
 from hetrain.errors import HetrainError
 from hetrain.spec.specs import ModelSpec
 
@@ -37,48 +35,34 @@ CHUNK_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class Source:
-    """A checkpoint root to read from: a surviving peer (``name`` = node) or the remote store."""
+    """A checkpoint store to read from and who it is: a surviving peer (``name`` = node) or the remote store.
+
+    ``store`` may be given as a URL (a root reached with no options: a path, ``file://``, a peer server).
+    """
 
     name: str
-    url: str
+    store: CheckpointStore
     remote: bool = False
-    options: dict = field(default_factory=dict, hash=False, compare=False, repr=False)  # may hold credentials
 
-    def storage_options(self, timeout_s: float) -> dict:
-        """fsspec options with a bounded timeout (and the peer token for HTTP peers)."""
-        options = copy.deepcopy(self.options)
-        if self.url.startswith(("http://", "https://")):
-            import aiohttp
+    def __post_init__(self) -> None:
+        if isinstance(self.store, str):
+            object.__setattr__(self, "store", CheckpointStore(self.store))
 
-            # silence, not total time, makes a peer gone: a multi-GB shard takes minutes on a slow link
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-            options.setdefault("client_kwargs", {}).setdefault("timeout", timeout)
-            token = os.environ.get(PEER_TOKEN_ENV)
-            if token:
-                options.setdefault("headers", {})["Authorization"] = f"Bearer {token}"
-        elif self.url.startswith("s3://"):
-            options.setdefault("config_kwargs", {}).update(
-                {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 2}})
-        return options
+    @property
+    def url(self) -> str:
+        return self.store.url
 
     def is_ours(self, local: str | None = None) -> bool:
         """Our own configuration (this node's disk, a root on this machine, the run's remote store), not another
         machine's answer: a checkpoint of another model here is our mistake, from a peer it is passed over."""
-        return self.remote or self.name == local or not self.url.startswith(("http://", "https://"))
-
-    def filesystem(self, timeout_s: float) -> tuple[fsspec.AbstractFileSystem, str]:
-        return url_to_fs(self.url, **self.storage_options(timeout_s))
+        return self.remote or self.name == local or not self.store.is_peer_server
 
     def steps(self, timeout_s: float) -> list[int]:
         """Committed steps this source holds (a peer server answers ``/_steps``)."""
-        if self.url.startswith(("http://", "https://")):
-            fs, root = self.filesystem(timeout_s)
-            return sorted(json.loads(fs.cat_file(join(root, "_steps"))))
-        return committed_steps(self.url, self.storage_options(timeout_s))
+        return self.store.with_timeout(timeout_s).committed_steps()
 
     def manifest(self, step: int, timeout_s: float) -> Manifest:
-        fs, root = self.filesystem(timeout_s)
-        return parse_manifest(fs.cat_file(join(root, step_name(step), MANIFEST)), join(self.url, step_name(step), MANIFEST))
+        return self.store.with_timeout(timeout_s).read_manifest(step)
 
 
 @dataclass
@@ -163,7 +147,7 @@ def _manifest(step: int, holders: list[Source], model: ModelSpec | None, timeout
             last = e
             continue
         if model is not None and manifest.model != model:
-            wrong = WrongModel(f"{join(source.url, step_name(step), MANIFEST)}: checkpoint is of model "
+            wrong = WrongModel(f"{source.store.step_url(step, MANIFEST)}: checkpoint is of model "
                                f"'{manifest.model.name}' {manifest.model.model_dump(exclude_none=True)}, "
                                f"not the run's '{model.name}'")
             if source.is_ours(local):
@@ -232,11 +216,11 @@ def _why(e: BaseException) -> str:
 
 def copy_verified(src: Source, entry: FileEntry, step: int, dest_fs: fsspec.AbstractFileSystem, dest_path: str,
                    timeout_s: float) -> None:
-    fs, root = src.filesystem(timeout_s)
+    store = src.store.with_timeout(timeout_s)
     digest, size = hashlib.sha256(), 0
     tmp = dest_path + ".tmp"
     try:
-        with fs.open(join(root, step_name(step), entry.path), "rb", block_size=CHUNK_BYTES) as fin, \
+        with store.fs.open(store.step_path(step, entry.path), "rb", block_size=CHUNK_BYTES) as fin, \
                 dest_fs.open(tmp, "wb") as fout:
             while chunk := fin.read(CHUNK_BYTES):
                 digest.update(chunk)
@@ -303,7 +287,7 @@ def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, d
     """
     started = time.perf_counter()
     by_name = {p.name: p for p in peers}
-    dest_fs, dest = url_to_fs(dest_url)
+    dest_fs, dest = url_filesystem(dest_url)
     _check_room(dest_fs, dest, manifest)
     partial = dest.rstrip("/") + ".partial"
     if dest_fs.exists(partial):

@@ -26,17 +26,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec.core import url_to_fs
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
 from hetrain.checkpoint.backup import Uploader
-from hetrain.checkpoint.manifest import (MANIFEST, METADATA, FileEntry, build_manifest, join, prune, sha256_bytes, step_name, write_atomic)
+from hetrain.checkpoint.manifest import METADATA, FileEntry, build_manifest, join, sha256_bytes
 from hetrain.checkpoint.reassemble import Source, copy_verified
 from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
 from hetrain.checkpoint.snapshot import Snapshot, default_budget_bytes, state_bytes
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.checkpoint.writer import HashingWriter
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
@@ -184,7 +184,7 @@ class Checkpointer:
         self.config, self.run_id, self.plan, self.role = config, run_id, plan, role
         self.train_state = train_state
         self.model, self.optimizer, self.optimizer_name = model, optimizer, optimizer_name
-        self.root = config.node_root(role.node)
+        self.store = CheckpointStore.for_node(config, role.node)
         self.node_leader = layout.nodes[role.node][0] == role.rank
         self.last_saved: int | None = None
         nodes = list(layout.nodes)
@@ -370,9 +370,8 @@ class Checkpointer:
     def _write_and_commit(self, step: int, state: dict) -> None:
         """Write this rank's shard, commit with a manifest on every node, prune, upload (collective)."""
         group = self.group
-        directory = join(self.root, step_name(step))
-        fs, path = url_to_fs(directory)
-        writer = HashingWriter(directory, self.config.write_threads)
+        fs, path = self.store.fs, self.store.step_path(step)
+        writer = HashingWriter(self.store.step_url(step), self.config.write_threads, **self.store.options)
         dcp.save(state, storage_writer=writer, process_group=group)
         rank = dist.get_rank()
         if os.environ.get(FAULT_KILL_IN_SAVE) == f"{rank}:{step}":
@@ -408,8 +407,8 @@ class Checkpointer:
         if self.node_leader:
             try:
                 if self.role.node != gathered[0][0]:  # rank 0's node has DCP's own; others may hold a stale one
-                    write_atomic(fs, join(path, METADATA), metadata)
-                write_atomic(fs, join(path, MANIFEST), manifest_bytes)
+                    self.store.write_file(step, METADATA, metadata)
+                self.store.write_manifest(step, manifest_bytes)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         # committed on every node before anyone prunes or trains on (this gather is the barrier)
@@ -420,14 +419,14 @@ class Checkpointer:
             if self.uploader is not None:
                 self.uploader.submit(step, manifest_bytes)
             try:
-                prune(self.root, self.config.keep, protect=self.uploader.pending if self.uploader else frozenset(),
-                      run_id=self.run_id)
+                self.store.prune(self.config.keep, protect=self.uploader.pending if self.uploader else frozenset(),
+                                 run_id=self.run_id)
             except Exception as e:  # pruning is housekeeping: never let it kill a rank mid-collectives
-                log.warning("pruning old checkpoints under %s failed: %s", self.root, e)
+                log.warning("pruning old checkpoints under %s failed: %s", self.store.url, e)
 
     def _replicate(self, step: int, gathered: list, fs, path: str) -> list[tuple[str, int, str]]:
         """Copy the buddy node's new shards into this node's step directory, verified; returns what arrived."""
-        source = Source(self.buddy_of, self.config.peer_url(self.buddy_of))
+        source = Source(self.buddy_of, CheckpointStore.for_peer(self.config, self.buddy_of))
         copied = []
         for node, entries in gathered:
             if node != self.buddy_of:

@@ -50,6 +50,7 @@ from pathlib import Path
 # metadata classes, a first import of several seconds on a loaded machine.
 import hetrain.checkpoint.safe_metadata  # noqa: F401
 from hetrain.checkpoint.reassemble import FetchReport, FileFetch, Source, reassemble_newest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.schema import load_plan, validate_plan
@@ -325,7 +326,7 @@ class _NoticeSwitch:
         """The checkpoint of ``step`` into the run's restore slot, leaving nodes included; (report, why not)."""
         started = time.perf_counter()
         peers, remote = sources_for(self.config, self.old_plan, self.leaving_nodes)
-        leaving = [Source(n, self.config.checkpoint.peer_url(n)) for n in self.leaving_nodes]
+        leaving = [Source(n, CheckpointStore.for_peer(self.config.checkpoint, n)) for n in self.leaving_nodes]
         report, why_not = None, None
         try:
             report = reassemble_newest(peers + leaving, remote, lambda s: str(self.run.restore(s)),

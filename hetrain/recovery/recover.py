@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hetrain.rundir import RunDir
 from hetrain.checkpoint.reassemble import PEER_SILENCE_S, FetchReport, Source, reassemble_newest
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.pictures import RECOVERY_PNG_SUFFIX, write_recovery_png
@@ -83,8 +84,8 @@ def restore_on_node(config: RunConfig, old_plan: Plan, node: str, lost_nodes: li
         if remote is None:
             raise HetrainError(f"{config.plan}: no remote store to restore from without peers")
         return reassemble_newest([], remote, dest_of, model=old_plan.model, timeout_s=timeout_s, progress=progress)
-    peers += [Source(n, config.checkpoint.peer_url(n)) for n in still_up if n in lost_nodes]
-    own = Source(node, config.checkpoint.node_root(node))  # read directly, not through this node's own server
+    peers += [Source(n, CheckpointStore.for_peer(config.checkpoint, n)) for n in still_up if n in lost_nodes]
+    own = Source(node, CheckpointStore.for_node(config.checkpoint, node))  # directly, not through its own server
     return reassemble_newest([own, *(p for p in peers if p.name != node)], remote, dest_of, model=old_plan.model,
                              timeout_s=timeout_s, progress=progress, local=node)
 
