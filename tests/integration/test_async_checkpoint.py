@@ -9,12 +9,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ckpt_helpers import plan, run
 from hetrain.checkpoint.manifest import committed_steps, read_manifest, step_name
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers.training import plan, run
 
 # Tensor parallel (DTensor state) on node a, one stage: two processes.
 TP_PLAN = plan(2, [(8, [("a/0", [0, 6])])])

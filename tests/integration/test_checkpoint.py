@@ -9,14 +9,12 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ckpt_helpers import dumped_state, plan, run
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, committed_steps, read_manifest, sha256_file, step_name
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from hetrain.spec.schedule import LRSchedule
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers.training import dumped_state, plan, run
 
 # Four processes on three nodes: pipeline 0 = a/0 (blocks 0-2) + b/0 (2-6), pipeline 1 = a/1 (0-4) + c/0 (4-6).
 SAVE_PP = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ckpt_helpers import plan, run
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.checkpoint.save import FAULT_SLOW_COMMIT
 from hetrain.config import CheckpointConfig
-
-pytestmark = pytest.mark.slow  # starts training processes
+from tests.helpers.training import plan, run
 
 # Two single-device stages on nodes a and b; only rank 1's commits are slow, so the ranks must agree.
 PP_PLAN = plan(1, [(8, [("a/0", [0, 3]), ("b/0", [3, 6])])])

@@ -11,11 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from conftest import ROOT
-
-pytestmark = pytest.mark.slow
+from tests.helpers import ROOT
 
 
 def test_demo_trains_preempts_recovers_and_finishes(tmp_path: Path):

@@ -27,14 +27,12 @@ from prefect.deployments import run_deployment  # noqa: E402
 from prefect.settings import PREFECT_API_URL  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
 from flows.events import emit_preempted  # noqa: E402
 from flows.train import train  # noqa: E402
 from hetrain.checkpoint.manifest import committed_steps  # noqa: E402
 from hetrain.config import TrainOptions  # noqa: E402
 from hetrain.rundir import RunDir  # noqa: E402
-
-pytestmark = pytest.mark.slow
+from tests.helpers import ROOT  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -298,11 +296,11 @@ def test_two_notices_at_once_make_one_switch_inside_the_notice_window(deployed, 
     import anyio
     from prefect.artifacts import Artifact
 
-    from ckpt_helpers import CLUSTER_YAML, plan, run
     from flows.recover import _merge_key
     from hetrain.config import CheckpointConfig
     from hetrain.plan.schema import Plan
     from hetrain.runtime.launch import worker_pids
+    from tests.helpers.training import CLUSTER_YAML, plan, run
 
     dep = anyio.run(_deployment, "hetrain-recover/recover")
     (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)

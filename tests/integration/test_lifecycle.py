@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
 from hetrain.runtime.launch import worker_pids
-from test_runtime import asymmetric_plan
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers import ROOT, run_cli
+from tests.helpers.training import asymmetric_plan
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -150,7 +149,7 @@ def test_no_checkpoints_cannot_be_combined_with_a_checkpoint_place(tmp_path: Pat
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """An S3 API on loopback (moto server mode) with one bucket, 'lifecycle-backups'."""
-    from ckpt_helpers import moto_bucket
+    from tests.helpers.training import moto_bucket
 
     with moto_bucket("lifecycle-backups") as (endpoint, _):
         yield endpoint
@@ -190,3 +189,82 @@ def test_a_restart_keeps_the_inputs_it_reads_from_the_run_directory(tmp_path: Pa
     (archived,) = (run_dir / "archive").iterdir()
     assert (run_dir / "plan.json").is_file() and (archived / "plan.json").is_file()
     assert (archived / "metrics.jsonl").is_file() and [x["step"] for x in _records(run_dir)] == [0, 1]
+
+
+# -- issue 48: a killed run stops training --------------------------------------------------------------------------
+def _processes_of(run_dir: Path) -> list[tuple[int, str]]:
+    """Every live process whose command line names ``run_dir`` (hetrain train, its launcher, the workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in argv and state != "Z":
+            found.append((int(entry.name), argv.replace("\0", " ")[:200]))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _newest_committed(run_dir: Path) -> int | None:
+    from hetrain.checkpoint.manifest import committed_steps
+
+    per_node = [set(committed_steps(str(root))) for root in (run_dir / "checkpoints").iterdir()] \
+        if (run_dir / "checkpoints").is_dir() else []
+    both = set.intersection(*per_node) if len(per_node) == 2 else set()
+    return max(both) if both else None
+
+
+def test_kill_9_of_train_its_group_or_its_launcher_leaves_nothing_training_and_a_rerun_resumes(tmp_path: Path):
+    """Each kill ends every process of the run within 5 s; the next round, an immediate re-run of the same command,
+    resumes after the newest step committed before it (no orphan commits a later one meanwhile)."""
+    asymmetric_plan(1).write(tmp_path / "plan.json")
+    run_dir = (tmp_path / "run").resolve()
+    argv = [sys.executable, "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(run_dir),
+            "--checkpoint-every", "1", "--steps", "100000"]
+    resumed_after = None
+    for target in ("launcher", "group", "process"):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                start_new_session=True)  # its own group, as a shell's job: killpg reaches only it
+        try:
+            deadline = time.monotonic() + 120
+            first = resumed_after if resumed_after is not None else -1
+            while (_newest_committed(run_dir) or -1) < first + 2 and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()[0]
+                time.sleep(0.2)
+            assert (_newest_committed(run_dir) or -1) >= first + 2, "no new checkpoint in 120 s"
+            launchers = _children(proc.pid)
+            assert len(launchers) == 1 and len(_processes_of(run_dir)) >= 5  # train, launcher, 3 workers
+            if target == "launcher":
+                os.kill(launchers[0], signal.SIGKILL)
+            elif target == "group":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            output = proc.communicate(timeout=30)[0]
+            while _processes_of(run_dir) and time.monotonic() < killed + 5:
+                time.sleep(0.1)
+            assert not _processes_of(run_dir), (target, _processes_of(run_dir), output[-2000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        newest = _newest_committed(run_dir)
+        time.sleep(1.0)
+        assert _newest_committed(run_dir) == newest  # nothing trains on: no step is committed after the kill
+        if target == "launcher":  # hetrain train saw its launcher die: one line, and it stopped every worker
+            assert proc.returncode == 2 and "Traceback" not in output, output[-2000:]
+        if resumed_after is not None:  # an immediate re-run of the same command: resumed where the kill left it
+            assert f"resuming after step {resumed_after} " in output, output[-2000:]
+        resumed_after = newest
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and steps[-1] >= resumed_after, steps  # each step once: no overlap

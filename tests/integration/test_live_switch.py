@@ -14,15 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import moto_bucket, run
 from hetrain.checkpoint.live import FAULT_LIVE
 from hetrain.checkpoint.reassemble import Source, reassemble
 from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.rundir import live_offer_file
 from hetrain.runtime.launch import worker_pids
-from test_notice_switch import AFTER, OLD_STEPS, planner, start_old_run
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers.training import AFTER, OLD_STEPS, moto_bucket, planner, run, start_old_run
 
 BUCKET = "hetrain-live"  # moto's state is one per process: not test_notice_switch's bucket
 

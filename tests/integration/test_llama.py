@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EXAMPLES
 from hetrain.errors import HetrainError
 from hetrain.runtime.model import GPT
 from hetrain.spec.arithmetic import block_activation_bytes, block_params, total_params
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers import EXAMPLES
 
 LLAMA_TINY = EXAMPLES / "models" / "llama-tiny.yaml"
 BASE = "name: m\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nseq_length: 8\nvocab_size: 10\n"
@@ -94,11 +92,11 @@ def test_export_of_a_trained_llama_round_trips_exactly(tmp_path):
 
     from safetensors import safe_open
 
-    from ckpt_helpers import dumped_state, plan, run
-    from conftest import run_cli
     from hetrain.export import HF_CONFIG, WEIGHTS, load_export
     from hetrain.config import CheckpointConfig
     from hetrain.plan.schema import Plan
+    from tests.helpers.training import dumped_state, plan, run
+    from tests.helpers import run_cli
 
     spec = load_model(LLAMA_TINY)
     base = plan(2, [(8, [("a/0", [0, 3]), ("b/0", [3, 6])])])
@@ -135,12 +133,12 @@ def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
     import json
     import shutil
 
-    from ckpt_helpers import CLUSTER_YAML, plan, run
     from hetrain.config import CheckpointConfig, RunConfig
     from hetrain.plan.schema import Plan
     from hetrain.recovery.recover import recover
     from hetrain.runtime.launch import write_config
     from solver.planner import make_plan
+    from tests.helpers.training import CLUSTER_YAML, plan, run
 
     spec = load_model(LLAMA_TINY)
     base = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
@@ -18,9 +17,10 @@ from hetrain.plan.schema import Plan
 from hetrain.runtime.launch import NodeCommand, launch
 from hetrain.spec.specs import load_model
 from hetrain.testing import netbed
+from tests.helpers import EXAMPLES
 
 OK, WHY = netbed.available()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
+pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
 
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 CLUSTER_FILE = EXAMPLES / "clusters" / "cpu-emulated.yaml"

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES
 from hetrain.testing import netbed
+from tests.helpers import EXAMPLES
 
 OK, WHY = netbed.available()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")]
+pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
 
 NODES = ["a", "b", "spot"]
 # the notice comes after 3 steps (about 7 steps/s on three nodes), the resumed run ends at 40 (1-3 steps/s)

@@ -23,8 +23,6 @@ from flows.demo import Services
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.runtime.launch import free_port
 
-pytestmark = pytest.mark.slow
-
 SCHEDULER_LOOP_S = 2  # the server's default is 60 s
 NIGHTLY_CRON = "0 3 * * *"
 

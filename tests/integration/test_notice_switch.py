@@ -1,33 +1,23 @@
 """Recovery inside a notice window: the deadline guard's fallback, and two nodes leaving at once, one gone early.
 
 A switch with time to spare, started by two preemption events at once through the recovery
-flow and checked against a cold restart of the same plan change, is in test_flows.py.
+flow and checked against a cold restart of the same plan change, is in test_flows.py. The old run these tests (and test_live_switch.py's) switch away from is
+``tests.helpers.training.start_old_run``.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import CLUSTER_YAML, moto_bucket, plan, run
-from hetrain.config import CheckpointConfig
-from hetrain.errors import HetrainError
 from hetrain.recovery.proactive import recover_in_notice_window
 from hetrain.runtime.launch import worker_pids
-from solver.planner import make_plan
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers.training import AFTER, moto_bucket, planner, start_old_run
 
 BUCKET = "hetrain-notice"  # moto's state is one per process: not test_recovery's bucket
-
-# Nodes a (two devices), b and spot node c; c gets the notice.
-OLD = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
-OLD_STEPS = 10_000  # the old plan would train this long: it is switched away from long before
-AFTER = 3  # steps the new plan trains after the switch
 
 
 @pytest.fixture(scope="module")
@@ -37,39 +27,8 @@ def s3():
         yield found
 
 
-def planner(cluster, model, settings):
-    return make_plan("hetrain", cluster, model, settings).plan
-
-
-def start_old_run(tmp_path: Path, s3, name: str, peers: dict | None = None, every_steps: int = 100,
-                  bucket: str = BUCKET) -> tuple[threading.Thread, dict, CheckpointConfig, Path]:
-    endpoint, _ = s3
-    (tmp_path / "cluster.yaml").write_text(CLUSTER_YAML)
-    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=every_steps, keep=2,
-                           remote_url=f"s3://{bucket}/{name}", remote_options={"endpoint_url": endpoint},
-                           peers=peers or {})
-    run_dir = tmp_path / "old" / "run"
-    out: dict = {}
-
-    def train() -> None:
-        try:
-            out["records"] = run(OLD, tmp_path / "old", steps=OLD_STEPS, checkpoint=cfg,
-                                 cluster=str(tmp_path / "cluster.yaml"), request_file=str(run_dir / "checkpoint.request"))
-        except HetrainError as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training for a couple of steps
-        assert time.monotonic() < deadline and thread.is_alive(), "the old plan did not start training"
-        time.sleep(0.2)
-    return thread, out, cfg, run_dir
-
-
 def test_a_notice_too_short_falls_back_to_a_restart_and_loses_nothing(tmp_path: Path, s3):
-    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "short")
+    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "short", BUCKET)
     # 5 s left: less than the switch's reserve, so no warm start is tried
     result = recover_in_notice_window(run_dir, ["c"], planner, deadline=time.time() + 5, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=5, switch_reserve_s=20)
@@ -89,7 +48,7 @@ def test_two_notices_at_once_and_a_leaving_node_gone_before_the_fetch(tmp_path: 
     One switch takes both out: b's shards come from b (still up), c's from the bucket; nothing
     wrong is loaded, and the new plan trains on a alone.
     """
-    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "gone", peers={"c": "http://127.0.0.4:9"})
+    thread, old, cfg, run_dir = start_old_run(tmp_path, s3, "gone", BUCKET, peers={"c": "http://127.0.0.4:9"})
     result = recover_in_notice_window(run_dir, ["b", "c"], planner, deadline=time.time() + 120, steps_after=AFTER,
                                       cluster_file=tmp_path / "cluster.yaml", timeout_s=2)
     thread.join(60)

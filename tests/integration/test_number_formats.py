@@ -6,18 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
-from ckpt_helpers import plan
-from conftest import run_cli
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.runtime.data import TokenSource
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.precision import apply_mixed_precision
-
-pytestmark = pytest.mark.slow  # starts training processes
+from tests.helpers import run_cli
+from tests.helpers.training import plan
 
 SPLIT = 3  # stage 0: blocks [0, 3) in fp16 (a V100's), stage 1: [3, 6) in bf16 (an A100's)
 

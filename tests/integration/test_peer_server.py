@@ -20,11 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, step_name
 from hetrain.checkpoint.peer import HEADER_TIMEOUT_S, MAX_CONNECTIONS, PeerServer
-
-pytestmark = pytest.mark.slow  # starts servers and waits out their timeouts: `make test-fast` leaves it out
+from tests.helpers import ROOT, run_cli
 
 TOKEN = "s3cret"
 SLOW_CLIENTS = 200  # the red team's count: 150 exhausted the server's descriptors

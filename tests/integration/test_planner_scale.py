@@ -8,13 +8,11 @@ them (default 4); `HETRAIN_RANDOM_LARGE=200 pytest tests/test_planner_scale.py` 
 import os
 
 import pytest
-from randomclusters import SMALL_MODEL, random_large_cluster
 
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
 from solver.planner import make_plan
-
-pytestmark = pytest.mark.slow
+from tests.helpers.clusters import SMALL_MODEL, random_large_cluster
 
 RANDOM_LARGE_CLUSTERS = int(os.environ.get("HETRAIN_RANDOM_LARGE", "4"))
 
@@ -95,7 +93,7 @@ def test_a_slice_prices_its_plan_as_the_whole_cluster_prices_the_copies():
 def test_a_plan_from_a_baseline_where_the_milp_finds_none_prints(monkeypatch, tmp_path):
     """The MILP finding nothing is not the end: a seed's plan is a plan, and the CLI prints it."""
     import solver.planner as planner
-    from conftest import EXAMPLES
+    from tests.helpers import EXAMPLES
 
     from hetrain.cli.plan import summary_line
 

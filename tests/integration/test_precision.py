@@ -12,8 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_helpers import TINY, metrics, plan, run
-from conftest import EXAMPLES, run_cli, spawn_ranks
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
@@ -22,10 +20,9 @@ from hetrain.runtime.data import TokenSource, prepare_tokens
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.spec.schedule import LRSchedule
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+from tests.helpers import EXAMPLES, run_cli, spawn_ranks
+from tests.helpers.training import TINY, asymmetric_plan, metrics, plan, run
 
-from test_runtime import asymmetric_plan
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
 
 # --------------------------------------------------------------------------- bf16 equivalence
 

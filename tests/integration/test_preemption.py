@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import plan, run
-from conftest import ROOT
 from hetrain.checkpoint.manifest import committed_steps
 from hetrain.config import CheckpointConfig
 from hetrain.recovery.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
 from hetrain.testing.fakecloud import FakeCloudMetadata
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers import ROOT
+from tests.helpers.training import plan, run
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EXAMPLES
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, validate_plan
@@ -15,8 +14,7 @@ from hetrain.profiling.profiler import gpus_from_cluster, profile_entry, profile
 from hetrain.runtime.model import Block
 from hetrain.spec.arithmetic import selective_activation_bytes
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers import EXAMPLES
 
 SPEC = load_model(EXAMPLES / "models" / "gpt-tiny.yaml")
 CLUSTER = load_cluster(EXAMPLES / "clusters" / "cpu-emulated.yaml")

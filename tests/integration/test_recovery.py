@@ -19,7 +19,6 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from ckpt_helpers import CLUSTER_YAML, TINY, moto_bucket, plan, run
 from hetrain.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name
 from hetrain.checkpoint.peer import PeerServer
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
@@ -28,8 +27,7 @@ from hetrain.errors import HetrainError
 from hetrain.recovery.recover import recover
 from hetrain.runtime.launch import free_port, write_config
 from solver.planner import make_plan
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers.training import CLUSTER_YAML, TINY, moto_bucket, plan, run
 
 BUCKET = "hetrain-test"
 SAVE = plan(1, [(5, [("a/0", [0, 2]), ("b/0", [2, 6])]), (3, [("a/1", [0, 4]), ("c/0", [4, 6])])])
@@ -229,7 +227,7 @@ def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path:
 
 
 def test_recover_command_rejects_unknown_runs_and_nodes(tmp_path: Path, trained):
-    from conftest import run_cli
+    from tests.helpers import run_cli
 
     r = run_cli("recover", "--run", str(tmp_path / "nowhere"), "--lost-nodes", "c")
     assert r.returncode == 2 and "no config.json there" in r.stderr
@@ -385,7 +383,7 @@ def test_a_wrong_peer_token_is_named_as_the_reason(trained, monkeypatch):
 
 
 def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path, s3, botocore_tries_once):
-    from conftest import run_cli
+    from tests.helpers import run_cli
 
     one = plan(1, [(8, [("a/0", [0, 6])])])
     one.write(tmp_path / "plan.json")
@@ -403,8 +401,8 @@ def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path,
 
 
 def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s3, tmp_path: Path):
-    from conftest import run_cli
     from hetrain.checkpoint.manifest import prune
+    from tests.helpers import run_cli
 
     cfg = copy_run(trained, s3, tmp_path, "foreign")  # steps 1 and 3 of run 'run'
     SAVE.write(tmp_path / "plan.json")

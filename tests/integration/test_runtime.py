@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import sgd_reference
-from conftest import EXAMPLES, ROOT, run_cli, spawn_ranks
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.runtime.launch import free_port, worker_pids
 from hetrain.runtime.model import lm_loss
 from hetrain.spec.specs import load_model
-
-pytestmark = pytest.mark.slow  # starts training processes: `make test-fast` leaves it out
+from tests.helpers import EXAMPLES, ROOT, run_cli, spawn_ranks
+from tests.helpers.training import sgd_reference
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from hetrain.recovery.preemption import (MAX_ANSWER_BYTES, POLL_DEADLINE_S, SHORTEST_NOTICE_S, AwsSpot,
                                          AzureScheduledEvents, PreemptionWatcher)
-
-pytestmark = pytest.mark.slow  # scripted servers that trickle and time out: `make test-fast` leaves it out
+from tests.helpers import ROOT
 
 TOKEN = "hostile-token"
 NESTED = b"[" * 100_000 + b"]" * 100_000

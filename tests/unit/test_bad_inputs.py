@@ -3,7 +3,8 @@ option or value, no traceback, nothing half-written, nothing outside the test's 
 
 Commands run in-process through ``hetrain.cli.main`` (the console script itself, typer's usage
 errors included), so a hundred cases cost seconds. Cases that need a running server or a
-trained checkpoint live beside their subject (test_recovery, test_preemption, test_lifecycle).
+trained checkpoint live beside their subject in tests/integration (test_recovery, test_preemption,
+test_lifecycle: a kill -9 of a training run, too).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES
 from hetrain.cli import main
+from tests.helpers import EXAMPLES
 
 CLUSTER = str(EXAMPLES / "clusters" / "cpu-emulated.yaml")
 MODEL = str(EXAMPLES / "models" / "gpt-tiny.yaml")
@@ -252,93 +253,6 @@ def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
     assert _worker_error(log) == "rank 2: --data x.bin: holds ids up to 70000, the model's vocabulary is 50257"
 
 
-# -- issue 48: a killed run stops training --------------------------------------------------------------------------
-def _processes_of(run_dir: Path) -> list[tuple[int, str]]:
-    """Every live process whose command line names ``run_dir`` (hetrain train, its launcher, the workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(run_dir) in argv and state != "Z":
-            found.append((int(entry.name), argv.replace("\0", " ")[:200]))
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _newest_committed(run_dir: Path) -> int | None:
-    from hetrain.checkpoint.manifest import committed_steps
-
-    per_node = [set(committed_steps(str(root))) for root in (run_dir / "checkpoints").iterdir()] \
-        if (run_dir / "checkpoints").is_dir() else []
-    both = set.intersection(*per_node) if len(per_node) == 2 else set()
-    return max(both) if both else None
-
-
-@pytest.mark.slow
-def test_kill_9_of_train_its_group_or_its_launcher_leaves_nothing_training_and_a_rerun_resumes(tmp_path: Path):
-    """Each kill ends every process of the run within 5 s; the next round, an immediate re-run of the same command,
-    resumes after the newest step committed before it (no orphan commits a later one meanwhile)."""
-    import signal
-    import subprocess
-    import time
-
-    from conftest import ROOT
-    from test_runtime import asymmetric_plan
-
-    asymmetric_plan(1).write(tmp_path / "plan.json")
-    run_dir = (tmp_path / "run").resolve()
-    argv = [sys.executable, "-m", "hetrain", "train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(run_dir),
-            "--checkpoint-every", "1", "--steps", "100000"]
-    resumed_after = None
-    for target in ("launcher", "group", "process"):
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                start_new_session=True)  # its own group, as a shell's job: killpg reaches only it
-        try:
-            deadline = time.monotonic() + 120
-            first = resumed_after if resumed_after is not None else -1
-            while (_newest_committed(run_dir) or -1) < first + 2 and time.monotonic() < deadline:
-                assert proc.poll() is None, proc.communicate()[0]
-                time.sleep(0.2)
-            assert (_newest_committed(run_dir) or -1) >= first + 2, "no new checkpoint in 120 s"
-            launchers = _children(proc.pid)
-            assert len(launchers) == 1 and len(_processes_of(run_dir)) >= 5  # train, launcher, 3 workers
-            if target == "launcher":
-                os.kill(launchers[0], signal.SIGKILL)
-            elif target == "group":
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                os.kill(proc.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            output = proc.communicate(timeout=30)[0]
-            while _processes_of(run_dir) and time.monotonic() < killed + 5:
-                time.sleep(0.1)
-            assert not _processes_of(run_dir), (target, _processes_of(run_dir), output[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        newest = _newest_committed(run_dir)
-        time.sleep(1.0)
-        assert _newest_committed(run_dir) == newest  # nothing trains on: no step is committed after the kill
-        if target == "launcher":  # hetrain train saw its launcher die: one line, and it stopped every worker
-            assert proc.returncode == 2 and "Traceback" not in output, output[-2000:]
-        if resumed_after is not None:  # an immediate re-run of the same command: resumed where the kill left it
-            assert f"resuming after step {resumed_after} " in output, output[-2000:]
-        resumed_after = newest
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(len(steps))) and steps[-1] >= resumed_after, steps  # each step once: no overlap
-
-
 def test_the_lock_is_refused_while_a_worker_of_the_run_lives_and_taken_once_it_is_gone(tmp_path: Path):
     """A killed run's worker that still lives (a real process naming the run's config) holds the run."""
     import subprocess
@@ -437,14 +351,14 @@ def llama_dirs(tmp_path_factory) -> dict[str, Path]:
     import shutil
     import struct
 
-    from test_init_from import LLAMA, write_transformers_dir
-
     from hetrain.runtime.model import GPT
     from hetrain.spec.hf import safetensors_names
     from hetrain.spec.specs import load_model
+    from tests.helpers.models import write_transformers_dir
+    from tests.helpers.training import LLAMA_TINY
 
     root = tmp_path_factory.mktemp("weights")
-    model = GPT(load_model(LLAMA))
+    model = GPT(load_model(LLAMA_TINY))
     model.init_weights(0)
     good = write_transformers_dir(root / "good", model)
     dirs = {"good": good}

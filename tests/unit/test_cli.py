@@ -1,8 +1,7 @@
 """The `hetrain plan` and `hetrain estimate` commands, end to end in a subprocess."""
 
 import json
-
-from conftest import EXAMPLES
+from tests.helpers import EXAMPLES
 
 
 def test_plan_compare_prints_table_and_writes_plan(cli, tmp_path):
@@ -107,7 +106,7 @@ def test_help_and_the_plan_table_fit_80_columns_whole(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from tests.helpers import ROOT
 
     def run(*args):
         env = {**os.environ, "COLUMNS": "80", "NO_COLOR": "1"}

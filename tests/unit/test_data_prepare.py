@@ -2,79 +2,25 @@
 
 The tokenizer is a real byte-pair encoding trained in the test (the tokenizers library, a
 vocabulary under the tiny model's 256), so the token files fit examples/models/gpt-tiny.yaml
-and train end to end.
+and train end to end
+(tests/integration/test_data_prepare.py).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ckpt_helpers import TINY, metrics, plan
-from conftest import run_cli
 from hetrain.errors import HetrainError
-from hetrain.runtime.data import TokenSource, open_tokens, prepare_tokens
-from hetrain.runtime.model import GPT, lm_loss
-from test_metrics_out import assert_board_matches_metrics
-from test_pictures import assert_measured_timeline
+from hetrain.runtime.data import open_tokens, prepare_tokens
+from tests.helpers import run_cli
+from tests.helpers.data import EOS, assert_documents_between_eos, documents, write_jsonl, write_parquet
 
 tokenizers = pytest.importorskip("tokenizers")
-
-EOS = "<|endoftext|>"
-BPE_VOCAB = 200  # under gpt-tiny's 256: the token files train the tiny model, and fit in uint8
-WORDS = ("the cat sat on a mat while dogs ran far away from home under grey skies and "
-         "every river sang softly to stones").split()
-
-
-def documents(count: int, seed: int) -> list[str]:
-    """Sentences of random words, documents of different lengths (some a single word)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory) -> Path:
-    """A tokenizer.json: BPE on whitespace-split words, trained on this test's documents."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(documents(200, seed=1), trainers.BpeTrainer(vocab_size=BPE_VOCAB,
-                                                                        special_tokens=["<unk>", EOS]))
-    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
-
-
-def write_jsonl(path: Path, docs: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
-    return path
-
-
-def write_parquet(path: Path, docs: list[str], field: str = "text") -> Path:
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({field: docs, "n": list(range(len(docs)))}), path, row_group_size=7)
-    return path
-
-
-def assert_documents_between_eos(token_file: Path, tokenizer: Path, docs: list[str]) -> None:
-    """The file is each document's own encoding followed by the end-of-document id, in order."""
-    tok = tokenizers.Tokenizer.from_file(str(tokenizer))
-    meta = json.loads(token_file.with_name(token_file.name + ".json").read_text())
-    eos_id = tok.token_to_id(EOS)
-    assert meta["eos_id"] == eos_id and meta["dtype"] == "uint8" and meta["documents"] == len(docs)
-    ids = np.asarray(open_tokens(token_file, BPE_VOCAB)).tolist()
-    want = [t for d in docs for t in tok.encode(d, add_special_tokens=False).ids + [eos_id]]
-    assert ids == want
-    assert ids.count(eos_id) == len(docs)
 
 
 def test_jsonl_parquet_and_a_saved_dataset_in_one_file(tmp_path: Path, bpe: Path):
@@ -169,40 +115,6 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path, bpe: Path):
     r = run_cli("data", "prepare", "--input", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o.bin"))
     assert r.returncode == 2 and "line 2: expected a JSON object" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.bin").exists()
-
-
-@pytest.mark.slow
-def test_a_jsonl_corpus_and_a_parquet_file_train_end_to_end(tmp_path: Path, bpe: Path):
-    """`hetrain data prepare` of both into one file, then `hetrain train --data` on two pipeline
-    stages: the run's first loss is the loss of the same initial model on the file's first
-    global batch, computed here in one process (one run, to spend the wall time once). The
-    run's TensorBoard files hold its records (read by TensorBoard's reader), its measured
-    timeline is causal, and its export
-    carries the tokenizer."""
-    docs = documents(150, 6)
-    r = run_cli("data", "prepare", "--input", str(write_jsonl(tmp_path / "c.jsonl", docs[:90])),
-                "--input", str(write_parquet(tmp_path / "c.parquet", docs[90:])), "--out", str(tmp_path / "c.bin"),
-                "--tokenizer", str(bpe))
-    assert r.returncode == 0, r.stderr
-    assert_documents_between_eos(tmp_path / "c.bin", bpe, docs)
-    p = plan(1, [(8, [("a/0", [0, 3]), ("a/1", [3, 6])])])
-    p.write(tmp_path / "plan.json")
-    r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--data", str(tmp_path / "c.bin"), "--steps", "2",
-                "--run-dir", str(tmp_path / "run"))
-    assert r.returncode == 0, r.stderr
-    losses = [m["loss"] for m in metrics(tmp_path) if "loss" in m]
-    model = GPT(TINY)
-    model.init_weights(0)
-    seq = TokenSource(TINY.seq_length, TINY.vocab_size, seed=0, path=tmp_path / "c.bin").sequences(0, 8)
-    with torch.no_grad():
-        want = lm_loss(model(seq[:, :-1]), seq[:, 1:]).item()
-    assert len(losses) == 2 and abs(losses[0] - want) < 1e-4 * want
-    assert_board_matches_metrics(tmp_path / "run")
-    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
-    assert_measured_timeline(tmp_path / "run", stages=2, microbatches=8)
-    r = run_cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == bpe.read_bytes()  # it travels with the model
 
 
 def test_read_ahead_keeps_the_order_and_raises_the_readers_error_in_the_consumer():

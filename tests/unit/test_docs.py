@@ -22,7 +22,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 DOCS = ROOT / "docs"
 MAX_LINE = 120  # issue 36: no page line over 120 characters outside tables and code blocks
 MAX_README_LINES = 200

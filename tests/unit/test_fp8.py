@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EXAMPLES
 from hetrain.errors import HetrainError
 from hetrain.runtime.fp8 import apply_fp8
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.precision import apply_mixed_precision
 from hetrain.spec.specs import load_model
+from tests.helpers import EXAMPLES
 
 pytest.importorskip("torchao", reason="the fp8 extra (the test extra installs it)")
 SPEC = load_model(EXAMPLES / "models" / "llama-tiny.yaml")

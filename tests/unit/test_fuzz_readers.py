@@ -22,7 +22,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES
 from hetrain.checkpoint.manifest import parse_manifest
 from hetrain.cli import main
 from hetrain.errors import HetrainError
@@ -30,6 +29,7 @@ from hetrain.plan.schema import load_plan
 from hetrain.profiling.profile import load_profile
 from hetrain.runtime.data import TokenSource
 from hetrain.spec.specs import load_cluster, load_model
+from tests.helpers import EXAMPLES
 
 settings.register_profile("suite", max_examples=40, deadline=3000, derandomize=True,
                           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

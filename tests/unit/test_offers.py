@@ -13,7 +13,6 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES, ROOT
 from hetrain.cli import app
 from hetrain.cost.notice import notice_action
 from hetrain.cost.recovery_costs import RecoveryCosts, load_recovery_costs, young_daly_interval_s
@@ -24,6 +23,7 @@ from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_of
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
 from solver.offers import Objective, choose_rental
 from solver.planner import make_plan
+from tests.helpers import EXAMPLES, ROOT
 
 MODEL = EXAMPLES / "models" / "gpt-small.yaml"
 SETTINGS = TrainingSettings(global_batch_size=16, precision="fp32")

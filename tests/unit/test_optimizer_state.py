@@ -2,9 +2,7 @@
 planner's choice of it, the plan file and the estimate's table. Fast: no processes."""
 
 import io
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -18,11 +16,9 @@ from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, load_plan, validate_plan
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
 from solver.planner import make_plan
+from tests.helpers import EXAMPLES
+from tests.helpers.clusters import SMALL_MODEL, random_cluster, small_settings
 
-sys.path.insert(0, str(Path(__file__).parent))
-from randomclusters import SMALL_MODEL, random_cluster, small_settings  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # h = 1024, ffn 4h: a block holds 4h^2 + 2h*4h + 9h + 4h = 12 h^2 + 13 h = 12,596,224 parameters
 MODEL = ModelSpec(name="m", num_layers=4, hidden_size=1024, num_heads=8, seq_length=512, vocab_size=1000)
 BLOCK_PARAMS = 12 * 1024 * 1024 + 13 * 1024

@@ -15,8 +15,8 @@ import pytest
 from hetrain.cost.costmodel import CostModel
 from hetrain.cost.pipeline import eager_pipeline_s, one_f_one_b_play_s
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # A mixed pipeline: a slow first stage, a fast middle one, a slow last one; sends not free
 STAGE_S, BACKWARD_S, P2P_S = [3.0, 1.0, 2.0], [2.0, 0.6, 1.3], [0.2, 0.3]
 MICROBATCHES = 6

@@ -1,8 +1,6 @@
 """Plans are valid, the MILP matches the exhaustive referee, and it beats the baselines."""
 
 import pytest
-from conftest import EXAMPLES
-from randomclusters import SMALL_MODEL, random_cluster, small_settings
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
@@ -12,6 +10,8 @@ from solver.assemble import (allocate_microbatches, assemble, choose_schedules, 
                              shard_if_faster)
 from solver.planner import make_plan
 from solver.space import build_space, split_layers, split_layers_modes
+from tests.helpers import EXAMPLES
+from tests.helpers.clusters import SMALL_MODEL, random_cluster, small_settings
 
 
 def assert_valid(result, cluster, model, settings):

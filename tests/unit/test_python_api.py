@@ -1,9 +1,8 @@
-"""The Python API (``import hetrain``): lazy, typed, the CLI's library calls; the notebook-style example runs."""
+"""The Python API (``import hetrain``): lazy, typed, the CLI's library calls. The notebook-style example
+that trains is in tests/integration/test_python_api.py."""
 
 from __future__ import annotations
 
-import json
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import hetrain
-from conftest import EXAMPLES, ROOT
+from tests.helpers import EXAMPLES, ROOT
 
 
 def test_import_is_light_and_plan_export_are_functions_and_modules():
@@ -50,19 +49,3 @@ def test_a_model_file_with_a_typo_names_the_unknown_key(tmp_path: Path):
     with pytest.raises(hetrain.HetrainError, match="typo.yaml: num_layer: is not a known field "
                                                    "\\(did you mean num_layers\\?\\)"):
         hetrain.load_model(tmp_path / "typo.yaml")
-
-
-@pytest.mark.slow
-def test_the_notebook_example_plans_trains_and_exports(tmp_path: Path):
-    """examples/python_api.py through the public API only: four CPU processes, four steps, an export
-    readable by others (not safetensors' private 0600) and no torch warning on the way."""
-    r = subprocess.run([sys.executable, str(EXAMPLES / "python_api.py"), str(tmp_path)], capture_output=True,
-                       text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "trained 4 steps" in r.stdout and "exported step 3" in r.stdout
-    assert "Warning" not in r.stderr, r.stderr
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [rec["step"] for rec in records] == [0, 1, 2, 3]
-    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "ranks.png").is_file()
-    weights, spec = tmp_path / "export" / "model.safetensors", tmp_path / "export" / "hetrain-model.json"
-    assert stat.S_IMODE(weights.stat().st_mode) == stat.S_IMODE(spec.stat().st_mode)

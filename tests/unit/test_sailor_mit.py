@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from tests.helpers import FIXTURES, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "sailor_mit"
+FIXTURE = FIXTURES / "sailor_mit"
 sys.path.insert(0, str(ROOT / "bench"))
 import sailor_mit  # noqa: E402  (bench/sailor_mit.py: the table in docs/benchmarks/real-clusters.md)
 

@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES
 
 from hetrain.errors import HetrainError
 from hetrain.spec.catalog import CATALOG
 from hetrain.spec.specs import load_cluster, load_model
+from tests.helpers import EXAMPLES
 
 REQUIRED_GPUS = ["A100-40G", "A100-80G", "V100-16G", "V100-32G", "RTX3090", "A10G", "L4", "T4", "H100-SXM",
                  "H100-PCIe", "L40S", "A6000"]

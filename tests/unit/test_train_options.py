@@ -7,9 +7,9 @@ import inspect
 import pytest
 import typer.main
 
-from conftest import run_cli
 from hetrain.cli import app
 from hetrain.config import TrainOptions
+from tests.helpers import run_cli
 
 # The command line users script against: a change here is a change to the interface (torchtitan freezes its CLI too).
 FROZEN_TRAIN_OPTIONS = [
@@ -50,7 +50,7 @@ def test_every_option_of_a_run_is_a_cli_option_with_the_same_default_and_the_flo
     (["--optimizer", "lion"], "'lion' is not one of 'adamw', 'sgd'"),
 ])
 def test_a_bad_option_is_one_line_naming_it(tmp_path, args, expected):
-    from test_runtime import asymmetric_plan
+    from tests.helpers.training import asymmetric_plan
 
     asymmetric_plan(1).write(tmp_path / "plan.json")
     r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), *args)
