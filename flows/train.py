@@ -30,7 +30,7 @@ from hetrain.profiling.profile import ANALYTIC_NOTE, PROFILER_MEASURES, Profile
 from hetrain.cost.notice import SWITCH_NOTICE_S
 from hetrain.recovery.preemption import SOURCES
 from hetrain.run.request import RunHooks, RunRequest
-from hetrain.run.runs import backup_problem, load_run, run_dir_of
+from hetrain.run.runs import backup_problem, load_run, run_dir_of, served_roots
 from hetrain.run.start import check_inputs, start_run
 from hetrain.recovery.spot import LocalSpotRun
 from hetrain.rundir import RunDir
@@ -327,9 +327,7 @@ def train(
             get_run_logger().warning("spot_metadata_url is for launch=local: per node, each spot node's own watcher "
                                      "(`hetrain node start --cloud ...`) polls its metadata endpoint; %s is ignored",
                                      spot_metadata_url)
-        peers = {}
-        if peer_port:  # each node's peer server serves its runs root: run/checkpoints/<node> below it
-            peers = {n.name: f"http://{n.host}:{peer_port}/{run_id}/checkpoints/{n.name}" for n in cl.nodes}
+        peers = served_roots(cl, peer_port, run_id)
         return train_on_nodes(run_id, the_plan, cl, str(repo_path(cluster)), options, peers, rendezvous_port, runs_root,
                               predicted)
     return train_run(run_id, runs_root, plan_json, cluster, options, spot_metadata_url, cloud, predicted)

@@ -59,8 +59,9 @@ READY_SUFFIX = ".ready"
 LIVE_SUFFIX = ".live"
 DONE_INFIX = ".done-"
 LOCK = ".lock"
-ACTIVE_MARKER = "node-run.json"
-LOCK_WORKERS_GRACE_S = 10.0  # how long the lock waits for a killed run's workers to end (they die within a second)  # in a run directory while a node's ranks of the run are running
+CHECKPOINTS = "checkpoints"  # RUN/checkpoints/NODE: each node's default checkpoint root (and what peers serve)
+ACTIVE_MARKER = "node-run.json"  # in a run directory while a node's ranks of the run are running
+LOCK_WORKERS_GRACE_S = 10.0  # how long the lock waits for a killed run's workers to end (they die within a second)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         """The default checkpoint roots' parent: ``checkpoints/{node}``."""
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS
 
     @property
     def archive(self) -> Path:

@@ -15,7 +15,8 @@ from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import RUN_ID, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.schema import Plan
-from hetrain.rundir import RunDir
+from hetrain.rundir import CHECKPOINTS, RunDir
+from hetrain.spec.specs import ClusterSpec
 
 
 def run_dir_of(runs_root: str | Path, run_id: str) -> Path:
@@ -36,6 +37,15 @@ def sources_for(config: RunConfig, plan: Plan, lost_nodes: list[str],
     store = CheckpointStore.for_remote(ckpt)
     remote = Source("remote", store, remote=True) if store is not None else None
     return peers, remote
+
+
+def served_roots(cluster: ClusterSpec, peer_port: int, run_id: str) -> dict[str, str]:
+    """Where each node of ``cluster`` serves run ``run_id``'s checkpoint root to its peers: ``hetrain node start``'s
+    peer server at ``peer_port`` serves the node's runs root, so a run's root is ``<run_id>/checkpoints/<node>``
+    below it (``RunDir``'s layout); none when ``peer_port`` is 0."""
+    if not peer_port:
+        return {}
+    return {n.name: f"http://{n.host}:{peer_port}/{run_id}/{CHECKPOINTS}/{n.name}" for n in cluster.nodes}
 
 
 def load_run(run_dir: Path, missing: str | None = None) -> RunConfig:

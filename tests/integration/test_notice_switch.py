@@ -1,8 +1,8 @@
 """Recovery inside a notice window: the deadline guard's fallback, and two nodes leaving at once, one gone early.
 
 A switch with time to spare, started by two preemption events at once through the recovery
-flow and checked against a cold restart of the same plan change, is in test_flows.py. The old run these tests (and test_live_switch.py's) switch away from is
-``tests.helpers.training.start_old_run``.
+flow and checked against a cold restart of the same plan change, is in test_flows.py. The old
+run these tests (and test_live_switch.py's) switch away from is ``tests.helpers.training.start_old_run``.
 """
 
 from __future__ import annotations

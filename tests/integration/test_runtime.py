@@ -20,31 +20,10 @@ from hetrain.runtime.launch import free_port, worker_pids
 from hetrain.runtime.model import lm_loss
 from hetrain.spec.specs import load_model
 from tests.helpers import EXAMPLES, ROOT, run_cli, spawn_ranks
-from tests.helpers.training import sgd_reference
+from tests.helpers.training import asymmetric_plan, sgd_reference
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3
-
-
-def asymmetric_plan(tp: int, global_batch_size: int = 8, micro_batch_size: int = 2, model: Path = TINY) -> Plan:
-    """Pipeline 0: two stages, 2 + 4 blocks, 3 micro-batches; pipeline 1: one stage, 1 micro-batch.
-
-    Each stage recomputes differently (selective, none, full), as the planner may choose per stage.
-    """
-    spec = load_model(model)
-
-    def stage(node: str, first: int, layers: list[int], recompute: str) -> dict:
-        return {"devices": [f"{node}/{first + j}" for j in range(tp)], "gpu": "cpu", "layers": layers,
-                "recompute": recompute}
-
-    return Plan.model_validate({
-        "schema": "hetrain.plan/v1", "model": spec.model_dump(), "cluster": "test",
-        "global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size, "tp": tp,
-        "pipelines": [
-            {"num_microbatches": 3, "stages": [stage("a", 0, [0, 2], "selective"), stage("a", tp, [2, 6], "none")]},
-            {"num_microbatches": 1, "stages": [stage("b", 0, [0, 6], "full")]},
-        ],
-    })
 
 
 def assert_close(got: dict, want: dict, what: str) -> None:

@@ -7,7 +7,6 @@ in order without overlap, and each op after the message it waits for.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -88,30 +87,6 @@ def test_a_plans_timeline_is_its_estimate_played_and_drawn(tmp_path: Path):
         assert colors is not None and len(colors) > 10  # drawn, not blank
     assert write_timeline_png([("p0 s0", [])], tmp_path / "none.png", "nothing") == (
         None, "no timeline: the pipelines have no ops")
-
-
-def assert_measured_timeline(run_dir: Path, stages: int, microbatches: int) -> None:
-    """A run's measured step (RUN/timeline, one file per stage): every stage ran each micro-batch's forward
-    and backward once, in order, inside the step; a micro-batch's forward reached stage k+1 only after
-    stage k finished it, and its backward came back the other way; the picture of it is drawn."""
-    from hetrain.pictures import MEASURED_TIMELINE_PNG, measured_timeline
-
-    step, rows = measured_timeline(run_dir / "timeline")
-    assert step is not None and len(rows) == stages, rows
-    ends = {}
-    for k, (label, ops) in enumerate(rows):
-        assert label.startswith(f"p0 s{k} ")
-        for kind in "FB":
-            mine = [op for op in ops if op.kind == kind]
-            assert [op.microbatch for op in mine] == list(range(microbatches)), (label, kind)
-            assert all(0 <= op.start_s <= op.end_s for op in mine)
-            ends |= {(k, kind, op.microbatch): (op.start_s, op.end_s) for op in mine}
-    for k in range(stages - 1):
-        for m in range(microbatches):
-            assert ends[(k + 1, "F", m)][0] >= ends[(k, "F", m)][1]  # the activation came from stage k
-            assert ends[(k, "B", m)][0] >= ends[(k + 1, "B", m)][1]  # the gradient came from stage k + 1
-    if importlib.util.find_spec("matplotlib"):
-        assert (run_dir / MEASURED_TIMELINE_PNG).stat().st_size > 5_000
 
 
 def test_a_recovery_report_is_drawn_phase_by_phase_with_the_fetch_by_source(tmp_path: Path):

@@ -8,41 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hetrain.runtime.metrics import RANK_SCALARS, MetricsWriter, scalars
+from hetrain.runtime.metrics import MetricsWriter
+from tests.helpers.training import read_scalars
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-EVERY_SCALAR = 0  # EventAccumulator's size guidance: keep every event, not a reservoir sample
-
-
-def read_scalars(directory: Path) -> dict[str, dict[int, float]]:
-    """Every scalar in the event files of ``directory``, as TensorBoard loads them: tag -> step -> value.
-
-    No step may appear twice in a tag (TensorBoard would draw both points).
-    """
-    acc = EventAccumulator(str(directory), size_guidance={"scalars": EVERY_SCALAR})
-    acc.Reload()
-    board = {}
-    for tag in acc.Tags()["scalars"]:
-        steps = [e.step for e in acc.Scalars(tag)]
-        assert len(steps) == len(set(steps)), f"{tag}: steps {steps}"
-        board[tag] = {e.step: e.value for e in acc.Scalars(tag)}
-    return board
-
-
-def assert_board_matches_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """The run's TensorBoard scalars are its metrics.jsonl records, step for step, every rank's too."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    board = read_scalars(run_dir / "tensorboard")
-    ranks = {r["rank"] for r in records[0]["ranks"]}
-    want_tags = {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
-    want_tags |= {f"{name}/rank{r}" for name in RANK_SCALARS for r in ranks}
-    assert want_tags <= set(board), sorted(want_tags - set(board))
-    for record in records:
-        for tag, value in scalars(record).items():
-            assert board[tag][record["step"]] == pytest.approx(value, rel=1e-6), (tag, record["step"])
-    return board
 
 
 def record(step: int, loss: float) -> dict:
