@@ -23,12 +23,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The tests that start no training, server or network namespace (about a minute): `make test` runs everything.
+# tests/unit: the tests that start no training, server or network namespace; `make test` runs tests/integration too
+# (every test there is marked slow, so `pytest -m "not slow"` picks the same tests).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit
 
 # The docs site (mkdocs.yml, docs/) into site/, strict: a broken link, anchor or reference fails the build.
-# tests/test_docs.py runs the same build into a temp dir. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.
+# tests/unit/test_docs.py runs the same build into a temp dir. NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 

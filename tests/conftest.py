@@ -1,51 +1,31 @@
-import os
-import subprocess
-import sys
+"""Fixtures of both folders, and the rule that ties them to the ``slow`` marker.
+
+tests/unit starts no training, server, network namespace or Prefect; tests/integration does, and
+every test in it is marked ``slow`` here, so ``-m "not slow"`` and ``pytest tests/unit`` (``make
+test-fast``) pick the same tests. What the tests share as code is in ``tests.helpers``.
+"""
+
+from __future__ import annotations
+
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.helpers import run_cli
+
+INTEGRATION = Path(__file__).parent / "integration"
+UNIT = Path(__file__).parent / "unit"
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the real `hetrain` command line in a subprocess."""
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "hetrain", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=300)
-
-
-# What every rank process of ``spawn_ranks`` needs and would otherwise import anew (torch, DTensor and
-# the pipelining schedules: 3-5 s of CPU per process on the 2-core CI machine): imported once, in the
-# forkserver the ranks are forked from.
-RANK_PRELOAD = ["torch.distributed", "hetrain.runtime.rank"]
-
-
-def _rank_main(rank: int, env: dict[str, str], fn, *args) -> None:
-    """A forked rank under the environment its parent has now (the forkserver's dates from its start)."""
-    os.environ.clear()
-    os.environ.update(env)
-    fn(rank, *args)
-
-
-def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
-    """``torch.multiprocessing.spawn(fn, args, nprocs)``, each rank forked from a preloaded forkserver.
-
-    The same contract as spawn (``fn(rank, *args)`` in a new process per rank, all joined, a failing
-    rank fails the call with its traceback) and the same rank processes, each with its own memory and
-    gloo group; only the imports are shared, made in the forkserver before any rank (or thread) of
-    torch exists, which is what makes forking it safe. The forkserver is started on first use and
-    serves the whole session.
-    """
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
-    mp.start_processes(_rank_main, args=(dict(os.environ), fn, *args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration is slow; a test under tests/unit marked slow belongs there."""
+    for item in items:
+        path = Path(item.path)
+        if INTEGRATION in path.parents:
+            item.add_marker(pytest.mark.slow)
+        elif UNIT in path.parents and item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked slow: its place is tests/integration")
 
 
 @pytest.fixture
@@ -64,25 +44,10 @@ def botocore_tries_once(monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
 
 
-@pytest.fixture
-def make_netbed():
-    """``make_netbed(nodes, rate_mbit=...)`` builds a network-namespace test bed (``hetrain.testing.netbed``).
+@pytest.fixture(scope="session")
+def bpe(tmp_path_factory) -> Path:
+    """A tokenizer.json (``tests.helpers.data.train_bpe``), trained once for the data tests of both folders."""
+    pytest.importorskip("tokenizers")
+    from tests.helpers.data import train_bpe
 
-    Every bed it made is torn down after the test, whatever happened; skips where this machine
-    cannot make network namespaces (not root, no iproute2).
-    """
-    from hetrain.testing import netbed as nb
-
-    ok, why = nb.available()
-    if not ok:
-        pytest.skip(f"no network namespaces here: {why}")
-    beds = []
-
-    def make(nodes, rate_mbit=None):
-        bed = nb.NetBed(list(nodes), rate_mbit=rate_mbit)
-        beds.append(bed)
-        return bed.up()
-
-    yield make
-    for bed in beds:
-        bed.down()
+    return train_bpe(tmp_path_factory.mktemp("bpe") / "tokenizer.json")

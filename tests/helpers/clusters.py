@@ -1,4 +1,5 @@
-"""Random small clusters for testing the planner against the exhaustive referee."""
+"""Random clusters for the planner: small ones against the exhaustive referee, large mixed fleets against the
+baselines."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_pla
     straight = run(save_plan, tmp_path / "save", steps=5, checkpoint=cfg, dump=True)
     saved = dumped_state(save_plan, tmp_path / "save")
     assert any(name.startswith("optim/") and name.endswith("exp_avg_sq") for name in saved)
-    schedule = LRSchedule(lr=1e-2, lr_min=1e-3, warmup_steps=1, decay_steps=8, total_steps=5)  # ckpt_helpers.run's options
+    schedule = LRSchedule(lr=1e-2, lr_min=1e-3, warmup_steps=1, decay_steps=8, total_steps=5)  # as training.run's
     assert [r["lr"] for r in straight] == pytest.approx([schedule.lr_at(i) for i in range(5)])
 
     # Every node's files are read where they are (losing their data is the fault tests' business):

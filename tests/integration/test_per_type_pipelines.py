@@ -3,9 +3,9 @@ minutes on two cores. The per-type search itself is in tests/unit/test_per_type_
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
-from solver.space import group_classes
-from solver.typed import _least_modes
+from solver.planners.registry import make_plan
+from solver.planners.typed import _least_modes
+from solver.search.classes import group_classes
 
 
 def test_large_1024_at_a_small_batch_runs_each_type_apart_and_beats_whale():

@@ -18,12 +18,13 @@ def test_a_measured_split_prices_the_weight_gradient_and_what_splitting_costs():
 
     from hetrain.cost.costmodel import CostModel
     from hetrain.profiling.profile import Profile, ProfileEntry
-    from hetrain.profiling.profiler import _time_split_backward, shard_block
+    from hetrain.profiling.profiler import shard_block
+    from hetrain.profiling.timing import time_split_backward
     from hetrain.spec.specs import ClusterSpec, TrainingSettings
 
     block = shard_block(MODEL, 1)
     x, gy = torch.randn(1, MODEL.seq_length, MODEL.hidden_size), torch.randn(1, MODEL.seq_length, MODEL.hidden_size)
-    both_s, weight_s = _time_split_backward(block, x, gy, torch.device("cpu"), "fp32", 1, 3)
+    both_s, weight_s = time_split_backward(block, x, gy, torch.device("cpu"), "fp32", 1, 3)
     assert 0 < weight_s < both_s
 
     cluster = ClusterSpec.model_validate({"name": "c", "inter_node_bandwidth_gbps": 10, "nodes": [

@@ -1,7 +1,7 @@
 """hetrain's plan never predicts slower than megatron's or whale's, on random mixed fleets of 8 to 2,048 GPUs.
 
 Each cluster takes a few seconds to plan three ways, so the suite plans RANDOM_LARGE_CLUSTERS of
-them (default 4); `HETRAIN_RANDOM_LARGE=200 pytest tests/test_planner_scale.py` runs the issue's
+them (default 4); `HETRAIN_RANDOM_LARGE=200 pytest tests/integration/test_planner_scale.py` runs the issue's
 200 (about an hour on two cores).
 """
 

@@ -19,7 +19,7 @@ from tests.helpers.training import (ASYM_TP1, ASYM_TP2, ONE_PROCESS_TOL, adamw_r
 
 
 STEPS = 3
-REL_TOL = 1e-5  # losses, as the SGD equivalence tests (tests/integration/test_runtime.py): float32 sums in another order
+REL_TOL = 1e-5  # losses, as the SGD equivalence tests (test_runtime.py): float32 sums in another order
 SAME_PLAN_TOL = 1e-6  # sharded against replicated, one plan: the same sums (equal to the bit on gloo)
 
 

@@ -1,13 +1,12 @@
-"""Per-type pipelines (``solver.typed``): each GPU type in pipelines of its own, a depth per type."""
+"""Per-type pipelines (``solver.planners.typed``): each GPU type in pipelines of its own, a depth per type."""
 
 import pytest
 
 from hetrain.cost.costmodel import CostModel
 from hetrain.plan.schema import validate_plan
-from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
-from solver.space import group_classes
-from solver.typed import _groups, _least_modes, typed_search
+from hetrain.spec.specs import ClusterSpec, TrainingSettings
+from solver.search.classes import group_classes
+from solver.planners.typed import _groups, typed_search
 from tests.helpers.clusters import SMALL_MODEL
 
 
@@ -52,7 +51,7 @@ def test_pipelines_shallower_than_a_node_sit_side_by_side_over_the_same_nodes():
 
 
 def _plan_of(cluster, cost, cls, choice):
-    from solver.typed import _Layouts
+    from solver.planners.typed import _Layouts
 
     layouts = _Layouts(cluster, cost, 1, 1)
     i = next(k for k, c in enumerate(layouts.classes) if c.gpu == cls.gpu)
@@ -65,7 +64,7 @@ def test_the_bounds_that_prune_layouts_never_exceed_their_estimate(case):
     """A layout is priced only if its bounds could beat the best: a bound above its estimate would lose plans."""
     from tests.helpers.clusters import random_large_cluster
 
-    from solver.typed import OFF, _Layouts
+    from solver.planners.typed import OFF, _Layouts
 
     if case == "two-types":
         cluster, settings = _two_types(4, 4), TrainingSettings(global_batch_size=64, micro_batch_sizes=[1, 2])
@@ -94,8 +93,8 @@ def test_the_bounds_that_prune_layouts_never_exceed_their_estimate(case):
 def test_a_types_pipelines_priced_from_one_block_match_all_of_them_estimated():
     """``type_terms`` estimates one block of a type's pipelines (those sharing nodes) where the blocks are alike."""
     from hetrain.cost.pipeline import pipeline_terms
-    from solver.baselines import _plan
-    from solver.typed import _Layouts
+    from solver.search.assemble import plan_of as _plan
+    from solver.planners.typed import _Layouts
 
     cluster = _two_types(4, 6)
     settings = TrainingSettings(global_batch_size=256, micro_batch_sizes=[1])

@@ -146,7 +146,7 @@ def test_the_planner_runs_zb_h1_where_it_is_faster_and_fits():
     gradient, the pipeline keeps its schedule."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.spec.specs import ClusterSpec
-    from solver.assemble import choose_schedules
+    from solver.search.assemble import choose_schedules
 
     model, cluster, settings = _a100_v100(24)
     stages = _stages
@@ -191,7 +191,7 @@ def test_a_schedule_that_speeds_up_some_pipelines_takes_more_of_the_batch():
     same batch, the plan faster, each pipeline still a micro-batch per stage, and the estimate the
     cost model's own."""
     from hetrain.cost.costmodel import CostModel
-    from solver.assemble import allocate_microbatches, rebalance_microbatches
+    from solver.search.assemble import allocate_microbatches, rebalance_microbatches
 
     model, cluster, settings = _a100_v100(46)
     cost = CostModel(cluster, model, settings)
@@ -387,7 +387,7 @@ def test_the_planner_interleaves_a_pipeline_where_that_is_faster_and_fits():
     """Four A100 stages of four blocks and four micro-batches, all recomputing fully (ZB-H1 cannot split
     there): the fill is most of the step, interleaved 1F1B cuts it and fits; with as many micro-batches
     as 1F1B's fill is small against, and sends that v-fold crossings make dear, it may not."""
-    from solver.assemble import choose_schedules
+    from solver.search.assemble import choose_schedules
 
     plan, cost = _one_pipeline(16, 4, "full")
     before = cost.estimate(plan)
