@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hetrain.checkpoint.manifest import committed_steps, read_manifest, step_name
+from hetrain.checkpoint.manifest import step_name
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 from tests.helpers.training import plan, run
@@ -52,7 +53,7 @@ def test_background_checkpoints_hold_what_synchronous_ones_hold(tmp_path: Path):
     # the background run reports each commit at a later step; the last one is committed before the run ends
     reported = [c["step"] for r in records["background"] for c in r.get("checkpoints_committed", [])]
     assert reported == list(range(len(reported))) and reported and "checkpoints_committed" not in records["sync"][-1]
-    assert committed_steps(cfgs["background"].node_root("a")) == list(range(steps))
+    assert CheckpointStore.for_node(cfgs["background"], "a").committed_steps() == list(range(steps))
     for step in range(steps):
         states = {mode: flat(whole_state(cfg, step, tmp_path / f"{mode}-{step}.pt")) for mode, cfg in cfgs.items()}
         assert states["sync"].keys() == states["background"].keys()
@@ -70,7 +71,7 @@ def test_background_checkpoints_hold_what_synchronous_ones_hold(tmp_path: Path):
             assert not torch.equal(states["sync"]["model.layers.0.mlp.w1.weight"],
                                    previous["model.layers.0.mlp.w1.weight"])
         previous = states["sync"]
-    manifest = read_manifest(cfgs["background"].node_root("a"), steps - 1)
+    manifest = CheckpointStore.for_node(cfgs["background"], "a").read_manifest(steps - 1)
     assert manifest.plan == TP_PLAN
 
 
@@ -83,4 +84,4 @@ def test_a_failed_background_commit_fails_the_run_and_keeps_the_last_commit(tmp_
     with pytest.raises(HetrainError, match="checkpoint of step 1 not committed"):
         run(PP_PLAN, tmp_path / "run", steps=6, checkpoint=cfg)
     for node in ("a", "b"):
-        assert committed_steps(cfg.node_root(node)) == [0]
+        assert CheckpointStore.for_node(cfg, node).committed_steps() == [0]

@@ -9,7 +9,8 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from hetrain.checkpoint.manifest import MANIFEST, METADATA, committed_steps, read_manifest, sha256_file, step_name
+from hetrain.checkpoint.manifest import MANIFEST, METADATA, sha256_file, step_name
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
@@ -37,9 +38,9 @@ def test_every_node_commits_its_shards_with_a_manifest(tmp_path: Path):
     for node in ("a", "b", "c"):
         root = cfg.node_root(node)
         # steps 1, 3 (every 2) and 4 (the last) were saved; keep=1 leaves the newest
-        assert committed_steps(root) == [4]
+        assert CheckpointStore(root).committed_steps() == [4]
         assert not (Path(root) / step_name(1)).exists() and not (Path(root) / step_name(3)).exists()
-        manifest = read_manifest(root, 4)
+        manifest = CheckpointStore(root).read_manifest(4)
         assert manifest.step == 4 and manifest.model == SAVE_PP.model and manifest.plan == SAVE_PP
         held = {f.path for f in manifest.files if node in f.nodes}
         on_disk = {p.name for p in (Path(root) / step_name(4)).iterdir()} - {MANIFEST}
@@ -50,7 +51,7 @@ def test_every_node_commits_its_shards_with_a_manifest(tmp_path: Path):
     # each rank's shard lives on its own node only: ranks 0, 1 on a, 2 on b, 3 on c
     # (each rank writes up to write_threads files: __{rank}_{i}.distcp)
     owners: dict[int, set[str]] = {}
-    for f in read_manifest(cfg.node_root("a"), 4).files:
+    for f in CheckpointStore.for_node(cfg, "a").read_manifest(4).files:
         if f.path != METADATA:
             owners.setdefault(int(f.path.split("_")[2]), set()).update(f.nodes)
     assert owners == {0: {"a"}, 1: {"a"}, 2: {"b"}, 3: {"c"}}
@@ -88,7 +89,7 @@ def test_reshard_onto_a_new_plan_is_exact_and_continues(tmp_path: Path, save_pla
     if not continues:
         return
     source = str(tmp_path / "restore-2")
-    reassemble(read_manifest(cfg.node_root("a"), 2), sources, None, source)
+    reassemble(CheckpointStore.for_node(cfg, "a").read_manifest(2), sources, None, source)
     cont = run(load_plan, tmp_path / "cont", steps=5, start_step=3, resume_from=source,
                warmup_steps=0, decay_steps=100, lr=5.0)
     assert [r["lr"] for r in cont] == pytest.approx([schedule.lr_at(i) for i in (3, 4)])
@@ -106,7 +107,7 @@ def test_rank_killed_during_save_leaves_previous_commit(tmp_path: Path, monkeypa
     with pytest.raises(HetrainError):
         run(SAVE_PP, tmp_path / "save", steps=5, checkpoint=cfg)
     for node in ("a", "b", "c"):
-        assert committed_steps(cfg.node_root(node)) == [1]
+        assert CheckpointStore.for_node(cfg, node).committed_steps() == [1]
     assert (Path(cfg.node_root("b")) / step_name(3) / "__2_0.distcp").exists()  # written, never committed
     # The previous commit loads and training continues from it.
     monkeypatch.delenv("HETRAIN_FAULT_KILL_IN_SAVE")
@@ -122,7 +123,7 @@ def test_buddy_replication_recovers_a_lost_node_without_the_bucket(tmp_path: Pat
     cfg = ckpt_config(tmp_path, every_steps=2, replicate=True)
     records = run(SAVE_PP, tmp_path / "save", steps=2, checkpoint=cfg)
     assert records[-1]["checkpoint_s"] > 0
-    manifest = read_manifest(cfg.node_root("b"), 1)
+    manifest = CheckpointStore.for_node(cfg, "b").read_manifest(1)
     # ring a -> b -> c -> a: each node keeps the previous node's shards
     holders = {f.path: f.nodes for f in manifest.files if f.path != METADATA}
     expected = {0: ["a", "b"], 1: ["a", "b"], 2: ["b", "c"], 3: ["c", "a"]}  # by rank (__{rank}_{i}.distcp)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hetrain.checkpoint.manifest import committed_steps
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.checkpoint.save import FAULT_SLOW_COMMIT
 from hetrain.config import CheckpointConfig
@@ -37,7 +37,7 @@ def test_skip_keeps_training_going_and_the_newest_commit_loadable(tmp_path: Path
         if "checkpoint_s" in r and r["step"] != STEPS - 1:
             assert r["checkpoint_s"] < SLOW_COMMIT_S / 2, r  # nobody waited for the slow commit
     for node in ("a", "b"):
-        assert committed_steps(cfg.node_root(node))[-1] == STEPS - 1
+        assert CheckpointStore.for_node(cfg, node).committed_steps()[-1] == STEPS - 1
     # the newest committed checkpoint verifies (every file's hash, taken as it was written) and loads
     peers = [Source(n, cfg.node_root(n)) for n in "ab"]
     manifest = find_latest(peers)[0]

@@ -29,7 +29,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from flows.events import emit_preempted  # noqa: E402
 from flows.train import train  # noqa: E402
-from hetrain.checkpoint.manifest import committed_steps  # noqa: E402
+from hetrain.checkpoint.store import CheckpointStore  # noqa: E402
 from hetrain.config import TrainOptions  # noqa: E402
 from hetrain.rundir import RunDir  # noqa: E402
 from tests.helpers import ROOT  # noqa: E402
@@ -151,7 +151,7 @@ def check_pictures(run_dir: Path) -> None:
 def test_train_flow_end_to_end(server, tmp_path: Path):
     result = train(run_id="e2e", runs_root=str(tmp_path), options=TrainOptions(steps=8, checkpoint_every=4))
     assert result["status"] == "completed" and result["first_step"] == 0 and result["last_step"] == 7
-    assert committed_steps(str(tmp_path / "e2e" / "checkpoints" / "fast")) == [3, 7]
+    assert CheckpointStore(str(tmp_path / "e2e" / "checkpoints" / "fast")).committed_steps() == [3, 7]
     import anyio
 
     async def artifacts():
@@ -253,7 +253,7 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert any(d.startswith("slow/") for p in plan_before["pipelines"] for s in p["stages"] for d in s["devices"])
     assert first["status"] == "completed"
     nodes = runs_root / "spot" / "checkpoints"
-    assert committed_steps(str(nodes / "fast")) == [2, 5]
+    assert CheckpointStore(str(nodes / "fast")).committed_steps() == [2, 5]
     # the run goes on to step 12 after recovery: raise the target as a longer run would have had
     config_path = runs_root / "spot" / "config.json"
     config = json.loads(config_path.read_text())
@@ -278,7 +278,7 @@ def test_preemption_event_starts_recovery_through_the_trigger(deployed, worker, 
     assert (runs_root / "spot" / "recovery-from-step-5.png").stat().st_size > 5_000
     picture = Artifact.get(artifact_key("spot", "recovery-timeline"))
     assert picture is not None and picture.type == "image" and picture.data.startswith("data:image/png;base64,")
-    assert committed_steps(str(nodes / "fast"))[-1] == 9
+    assert CheckpointStore(str(nodes / "fast")).committed_steps()[-1] == 9
     plan = json.loads((runs_root / "spot" / "plan-from-step-5.json").read_text())
     assert all(not d.startswith("slow/") for p in plan["pipelines"] for s in p["stages"] for d in s["devices"])
 

@@ -117,7 +117,7 @@ def test_sigterm_stops_every_worker_and_a_second_train_is_refused_meanwhile(tmp_
 
 
 def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_path: Path):
-    from hetrain.checkpoint.manifest import committed_steps
+    from hetrain.checkpoint.store import CheckpointStore
     from hetrain.spec.schedule import LRSchedule
 
     asymmetric_plan(1).write(tmp_path / "plan.json")
@@ -126,7 +126,7 @@ def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_p
     r = run_cli(*argv, "--steps", "4")  # no checkpoint option at all
     assert r.returncode == 0, r.stderr
     roots = sorted((run_dir / "checkpoints").iterdir())
-    assert roots and all(committed_steps(str(root)) == [3] for root in roots)
+    assert roots and all(CheckpointStore(str(root)).committed_steps() == [3] for root in roots)
     r = run_cli(*argv, "--steps", "8")  # the same command, a longer run: resumes after step 3
     assert r.returncode == 0, r.stderr
     assert "planned for 4 steps and now trains to 8" in r.stdout
@@ -166,13 +166,13 @@ def test_a_missing_bucket_is_one_line_before_any_step(tmp_path: Path, s3_endpoin
 
 
 def test_a_local_remote_is_made_and_backed_up(tmp_path: Path):
-    from hetrain.checkpoint.manifest import committed_steps
+    from hetrain.checkpoint.store import CheckpointStore
 
     asymmetric_plan(1).write(tmp_path / "plan.json")
     backup = tmp_path / "backup" / "run"  # neither exists yet: a directory remote is made as for a local disk
     r = _train(tmp_path, "--steps", "2", "--remote", f"file://{backup}")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert committed_steps(f"file://{backup}") == [1]
+    assert CheckpointStore(f"file://{backup}").committed_steps() == [1]
     assert not [p for p in backup.iterdir() if p.name.startswith(".hetrain-probe")]
 
 
@@ -216,9 +216,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _newest_committed(run_dir: Path) -> int | None:
-    from hetrain.checkpoint.manifest import committed_steps
+    from hetrain.checkpoint.store import CheckpointStore
 
-    per_node = [set(committed_steps(str(root))) for root in (run_dir / "checkpoints").iterdir()] \
+    per_node = [set(CheckpointStore(str(root)).committed_steps()) for root in (run_dir / "checkpoints").iterdir()] \
         if (run_dir / "checkpoints").is_dir() else []
     both = set.intersection(*per_node) if len(per_node) == 2 else set()
     return max(both) if both else None

@@ -138,7 +138,7 @@ def test_train_per_node_spot_notice_and_event_triggered_recovery(bed_cluster):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.bed import BUCKET
-    from hetrain.checkpoint.manifest import committed_steps, read_manifest
+    from hetrain.checkpoint.store import CheckpointStore
 
     bc = bed_cluster
     api, cluster_file, roots, cloud = bc.api, bc.cluster_file, bc.roots, bc.cloud
@@ -182,7 +182,7 @@ def test_train_per_node_spot_notice_and_event_triggered_recovery(bed_cluster):
         step = old[-1]["step"]
         assert old[-1]["stopped"] == "preemption notice" and "checkpoint_s" in old[-1] and step < STEPS - 1
         for node in NODES:  # the emergency checkpoint, committed on every node: the only one
-            assert committed_steps(str(roots[node] / "rec" / "checkpoints" / node)) == [step]
+            assert CheckpointStore(str(roots[node] / "rec" / "checkpoints" / node)).committed_steps() == [step]
         # the deadline: spot is gone, its disk with it, whatever the recovery is doing then (the test
         # follows the recovery meanwhile rather than sleep to the deadline: it is often done before)
         deadline_reached = threading.Timer(max(0.0, (gone_at - datetime.now(UTC)).total_seconds()), bc.lose, ["spot"])
@@ -198,7 +198,7 @@ def test_train_per_node_spot_notice_and_event_triggered_recovery(bed_cluster):
         _the_one_recovery(client, cluster_file)  # and no second one was started meanwhile
     assert rec.state.is_completed(), rec.state
     rows = {r["node"]: r for r in _table(api, rec.id, "recovery-bytes")}
-    manifest = read_manifest(str(roots["a"] / "rec" / "checkpoints" / "a"), step)
+    manifest = CheckpointStore(str(roots["a"] / "rec" / "checkpoints" / "a")).read_manifest(step)
     size = {f.path: f.size for f in manifest.files}
     for node in ("a", "b"):
         row = rows[node]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flows.demo import Services
-from hetrain.checkpoint.manifest import committed_steps
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.runtime.launch import free_port
 
 SCHEDULER_LOOP_S = 2  # the server's default is 60 s
@@ -113,4 +113,4 @@ def test_the_server_schedules_the_nightly_runs_and_a_scheduled_run_finishes(serv
     assert done, (f"the scheduled run did not finish: {[(r.name, r.state_type.value) for r in ours]}\n"
                   f"worker log:\n{(home / 'worker.log').read_text()[-4000:]}")
     assert done[0].auto_scheduled and abs((done[0].expected_start_time - anchor).total_seconds()) < 1
-    assert committed_steps(str(tmp_path / "scheduled" / "checkpoints" / "fast")) == [1, 3]
+    assert CheckpointStore(str(tmp_path / "scheduled" / "checkpoints" / "fast")).committed_steps() == [1, 3]

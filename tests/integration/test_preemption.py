@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hetrain.checkpoint.manifest import committed_steps
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.config import CheckpointConfig
 from hetrain.recovery.preemption import AwsSpot, AzureScheduledEvents, GcpPreempted, PreemptionWatcher
 from hetrain.testing.fakecloud import FakeCloudMetadata
@@ -182,7 +182,7 @@ def test_ranks_take_an_emergency_checkpoint_when_asked(tmp_path: Path):
     assert "checkpoint_s" in records[0] and "checkpoint_s" not in records[1]
     assert not request.exists() and (tmp_path / "checkpoint.request.done-0").exists()
     for node in ("a", "b"):
-        assert committed_steps(cfg.node_root(node)) == [0, 2]  # the emergency one and the final one
+        assert CheckpointStore.for_node(cfg, node).committed_steps() == [0, 2]  # the emergency one and the final one
     assert os.path.getsize(tmp_path / "checkpoint.request.done-0") == 2
 
 
@@ -197,7 +197,7 @@ def test_a_node_watchers_request_ends_the_run_at_the_checkpoint(tmp_path: Path):
     assert [r["step"] for r in records] == [0] and records[0]["stopped"] == "preemption notice"
     assert (tmp_path / "checkpoint.request.done-0").exists()
     for node in ("a", "b"):
-        assert committed_steps(cfg.node_root(node)) == [0]  # the emergency one only: the run ended there
+        assert CheckpointStore.for_node(cfg, node).committed_steps() == [0]  # the emergency one only: the run ended
 
 
 @pytest.mark.parametrize("cloud,answer", [

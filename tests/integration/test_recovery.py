@@ -19,14 +19,15 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
-from hetrain.checkpoint.manifest import MANIFEST, committed_steps, read_manifest, step_name
+from hetrain.checkpoint.manifest import MANIFEST, step_name
+from hetrain.checkpoint.store import CheckpointStore
 from hetrain.checkpoint.peer import PeerServer
 from hetrain.checkpoint.reassemble import Source, find_latest, reassemble
 from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.recovery.recover import recover
 from hetrain.runtime.launch import free_port, write_config
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 from tests.helpers.training import CLUSTER_YAML, TINY, moto_bucket, plan, run
 
 BUCKET = "hetrain-test"
@@ -60,14 +61,14 @@ def copy_run(trained, s3, dest: Path, name: str) -> CheckpointConfig:
 
 
 def remote_source(cfg: CheckpointConfig) -> Source:
-    return Source("remote", cfg.remote_url, remote=True, options=cfg.remote_options)
+    return Source("remote", CheckpointStore.for_remote(cfg), remote=True)
 
 
 def test_training_backs_checkpoints_up_to_the_bucket(trained, s3):
     base, cfg = trained
-    assert committed_steps(cfg.remote_url, cfg.remote_options) == [1, 3]
-    remote = read_manifest(cfg.remote_url, 3, cfg.remote_options)
-    assert remote == read_manifest(cfg.node_root("a"), 3)
+    assert CheckpointStore.for_remote(cfg).committed_steps() == [1, 3]
+    remote = CheckpointStore.for_remote(cfg).read_manifest(3)
+    assert remote == CheckpointStore.for_node(cfg, "a").read_manifest(3)
     fs = s3[1]
     for f in remote.files:
         assert fs.size(f"{BUCKET}/base/{step_name(3)}/{f.path}") == f.size
@@ -99,7 +100,7 @@ def test_lost_node_recovers_from_peers_and_bucket_and_resumes(trained, s3, tmp_p
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [4, 5] and "resume_load_s" in resumed[0]
     # the resumed run keeps checkpointing into the survivors' directories
-    assert committed_steps(cfg.node_root("a"))[-1] == 5
+    assert CheckpointStore.for_node(cfg, "a").committed_steps()[-1] == 5
 
 
 def test_corrupt_peer_file_is_refetched_from_the_bucket(trained, s3, tmp_path: Path):
@@ -218,8 +219,8 @@ def test_bucket_down_during_upload_is_retried_and_training_goes_on(s3, tmp_path:
         # checkpoints were committed locally whatever the store did (the newest 2 kept); once the
         # store was back they reached it too, and the remote keeps the newest 2 as well
         for node in "abc":
-            assert committed_steps(cfg.node_root(node)) == [1, 2]
-        assert committed_steps(cfg.remote_url, cfg.remote_options) == [1, 2]
+            assert CheckpointStore.for_node(cfg, node).committed_steps() == [1, 2]
+        assert CheckpointStore.for_remote(cfg).committed_steps() == [1, 2]
         assert "testing" not in log.read_text()  # credentials never logged
     finally:
         if came_back:
@@ -266,7 +267,7 @@ def test_manifest_path_outside_the_step_directory_is_refused(trained, s3, tmp_pa
         {"path": "../../../../evil", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
          "nodes": ["a"]}))
     with pytest.raises(HetrainError, match=r"files\.\d+\.path: .*'\.\./\.\./\.\./\.\./evil' is not a checkpoint file"):
-        read_manifest(str(root_a), 3)
+        CheckpointStore(str(root_a)).read_manifest(3)
     peers = [Source(n, cfg.node_root(n)) for n in "abc"]
     manifest, source = find_latest(peers)
     assert all(f.path != "../../../../evil" for f in manifest.files)  # b's manifest: a's was refused
@@ -397,11 +398,10 @@ def test_a_store_that_fails_every_upload_is_exit_3_with_one_line(tmp_path: Path,
     assert "committed on the nodes' disks" in lines[0]
     status = json.loads((tmp_path / "run" / "backup.json").read_text())
     assert status["newest_local_step"] == 1 and status["uploaded_steps"] == [] and status["failed"][0]["step"] == 1
-    assert committed_steps(str(tmp_path / "run" / "checkpoints" / "a")) == [1]
+    assert CheckpointStore(str(tmp_path / "run" / "checkpoints" / "a")).committed_steps() == [1]
 
 
 def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s3, tmp_path: Path):
-    from hetrain.checkpoint.manifest import prune
     from tests.helpers import run_cli
 
     cfg = copy_run(trained, s3, tmp_path, "foreign")  # steps 1 and 3 of run 'run'
@@ -411,9 +411,9 @@ def test_a_checkpoint_root_of_another_run_is_refused_and_never_pruned(trained, s
     assert r.returncode == 2
     assert f"--checkpoint-dir {cfg.node_root('a')}: holds committed checkpoints of run 'run' (newest: step 3)" in r.stderr
     assert not (tmp_path / "mine").exists() or not any((tmp_path / "mine").iterdir())
-    assert prune(cfg.node_root("a"), keep=1, run_id="mine") == []
-    assert committed_steps(cfg.node_root("a")) == [1, 3]
-    assert prune(cfg.node_root("a"), keep=1, run_id="run") == [1]
+    assert CheckpointStore.for_node(cfg, "a").prune(keep=1, run_id="mine") == []
+    assert CheckpointStore.for_node(cfg, "a").committed_steps() == [1, 3]
+    assert CheckpointStore.for_node(cfg, "a").prune(keep=1, run_id="run") == [1]
 
 
 def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_path: Path):
@@ -423,7 +423,7 @@ def test_each_surviving_node_restores_from_its_own_disk_first(trained, s3, tmp_p
 
     cfg = copy_run(trained, s3, tmp_path, "per-node")
     shutil.move(cfg.node_root("c"), tmp_path / "c-leaving")
-    manifest = read_manifest(cfg.node_root("a"), 3)
+    manifest = CheckpointStore.for_node(cfg, "a").read_manifest(3)
     size = {f.path: f.size for f in manifest.files}
     held = {node: {f.path for f in manifest.files if node in f.nodes} for node in "ab"}
     with PeerServer(cfg.node_root("a"), host="127.0.0.2") as peer_a, \
@@ -497,7 +497,7 @@ def test_a_manifest_that_lists_a_file_twice_or_claims_too_much_is_refused_before
     from hetrain.checkpoint.manifest import max_checkpoint_bytes, parse_manifest
 
     base, cfg = trained
-    good = read_manifest(cfg.node_root("a"), 3)
+    good = CheckpointStore.for_node(cfg, "a").read_manifest(3)
     data = json.loads(good.to_json())
     twice = {**data, "files": data["files"] + data["files"][:1]}
     with pytest.raises(HetrainError, match="is listed twice"):
@@ -522,8 +522,8 @@ def test_an_index_with_absurd_sizes_is_one_line_in_export(trained, tmp_path: Pat
 
     base, cfg = trained
     step_dir = tmp_path / "step"
-    reassemble(read_manifest(cfg.node_root("a"), 3), [Source(n, cfg.node_root(n)) for n in "abc"], None,
-               str(step_dir))
+    reassemble(CheckpointStore.for_node(cfg, "a").read_manifest(3), [Source(n, cfg.node_root(n)) for n in "abc"],
+               None, str(step_dir))
     metadata = load_metadata((step_dir / ".metadata").read_bytes(), "test")
     for entry in metadata.state_dict_metadata.values():
         if hasattr(entry, "size"):
