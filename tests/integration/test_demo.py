@@ -39,7 +39,7 @@ def test_the_bed_demo_plans_a_pipeline_on_the_spot_node():
     from flows.demo import BED_GLOBAL_BATCH, BED_NODES
     from hetrain.profiling.profiler import gpus_from_cluster, profile_model
     from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_model
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     torch.set_num_threads(1)  # as the training ranks
     types = yaml.safe_load((ROOT / "examples" / "clusters" / "cpu-emulated.yaml").read_text())

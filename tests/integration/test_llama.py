@@ -65,7 +65,7 @@ def test_stages_of_a_llama_compose_to_the_whole_model():
 
 
 def test_llama_3_8b_plans_on_the_paper_cluster():
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     spec = load_model(EXAMPLES / "models" / "llama-3-8b.yaml")
     cluster = load_cluster(EXAMPLES / "clusters" / "paper-3types.yaml")
@@ -137,7 +137,7 @@ def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
     from hetrain.plan.schema import Plan
     from hetrain.recovery.recover import recover
     from hetrain.runtime.launch import write_config
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
     from tests.helpers.training import CLUSTER_YAML, plan, run
 
     spec = load_model(LLAMA_TINY)

@@ -11,7 +11,7 @@ import pytest
 
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 from tests.helpers.clusters import SMALL_MODEL, random_large_cluster
 
 RANDOM_LARGE_CLUSTERS = int(os.environ.get("HETRAIN_RANDOM_LARGE", "4"))
@@ -37,7 +37,7 @@ def test_no_baseline_beats_the_plan_on_a_random_large_cluster(seed):
 def test_a_cluster_of_many_identical_nodes_is_planned_by_slice():
     from hetrain.cost.costmodel import CostModel
     from hetrain.spec.specs import ClusterSpec, TrainingSettings
-    from solver.symmetry import replicate, slice_of
+    from solver.search.symmetry import replicate, slice_of
 
     nodes = [{"name": f"{kind}-{i}", "gpu": gpu, "count": 8, "intra_node_bandwidth_gbps": bw}
              for kind, gpu, bw in (("a", "A100-80G", 300), ("v", "V100-32G", 150)) for i in range(20)]
@@ -70,7 +70,7 @@ def test_a_slice_prices_its_plan_as_the_whole_cluster_prices_the_copies():
     the slice and all of its gradients on the whole cluster (large-1024 planned 7.2 s plans as 3.8 s)."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.spec.specs import ClusterSpec, TrainingSettings
-    from solver.symmetry import replicate, slice_of
+    from solver.search.symmetry import replicate, slice_of
 
     nodes = [{"name": f"{kind}-{i}", "gpu": gpu, "count": 4, "intra_node_bandwidth_gbps": bw}
              for kind, gpu, bw in (("a", "A100-80G", 300), ("v", "V100-32G", 150)) for i in range(48)]
@@ -92,7 +92,7 @@ def test_a_slice_prices_its_plan_as_the_whole_cluster_prices_the_copies():
 
 def test_a_plan_from_a_baseline_where_the_milp_finds_none_prints(monkeypatch, tmp_path):
     """The MILP finding nothing is not the end: a seed's plan is a plan, and the CLI prints it."""
-    import solver.planner as planner
+    import solver.planners.hetrain as planner
     from tests.helpers import EXAMPLES
 
     from hetrain.cli.plan import summary_line

@@ -91,7 +91,7 @@ def test_zero_bubble_h1_matches_single_process(tmp_path: Path):
 
 def test_gpipe_with_fewer_microbatches_than_stages_matches_single_process(tmp_path: Path):
     """GPipe (torch's ``ScheduleGPipe``), the schedule of a pipeline given fewer micro-batches than stages (a slow
-    type's, ``solver.typed``): three stages, one recomputing, with 2 micro-batches beside a 1F1B pipeline of
+    type's, ``solver.planners.typed``): three stages, one recomputing, with 2 micro-batches beside a 1F1B pipeline of
     two stages with 6; the same gradients, parameters and losses as one process (a micro-batch lost or run
     twice in the fill would show)."""
     stage = _one_device_stage

@@ -8,7 +8,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.spec.catalog import CATALOG
 from hetrain.spec.specs import ClusterSpec, TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 from tests.helpers import EXAMPLES, run_cli
 
 MODEL = load_model(EXAMPLES / "models" / "gpt-6.7b.yaml")

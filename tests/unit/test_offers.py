@@ -21,8 +21,8 @@ from hetrain.errors import HetrainError
 from hetrain.plan.schema import load_plan, validate_plan
 from hetrain.spec.offers import OffersSpec, Rental, cluster_from_rental, load_offers, rental_of_cluster
 from hetrain.spec.specs import TrainingSettings, load_cluster, load_model
-from solver.offers import Objective, choose_rental
-from solver.planner import make_plan
+from solver.rent.offers import Objective, choose_rental
+from solver.planners.registry import make_plan
 from tests.helpers import EXAMPLES, ROOT
 
 MODEL = EXAMPLES / "models" / "gpt-small.yaml"
@@ -324,7 +324,7 @@ def test_the_plan_flow_chooses_writes_and_validates_its_parameters(tmp_path):
 
 
 def test_micro_batches_are_shared_so_pipelines_end_together():
-    from solver.rental_plan import share_microbatches
+    from solver.rent.rental_plan import share_microbatches
 
     assert share_microbatches([1.0, 1.0], [1, 1], 10) == [5, 5]
     assert share_microbatches([1.0, 2.0], [1, 1], 9) == [6, 3]  # T = 9 / (1 + 1/2) = 6: 6 x 1 s and 3 x 2 s

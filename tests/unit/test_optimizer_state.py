@@ -15,7 +15,7 @@ from hetrain.cost.stage import ADAMW_BYTES_PER_PARAM, CPU_ADAMW_BYTES_PER_S, PCI
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import PipelinePlan, Plan, StagePlan, load_plan, validate_plan
 from hetrain.spec.specs import GB, ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 from tests.helpers import EXAMPLES
 from tests.helpers.clusters import SMALL_MODEL, random_cluster, small_settings
 

@@ -63,7 +63,7 @@ def test_a_plans_timeline_is_its_estimate_played_and_drawn(tmp_path: Path):
     from PIL import Image
 
     from hetrain.pictures import write_timeline_png
-    from solver.planner import make_plan
+    from solver.planners.registry import make_plan
 
     cl = load_cluster(ROOT / "examples/clusters/paper-3types.yaml")
     spec = load_model(ROOT / "examples/models/gpt-6.7b.yaml")

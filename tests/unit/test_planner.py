@@ -6,10 +6,11 @@ from hetrain.cost.costmodel import CostModel
 from hetrain.errors import NoPlanError
 from hetrain.plan.schema import validate_plan
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings, load_cluster, load_model
-from solver.assemble import (allocate_microbatches, assemble, choose_schedules, schedules_bound_s, score,
+from solver.search.assemble import (allocate_microbatches, assemble, choose_schedules, schedules_bound_s, score,
                              shard_if_faster)
-from solver.planner import make_plan
-from solver.space import build_space, split_layers, split_layers_modes
+from solver.planners.registry import make_plan
+from solver.search.space import build_space
+from solver.search.split import split_layers, split_layers_modes
 from tests.helpers import EXAMPLES
 from tests.helpers.clusters import SMALL_MODEL, random_cluster, small_settings
 
@@ -157,7 +158,7 @@ def test_milp_matches_exhaustive_on_random_small_clusters(random_results):
     assert len(random_results) >= 30
     ratios = {seed: h.estimate.iteration_time_s / e.estimate.iteration_time_s for seed, _, _, h, e in random_results}
     # the exhaustive optimum is a lower bound over the same space before schedules are chosen; both planners choose
-    # them for their best candidate (of each optimizer-state family: solver.milp_planner.plan_milp), and a plan
+    # them for their best candidate (of each optimizer-state family: solver.planners.milp.plan_milp), and a plan
     # behind can gain more from them (seed 22: both sharded, the MILP's plan with ZB-H1 1.8 % ahead of the
     # referee's, 0.75 % before the all-gather moved its projections' weights in bf16, which it gains more from)
     assert min(ratios.values()) >= 1 - 0.02, {s: round(r, 4) for s, r in ratios.items() if r < 1 - 1e-9}
@@ -214,7 +215,7 @@ def test_lp_capacity_bounds_every_integer_plan():
 
     import numpy as np
 
-    from solver.bounds import lp_capacity
+    from solver.search.bounds import lp_capacity
 
     rng = random.Random(7)
     for _ in range(300):
@@ -234,9 +235,9 @@ def test_lp_capacity_bounds_every_integer_plan():
 @pytest.mark.parametrize("seed", range(6))
 def test_lp_ruling_out_agrees_with_the_milp(seed):
     """Whenever the LP relaxation says no plan covers the batch by T, HiGHS agrees."""
-    from solver.bounds import CoverLp
-    from solver.milp import TemplateMilp
-    from solver.common import spaces
+    from solver.search.bounds import CoverLp
+    from solver.search.formulation import TemplateMilp
+    from solver.search.common import spaces
 
     cluster, settings = random_cluster(seed), small_settings(seed)
     cost = CostModel(cluster, SMALL_MODEL, settings)
@@ -261,10 +262,10 @@ def test_vectorised_helpers_match_their_references():
     import random
     from dataclasses import replace
 
-    from solver.assemble import allocate_microbatches
-    from solver.milp import _TemplateArrays, simple_upper_bound_s
-    from solver.common import spaces
-    from solver.space import _dominates, _undominated
+    from solver.search.assemble import allocate_microbatches
+    from solver.search.formulation import _TemplateArrays, simple_upper_bound_s
+    from solver.search.common import spaces
+    from solver.search.space import _dominates, _undominated
 
     rng = random.Random(3)
     for _ in range(2000):  # the bulk step of allocate_microbatches gives the greedy's answer
@@ -308,7 +309,7 @@ def test_the_cover_lp_has_the_same_value_with_highs_and_the_numpy_simplex():
     """Random covering LPs of the planner's sizes (1-10 group classes, 5-200 templates)."""
     import numpy as np
 
-    from solver.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
+    from solver.search.bounds import lp_capacity, lp_capacity_highs, random_cover_lp
 
     rng = np.random.default_rng(7)
     for _ in range(100):
@@ -354,7 +355,7 @@ def test_pipelines_that_cut_the_model_alike_are_placed_stage_major_even_as_diffe
     gradient all-reduce stays inside it, and the plan beats the pipeline-major one (each pipeline's
     V100 stages on one node), eager 1F1B on both."""
     from hetrain.plan.schema import Plan
-    from solver.assemble import eager_in_flight
+    from solver.search.assemble import eager_in_flight
 
     cluster = load_cluster(EXAMPLES / "clusters" / "paper-32gpu.yaml")
     model = load_model(EXAMPLES / "models" / "gpt-13b.yaml")
@@ -389,7 +390,7 @@ def test_pipelines_that_cut_the_model_alike_are_placed_stage_major_even_as_diffe
 ])
 def test_baselines_pruned_by_lower_bounds_find_what_scoring_every_layout_finds(monkeypatch, cluster_name, model_name,
                                                                                 gbs):
-    import solver.baselines as baselines
+    import solver.planners.baselines as baselines
 
     cluster = load_cluster(EXAMPLES / f"clusters/{cluster_name}.yaml")
     model = load_model(EXAMPLES / f"models/{model_name}.yaml")

@@ -22,7 +22,7 @@ from hetrain.errors import HetrainError
 from hetrain.recovery.market import MarketEvent, generate_market, read_market_csv, write_market_csv
 from hetrain.recovery.simulate import BUCKET_RESTART, HETRAIN, ON_DEMAND, Candidate, SimulateOptions, simulate
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
-from solver.planner import make_plan
+from solver.planners.registry import make_plan
 
 CLUSTER = {
     "name": "two",
