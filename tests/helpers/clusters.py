@@ -1,11 +1,15 @@
 """Random clusters for the planner: small ones against the exhaustive referee, large mixed fleets against the
-baselines."""
+baselines; and what every plan a planner returns must be."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from bench._common import MIX
+from hetrain.cost.costmodel import CostModel
+from hetrain.plan.schema import validate_plan
 from hetrain.spec.specs import ClusterSpec, ModelSpec, TrainingSettings
 
 SMALL_MODEL = ModelSpec(name="gpt-test", num_layers=12, hidden_size=2048, num_heads=16, seq_length=1024,
@@ -63,3 +67,24 @@ def random_large_cluster(seed: int) -> tuple[ClusterSpec, TrainingSettings]:
                                           "inter_node_bandwidth_gbps": rng.choice([3, 12.5, 25, 50])})
     gbs = 2 ** rng.randint(max(3, (len(nodes) - 1).bit_length()), 12)
     return cluster, TrainingSettings(global_batch_size=gbs, micro_batch_sizes=[1, 2], tp_degrees=[1, 2, 4])
+
+
+def assert_valid(result, cluster, model, settings):
+    """A planner's result: every device once, each pipeline covering the layers, each stage tp devices of
+    one node and type, the micro-batches adding up to the global batch, its estimate its cost model's."""
+    plan, est = result.plan, result.estimate
+    validate_plan(plan, cluster)  # devices exist and are used once, stages share node+type, layers covered
+    devices = plan.devices()
+    assert len(devices) == len(set(devices))
+    for pipe in plan.pipelines:
+        covered = [b for st in pipe.stages for b in range(*st.layers)]
+        assert covered == list(range(model.num_layers))
+        for st in pipe.stages:
+            assert len(st.devices) == plan.tp
+            assert len({cluster.device_by_name[d].node for d in st.devices}) == 1
+            assert {cluster.device_by_name[d].gpu for d in st.devices} == {st.gpu}
+    assert sum(p.num_microbatches for p in plan.pipelines) * plan.micro_batch_size == settings.global_batch_size
+    assert not est.over_capacity()
+    again = CostModel(cluster, model, settings).estimate(plan)
+    assert again.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-5)
+    assert plan.solver.status and plan.solver.wall_s >= 0

@@ -1,4 +1,5 @@
-"""Plans are valid, the MILP matches the exhaustive referee, and it beats the baselines."""
+"""Plans are valid and beat the baselines; the search machinery on hand-made cases. The MILP against the
+exhaustive referee on 40 random clusters is in tests/integration/test_planner.py."""
 
 import pytest
 
@@ -12,26 +13,7 @@ from solver.planners.registry import make_plan
 from solver.search.space import build_space
 from solver.search.split import split_layers, split_layers_modes
 from tests.helpers import EXAMPLES
-from tests.helpers.clusters import SMALL_MODEL, random_cluster, small_settings
-
-
-def assert_valid(result, cluster, model, settings):
-    plan, est = result.plan, result.estimate
-    validate_plan(plan, cluster)  # devices exist and are used once, stages share node+type, layers covered
-    devices = plan.devices()
-    assert len(devices) == len(set(devices))
-    for pipe in plan.pipelines:
-        covered = [b for st in pipe.stages for b in range(*st.layers)]
-        assert covered == list(range(model.num_layers))
-        for st in pipe.stages:
-            assert len(st.devices) == plan.tp
-            assert len({cluster.device_by_name[d].node for d in st.devices}) == 1
-            assert {cluster.device_by_name[d].gpu for d in st.devices} == {st.gpu}
-    assert sum(p.num_microbatches for p in plan.pipelines) * plan.micro_batch_size == settings.global_batch_size
-    assert not est.over_capacity()
-    again = CostModel(cluster, model, settings).estimate(plan)
-    assert again.iteration_time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-5)
-    assert plan.solver.status and plan.solver.wall_s >= 0
+from tests.helpers.clusters import SMALL_MODEL, assert_valid, random_cluster, small_settings
 
 
 def test_split_layers_modes_picks_the_least_recompute_that_holds_the_blocks():
@@ -135,43 +117,6 @@ def test_the_planner_runs_eager_1f1b_where_sends_cost_and_memory_allows():
     assert result.estimate.iteration_time_s < cost.estimate(plain).iteration_time_s
 
 
-RANDOM_SEEDS = range(40)
-
-
-@pytest.fixture(scope="module")
-def random_results():
-    out = []
-    for seed in RANDOM_SEEDS:
-        cluster, settings = random_cluster(seed), small_settings(seed)
-        try:
-            h = make_plan("milp", cluster, SMALL_MODEL, settings)  # the search alone: the referee's space
-        except NoPlanError:
-            with pytest.raises(NoPlanError):
-                make_plan("exhaustive", cluster, SMALL_MODEL, settings)
-            continue
-        e = make_plan("exhaustive", cluster, SMALL_MODEL, settings)
-        out.append((seed, cluster, settings, h, e))
-    return out
-
-
-def test_milp_matches_exhaustive_on_random_small_clusters(random_results):
-    assert len(random_results) >= 30
-    ratios = {seed: h.estimate.iteration_time_s / e.estimate.iteration_time_s for seed, _, _, h, e in random_results}
-    # the exhaustive optimum is a lower bound over the same space before schedules are chosen; both planners choose
-    # them for their best candidate (of each optimizer-state family: solver.planners.milp.plan_milp), and a plan
-    # behind can gain more from them (seed 22: both sharded, the MILP's plan with ZB-H1 1.8 % ahead of the
-    # referee's, 0.75 % before the all-gather moved its projections' weights in bf16, which it gains more from)
-    assert min(ratios.values()) >= 1 - 0.02, {s: round(r, 4) for s, r in ratios.items() if r < 1 - 1e-9}
-    # the issue's criterion: every cluster within 1 % of the exhaustive optimum
-    assert max(ratios.values()) <= 1.01, {s: round(r, 4) for s, r in ratios.items() if r > 1.01}
-
-
-def test_random_plans_are_valid(random_results):
-    for _, cluster, settings, h, e in random_results:
-        assert_valid(h, cluster, SMALL_MODEL, settings)
-        assert_valid(e, cluster, SMALL_MODEL, settings)
-
-
 @pytest.mark.parametrize("cluster_name, model_name, gbs", [
     ("paper-12gpu", "gpt-6.7b", 128),
     ("paper-3types", "gpt-13b", 512),
@@ -187,17 +132,6 @@ def test_hetrain_valid_and_never_worse_than_baselines(cluster_name, model_name, 
         b = make_plan(name, cluster, model, settings)
         assert_valid(b, cluster, model, settings)
         assert h.estimate.iteration_time_s <= b.estimate.iteration_time_s * (1 + 1e-9)
-
-
-def test_never_worse_than_baselines_on_random_clusters(random_results):
-    for _, cluster, settings, _, _ in random_results[:12]:
-        h = make_plan("hetrain", cluster, SMALL_MODEL, settings)
-        for name in ("megatron", "whale"):
-            try:
-                b = make_plan(name, cluster, SMALL_MODEL, settings)
-            except NoPlanError:
-                continue
-            assert h.estimate.iteration_time_s <= b.estimate.iteration_time_s * (1 + 1e-9)
 
 
 def test_no_plan_says_why():
