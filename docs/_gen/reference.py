@@ -5,7 +5,7 @@ file schema to the build, written from the code at build time, so they cannot dr
 nothing generated is committed. The CLI page is what ``hetrain <command> --help`` prints (click's own
 usage line and help records, typer's defaults and ranges included), walked from ``hetrain.cli.app``;
 a schema page lists every field of the file's pydantic model and of each model nested in it (alias,
-type, default, bounds, description). ``tests/test_docs.py`` builds the site and checks that every
+type, default, bounds, description). ``tests/unit/test_docs.py`` builds the site and checks that every
 command, option and field appears.
 """
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 CLI_PAGE = "reference/cli.md"
-PAGE_WIDTH = 118  # prose lines of every page stay within 120 characters (tests/test_docs.py checks it)
+PAGE_WIDTH = 118  # prose lines of every page stay within 120 characters (tests/unit/test_docs.py checks it)
 
 
 def _prose(text: str) -> str:

@@ -8,7 +8,8 @@ that needs a path does not pay for torch's runtime or transformers):
   write, one-process references, an S3 bucket on loopback, the old run of a notice-window switch;
 - ``tests.helpers.models``: models as transformers makes them, weights in its layout, the tied Llama;
 - ``tests.helpers.data``: corpora of random sentences and the BPE tokenizer trained on them;
-- ``tests.helpers.clusters``: random clusters for the planner against its referee and the baselines.
+- ``tests.helpers.clusters``: random clusters for the planner against its referee and the baselines, and
+  what every plan a planner returns must be.
 """
 
 from __future__ import annotations
