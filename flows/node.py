@@ -25,10 +25,9 @@ from pydantic import Field
 
 from flows import repo_path
 from flows.report import Progress, artifact_key, publish_json, publish_profile
-from hetrain.checkpoint.backup import probe_remote
 from hetrain.checkpoint.manifest import MANIFEST
 from hetrain.checkpoint.store import CheckpointStore
-from hetrain.config import RUN_ID_PATTERN, TrainOptions, build_run_config
+from hetrain.config import RUN_ID_PATTERN, TrainOptions
 from hetrain.rundir import RunDir
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
@@ -36,8 +35,9 @@ from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
 from hetrain.profiling.profile import Profile
 from hetrain.recovery.preemption import mark_active
-from hetrain.run.prepare import check_run_paths
+from hetrain.run.request import NodeLaunch, RunHooks, RunRequest
 from hetrain.run.runs import load_run, run_dir_of
+from hetrain.run.start import start_run
 from hetrain.runtime.launch import launch_node
 from hetrain.spec.specs import ClusterSpec
 
@@ -96,51 +96,62 @@ def node(
         raise HetrainError(f"node '{node}': not in cluster '{spec.name}'")
     run_dir = run_dir_of(node_runs_root(runs_root), run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if resume_step is None:
-        plan_path, cluster_path = RunDir(run_dir).plan, RunDir(run_dir).cluster
-        config = build_run_config(run_dir, plan_path, options or TrainOptions(), steps=steps, run_id=run_id,
-                                  cluster=cluster_path, peers=peers)
-        check_run_paths(run_dir, config, [node])
-        if config.checkpoint is not None and (problem := probe_remote(config.checkpoint)) is not None:
-            logger.warning("node %s: %s", node, problem)
-        if config.checkpoint and CheckpointStore.for_node(config.checkpoint, node).committed_steps():
-            raise HetrainError(f"run '{run_id}' already has checkpoints on node '{node}' ({run_dir}): runs started "
-                               f"per node start from step 0; pick a new run_id")
-    else:
-        plan_path = RunDir(run_dir).plan_from_step(resume_step)
-        cluster_path = RunDir(run_dir).cluster_from_step(resume_step)
-        restored = RunDir(run_dir).restored(resume_step)
-        if not (restored / MANIFEST).is_file():
-            raise HetrainError(f"node '{node}': step {resume_step} of run '{run_id}' was not restored here "
-                               f"({restored}); the recovery restores before it resumes")
-        config = load_run(run_dir).model_copy(update={
-            "plan": str(plan_path), "cluster": str(cluster_path), "start_step": resume_step + 1, "steps": steps,
-            "resume_from": str(restored), "resume_options": {}})
-    the_plan.write(plan_path)
+    cluster_path = RunDir(run_dir).cluster if resume_step is None else RunDir(run_dir).cluster_from_step(resume_step)
     write_text_atomic(cluster_path, json.dumps(spec.model_dump(mode="json"), indent=2) + "\n", "cluster")
     layout = build_layout(the_plan)
-    ranks = layout.nodes.get(node, [])
-    logger.info("node %s: ranks %s of %d, rendezvous %s", node, ranks, layout.world_size, rendezvous)
-    progress: dict = {}
-    every = max(1, steps // 10)
-
-    def on_record(r: dict) -> None:  # rank 0 lives on this node: its records come here
-        progress.setdefault("bar", Progress(run_id, config.start_step, steps)).update(r["step"])
-        if r["step"] % every == 0 or r["step"] == steps - 1 or r["step"] == config.start_step:
-            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
-                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
-
+    logger.info("node %s: ranks %s of %d, rendezvous %s", node, layout.nodes.get(node, []), layout.world_size,
+                rendezvous)
+    on_node = NodeLaunch(node=node, rendezvous=rendezvous, local_address=spec.node_by_name[node].host)
+    hooks = RunHooks(note=logger.info, warn=lambda line: logger.warning("node %s: %s", node, line))
     with mark_active(run_dir, {"run_id": run_id, "node": node, "recover": recover or {}}):
-        records = launch_node(config, layout, run_dir, node, rendezvous, local_address=spec.node_by_name[node].host,
-                              on_record=on_record)
+        if resume_step is None:
+            request = RunRequest(plan=the_plan, run_dir=run_dir, options=(options or TrainOptions()).model_copy(
+                update={"steps": steps, "more_steps": None}), cluster=cluster_path, run_id=run_id, peers=peers or {},
+                                 start_over_without_checkpoint=True, on_node=on_node)
+            hooks.on_start = lambda prepared: setattr(hooks, "on_record", _on_record(run_id, prepared.config, logger))
+            result = start_run(request, hooks)
+            config, records = result.config, result.records
+        else:
+            config = _restored_config(run_dir, run_id, node, resume_step, steps, cluster_path)
+            the_plan.write(config.plan)
+            records = launch_node(config, layout, run_dir, node, rendezvous, local_address=on_node.local_address,
+                                  on_record=_on_record(run_id, config, logger))
     kept = CheckpointStore.for_node(config.checkpoint, node).committed_steps() if config.checkpoint else []
-    summary = {"node": node, "ranks": len(ranks), "run_dir": str(run_dir), "first_step": config.start_step,
+    summary = {"node": node, "ranks": len(layout.nodes.get(node, [])), "run_dir": str(run_dir),
+               "first_step": config.start_step,
                "steps": len(records), "last_step": records[-1]["step"] if records else None,
                "final_loss": round(records[-1]["loss"], 4) if records else None,
                "checkpoints_on_disk": ", ".join(map(str, kept)),
                "stopped": records[-1].get("stopped", "") if records else ""}  # rank 0's node knows
     create_table_artifact([summary], key=artifact_key(run_id, "node", node), description=f"node {node} of run {run_id}")
     return summary
+
+
+def _restored_config(run_dir: Path, run_id: str, node: str, resume_step: int, steps: int, cluster_path: Path):
+    """A recovery's resume on this node: the run's own config onto the new plan, from the step ``node_restore``
+    reassembled here (the run is continued, not started: no request, no lock; the recovery owns it)."""
+    restored = RunDir(run_dir).restored(resume_step)
+    if not (restored / MANIFEST).is_file():
+        raise HetrainError(f"node '{node}': step {resume_step} of run '{run_id}' was not restored here "
+                           f"({restored}); the recovery restores before it resumes")
+    return load_run(run_dir).model_copy(update={
+        "plan": str(RunDir(run_dir).plan_from_step(resume_step)), "cluster": str(cluster_path),
+        "start_step": resume_step + 1, "steps": steps, "resume_from": str(restored), "resume_options": {}})
+
+
+def _on_record(run_id: str, config, logger):
+    """Rank 0 lives on this node: its records come here, to the progress artifact and a log line a tenth of the
+    run apart."""
+    progress: dict = {}
+    every = max(1, config.steps // 10)
+
+    def on_record(r: dict) -> None:
+        progress.setdefault("bar", Progress(run_id, config.start_step, config.steps)).update(r["step"])
+        if r["step"] % every == 0 or r["step"] == config.steps - 1 or r["step"] == config.start_step:
+            logger.info("step %d loss %.4f %.0f tokens/s%s", r["step"], r["loss"], r["tokens_per_s"],
+                        f" (checkpoint {r['checkpoint_s']:.2f} s)" if "checkpoint_s" in r else "")
+
+    return on_record
 
 
 @flow(name="hetrain-node-profile", log_prints=True)

@@ -57,7 +57,7 @@ def train(
 ):
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
     from hetrain.run.request import RunDebug, RunHooks, RunRequest
-    from hetrain.run.start import check_request, start_run
+    from hetrain.run.start import PLAN_FIELD, check_request, start_run
 
     request = RunRequest(plan=_loaded_plan(plan_file, model), run_dir=run_dir or Path("runs") / plan_file.stem,
                          options=options, cluster=cluster, run_id=run_id or "", metrics=metrics,
@@ -67,11 +67,16 @@ def train(
     if options.precision is not None and pl.training is not None and options.precision != pl.training.precision:
         err.print(f"note: the plan was made for {pl.training.precision}; its predictions do not hold in "
                   f"{options.precision}", highlight=False)
-    if print_launch:
-        _print_launch(check_request(request), main_address)
-        _note_analytic(pl)
-        return
-    result = _start_with_progress(request, start_run, RunHooks)
+    try:
+        if print_launch:
+            _print_launch(check_request(request), main_address)
+            _note_analytic(pl)
+            return
+        result = _start_with_progress(request, start_run, RunHooks)
+    except HetrainError as e:  # the library names the plan by its field; here it is a file the user named
+        if str(e).startswith(PLAN_FIELD):
+            raise HetrainError(f"{plan_file}: {str(e).removeprefix(PLAN_FIELD)}") from None
+        raise
     _report_run(result.records, result.config, result.run_dir)
 
 

@@ -164,6 +164,7 @@ class PreparedRun:
 
 def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], *, more_steps: int | None = None,
                 resume: bool = False, restart: bool = False, start_over_without_checkpoint: bool = False,
+                new_only: bool = False,
                 warn: Callable[[str], None] | None = None, hold: contextlib.ExitStack | None = None) -> PreparedRun:
     """The one start-a-run sequence of ``hetrain train`` and the flows, before any process starts.
 
@@ -173,6 +174,7 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
     archives what a previous run left. A previous run without a checkpoint is refused (the
     CLI: the user chooses) or, with ``start_over_without_checkpoint`` (scheduled runs, whose
     retries must not stop there), started over; its metrics are kept beside the new ones.
+    ``new_only``: a committed checkpoint of the run on ``nodes`` is refused (a per-node run starts at step 0).
     ``hold``: once the checks pass (nothing is written before), the run directory's lock is taken
     into it, so the caller holds the run until its launch ends (``RunDir.lock``).
     """
@@ -188,6 +190,12 @@ def prepare_run(run_dir: Path, config: RunConfig, plan: Plan, nodes: list[str], 
     if hold is not None:
         hold.enter_context(RunDir(run_dir).lock())
     fresh = config.model_copy(update={"start_step": 0, "steps": more_steps or config.steps, "resume_from": None})
+    if new_only:
+        held = [n for n in nodes if config.checkpoint and CheckpointStore.for_node(config.checkpoint, n).committed_steps()]
+        if held:
+            raise HetrainError(f"run '{config.run_id}' already has checkpoints on node '{held[0]}' ({run_dir}): runs "
+                               f"started per node start from step 0; pick a new `run_id`")
+        return PreparedRun(fresh)
     previous = previous_run_files(run_dir, config, nodes)
     if previous and restart:
         if config.checkpoint is not None and config.checkpoint.remote_url:

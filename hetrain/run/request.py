@@ -30,6 +30,17 @@ class RunDebug(BaseModel):
     trace_memory: bool = False  # CPU: count every allocation for an allocator-like peak (slow)
 
 
+class NodeLaunch(BaseModel):
+    """Start only one node's ranks, under torchrun against the c10d rendezvous on the plan's first node (each node
+    of a per-node run starts its own; ``hetrain.runtime.launch.launch_node``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: str
+    rendezvous: str  # host:port of the c10d store on the plan's first node
+    local_address: str | None = None  # what this node's agent advertises where its name does not resolve
+
+
 class RunRequest(BaseModel):
     """One run to start or resume in ``run_dir`` under ``plan`` with the user's ``options``.
 
@@ -38,7 +49,9 @@ class RunRequest(BaseModel):
     there). ``resume``: fail unless there is a committed checkpoint; ``restart``: archive what a
     previous run left and start at step 0; ``start_over_without_checkpoint``: a previous run with
     no checkpoint is started over rather than refused (scheduled runs, whose retries must not stop
-    there). Fields are named as the library names them; the CLI maps them to its flags.
+    there). ``on_node``: start this node's ranks only (a per-node run), whose runs start at step 0:
+    a node that holds a committed checkpoint of the run refuses. Fields are named as the library
+    names them; the CLI maps them to its flags.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,6 +67,7 @@ class RunRequest(BaseModel):
     resume: bool = False
     restart: bool = False
     start_over_without_checkpoint: bool = False
+    on_node: NodeLaunch | None = None
     debug: RunDebug = Field(default_factory=RunDebug)
 
     @field_validator("run_dir", "cluster", "metrics", "plan_file")

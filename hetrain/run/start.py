@@ -21,6 +21,9 @@ from hetrain.run.request import RunHooks, RunRequest, RunResult
 from hetrain.spec.specs import ModelSpec
 
 
+PLAN_FIELD = "`plan`: "  # how a check of the plan begins its message (the CLI says the plan's file instead)
+
+
 @dataclass
 class CheckedRun:
     """A request that passed every check: the layout its ranks take and the config they will read."""
@@ -44,14 +47,18 @@ def check_request(request: RunRequest) -> CheckedRun:
             validate_plan_structure(plan)
         check_optimizer_state(plan, options.optimizer)
     except HetrainError as e:
-        raise HetrainError(f"`plan`: {e}") from None
+        raise HetrainError(f"{PLAN_FIELD}{e}") from None
     check_inputs(request.options, request.plan.model)  # before their paths are resolved: a link loop is one line, not a traceback
     config = build_run_config(request.run_dir, request.plan_file or RunDir(request.run_dir).plan, options,
                               run_id=request.run_id, cluster=request.cluster, metrics=request.metrics,
                               peers=request.peers, trace_memory=request.debug.trace_memory,
                               dump_dir=str(request.debug.dump_dir) if request.debug.dump_dir else None)
     config.check_formats(plan)
-    return CheckedRun(request, build_layout(plan), config)
+    layout = build_layout(plan)
+    if request.on_node is not None and request.on_node.node not in layout.nodes:
+        raise HetrainError(f"node '{request.on_node.node}': the plan has no ranks there (its nodes: "
+                           f"{', '.join(layout.nodes)})")
+    return CheckedRun(request, layout, config)
 
 
 def check_inputs(options: TrainOptions, model: ModelSpec) -> None:
@@ -75,19 +82,24 @@ def start_run(request: RunRequest, hooks: RunHooks | None = None) -> RunResult:
     """
     hooks = hooks or RunHooks()
     checked = check_request(request)
-    plan, run_dir = request.plan, request.run_dir
+    plan, run_dir, on_node = request.plan, request.run_dir, request.on_node
     with contextlib.ExitStack() as held:
-        prepared = prepare_run(run_dir, checked.config, plan, list(checked.layout.nodes),
+        prepared = prepare_run(run_dir, checked.config, plan, [on_node.node] if on_node else list(checked.layout.nodes),
                                more_steps=request.options.more_steps, resume=request.resume, restart=request.restart,
-                               start_over_without_checkpoint=request.start_over_without_checkpoint, warn=hooks.warn,
-                               hold=held)
+                               start_over_without_checkpoint=request.start_over_without_checkpoint,
+                               new_only=on_node is not None, warn=hooks.warn, hold=held)
         plan.write(Path(prepared.config.plan))
         if hooks.note is not None:
             hooks.note(describe_precision(prepared.config, plan))
         if hooks.on_start is not None:
             hooks.on_start(prepared)
-        from hetrain.runtime.launch import launch
+        from hetrain.runtime.launch import launch, launch_node
 
-        records = launch(prepared.config, checked.layout, run_dir, on_record=hooks.on_record,
-                         stop_event=hooks.stop_event)
+        if on_node is not None:
+            records = launch_node(prepared.config, checked.layout, run_dir, on_node.node, on_node.rendezvous,
+                                  local_address=on_node.local_address, on_record=hooks.on_record,
+                                  stop_event=hooks.stop_event)
+        else:
+            records = launch(prepared.config, checked.layout, run_dir, on_record=hooks.on_record,
+                             stop_event=hooks.stop_event)
     return RunResult(records, prepared.config, run_dir, prepared.resumed_step, prepared.archived)
