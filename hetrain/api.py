@@ -89,7 +89,8 @@ def _plan(plan: Plan | PathLike) -> Plan:
 def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_batch_size: int, *,
          micro_batch_size: int | None = None, tp: Sequence[int] | None = None, precision: str | None = None,
          recompute: str = "auto", planner: str = "hetrain", profile: Profile | PathLike | None = None,
-         time_limit_s: float = 10.0, progress: Callable[[str], None] | None = None) -> PlanResult:
+         time_limit_s: float = 10.0, progress: Callable[[str], None] | None = None,
+         formats: str = "bf16") -> PlanResult:
     """The fastest plan for ``model`` on ``cluster`` (``hetrain plan``): ``.plan`` and its ``.estimate``.
 
     ``micro_batch_size`` fixes it (default: the planner searches 1, 2, 4); ``tp`` lists the
@@ -97,7 +98,10 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
     as memory needs), ``none``, ``selective`` or ``full``; ``planner`` one of ``hetrain``
     (the MILP search seeded with the baselines' layouts), ``milp`` (the search alone),
     ``megatron``, ``whale``, ``exhaustive``; ``profile`` a measured profile (default: the GPU
-    catalog's figures). ``result.plan.write(path)`` saves it for ``hetrain train --plan``.
+    catalog's figures); ``formats`` the number-format policy, ``bf16`` (every stage in ``precision``
+    where its GPU has it, fp16 where it has no bf16) or ``fastest`` (besides, fp8 on the stages whose
+    GPU has fp8 tensor cores and that run without tensor parallelism; training follows the plan).
+    ``result.plan.write(path)`` saves it for ``hetrain train --plan``.
     """
     from pydantic import ValidationError
 
@@ -109,7 +113,8 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
     the_cluster = _cluster(cluster)
     fields: dict[str, Any] = {"global_batch_size": global_batch_size,
                               "precision": precision or the_cluster.default_precision,
-                              "activation_recompute": recompute}
+                              "activation_recompute": recompute,
+                              "formats": formats}
     if micro_batch_size is not None:
         fields["micro_batch_sizes"] = [micro_batch_size]
     if tp is not None:

@@ -204,8 +204,9 @@ class RunConfig(BaseModel):
         return LRSchedule.for_run(self.steps, o.lr, o.lr_min, o.warmup_steps, o.decay_steps)
 
     def resolved_precision(self, plan: Plan, device_type: str, stage=None) -> Precision:
-        """A stage's number format: the run's override, else the plan's for that stage (``stage``, a
-        ``StagePlan``), else the plan's training settings', else bf16 on GPUs and fp32 on CPUs."""
+        """A stage's autocast format: the run's override, else the plan's for that stage (``stage``, a
+        ``StagePlan``; an fp8 stage's is bf16, around its fp8 linear layers: ``stage_fp8``), else the plan's
+        training settings', else bf16 on GPUs and fp32 on CPUs."""
         forced = self.options.precision
         if forced is not None:
             if stage is not None and stage.precision == "fp16" and forced == "bf16":
@@ -213,17 +214,31 @@ class RunConfig(BaseModel):
                                    f"bf16 tensor cores); expected fp16 or fp32 there, or no `precision`")
             return forced
         if stage is not None and stage.precision is not None:
-            return stage.precision
+            return "bf16" if stage.precision == "fp8" else stage.precision
         if plan.training is not None:
             return plan.training.precision
         return "bf16" if device_type == "cuda" else "fp32"
 
+    def stage_fp8(self, stage) -> bool:
+        """Whether a stage (a ``StagePlan``) runs its blocks' linear layers in fp8 (``hetrain.runtime.fp8``):
+        every stage under ``fp8``, the run-wide switch; else the stages the plan computes in fp8, unless a
+        forced ``precision`` puts every stage in one format (fp8 is then off: the user asked for that one)."""
+        if self.options.fp8:
+            return True
+        return self.options.precision is None and stage.precision == "fp8"
+
     def check_formats(self, plan: Plan) -> None:
         """Before any process starts: every stage's format resolves (``--precision bf16`` forced onto a stage the
-        plan computes in fp16, on a GPU without bf16, is one line here, not an error inside the ranks)."""
-        for pipe in plan.pipelines:
-            for stage in pipe.stages:
+        plan computes in fp16, on a GPU without bf16, is one line here, not an error inside the ranks); a plan
+        with fp8 stages has torchao, which runs them (an optional extra)."""
+        import importlib.util
+
+        for p, pipe in enumerate(plan.pipelines):
+            for k, stage in enumerate(pipe.stages):
                 self.resolved_precision(plan, "cuda", stage)
+                if self.stage_fp8(stage) and not self.options.fp8 and importlib.util.find_spec("torchao") is None:
+                    raise HetrainError(f"pipelines[{p}].stages[{k}]: precision fp8 needs torchao (pip install "
+                                       f"'hetrain[fp8]'), or `precision` bf16 to run the stage without fp8")
 
     def loss_scaled(self, plan: Plan, device_type: str) -> bool:
         """Whether the run scales its loss: some stage computes in fp16. One scale for the whole step, on every

@@ -17,14 +17,15 @@ from hetrain.files import check_output_file, write_text_atomic
 
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
-              recompute: str, no_recompute: bool, grad_reduce: str = "fp32"):
+              recompute: str, no_recompute: bool, grad_reduce: str = "fp32", formats: str = "bf16"):
     from hetrain.spec.specs import TrainingSettings, describe_validation_error
     from pydantic import ValidationError
 
     if no_recompute and recompute not in ("auto", "none"):
         raise HetrainError(f"--no-recompute contradicts --recompute {recompute}: give one of them")
     kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
-                    "activation_recompute": "none" if no_recompute else recompute, "grad_reduce": grad_reduce}
+                    "activation_recompute": "none" if no_recompute else recompute, "grad_reduce": grad_reduce,
+                    "formats": formats}
     if micro_batch_size is not None:
         kwargs["micro_batch_sizes"] = [micro_batch_size]
     if tp:
@@ -41,8 +42,13 @@ def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int
     return settings
 
 
+FORMATS_HELP = ("number formats per stage: bf16 (every stage in --precision where its GPU has it, fp16 where a type "
+                "has no bf16 tensor cores) or fastest (besides, fp8 on GPU types with fp8 tensor cores, e.g. H100, "
+                "L40S, L4, on stages without TP: the blocks' linear layers in fp8 through torchao, bf16 around "
+                "them; training follows the plan)")
 _OPTION_OF_FIELD = {"global_batch_size": "--global-batch-size", "micro_batch_sizes[0]": "--micro-batch-size",
-                    "tp_degrees": "--tp", "activation_recompute": "--recompute", "grad_reduce": "--grad-reduce"}
+                    "tp_degrees": "--tp", "activation_recompute": "--recompute", "grad_reduce": "--grad-reduce",
+                    "formats": "--formats"}
 
 
 def capacity_line(cost, plan, est) -> str:
@@ -75,6 +81,7 @@ def plan(
     tp: Annotated[list[int] | None, typer.Option(help="allowed TP degrees (repeat; default 1 2 4 8)")] = None,
     precision: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: fp32 on a cluster of emulated "
                                                         "CPU devices, bf16 on GPUs)")] = None,
+    formats: Annotated[str, typer.Option(help=FORMATS_HELP)] = "bf16",
     grad_reduce: Annotated[str, typer.Option(help="dtype of the gradient all-reduce between pipelines: fp32, or "
                                                    "bf16 (half the bytes: where the sync binds, as on large "
                                                    "clusters with one NIC per node); training follows the plan")] = "fp32",
@@ -119,7 +126,8 @@ def plan(
         from hetrain.spec.specs import load_cluster
 
         precision = load_cluster(cluster).default_precision if request is None and cluster else "bf16"
-    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce)
+    settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce,
+                         formats)
     prof = load_profile(profile) if profile else None
     if request is not None:
         return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json, seq_length)
@@ -156,6 +164,9 @@ def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | No
                 results[name] = e
     main = results[planner]
     cost = CostModel(cl, md, settings, prof)  # for where the plan spends the capacity
+    note = fp8_note(cl, settings, main.plan)
+    if note:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
     if out_file:
         main.plan.write(out_file)
     rows = comparison_rows(results) if compare else None
@@ -184,20 +195,44 @@ def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | No
 
 
 def formats_line(cluster, model, settings, profile, result) -> str | None:
-    """Where stages compute in another format than the plan's (fp16 on GPUs without bf16 tensor cores): which,
-    and the same plan's prediction had every stage been forced into the plan's format."""
+    """Where stages compute in another format than the plan's (fp16 on GPUs without bf16 tensor cores, fp8 under
+    ``--formats fastest``): which, and the same plan's prediction had every stage been in the plan's format (fp16
+    types forced into it on their CUDA cores, fp8 types in it at their tensor-core rate)."""
     from hetrain.cost.costmodel import CostModel
 
     own = sorted({(s.gpu, s.precision) for p in result.plan.pipelines for s in p.stages if s.precision})
     if not own:
         return None
-    forced_types = {name: cluster.gpu_type(name).without_tensor_cores_for(settings.precision) for name, _ in own}
+    forced_types = {name: cluster.gpu_type(name).without_tensor_cores_for(settings.precision)
+                    for name, fmt in own if fmt != "fp8"}
     forced = cluster.model_copy(update={"gpu_types": {**cluster.gpu_types, **forced_types}})
-    everywhere = CostModel(forced, model, settings, profile).estimate(result.plan)
-    said = ", ".join(f"{gpu} in {fmt}" for gpu, fmt in own)
-    return (f"number formats: {said} (no {settings.precision} tensor cores), the rest in {settings.precision}; "
-            f"{settings.precision} everywhere would take {everywhere.iteration_time_s:.3f} s per iteration against "
+    plain = result.plan.model_copy(update={"pipelines": [
+        pipe.model_copy(update={"stages": [s.model_copy(update={"precision": None}) for s in pipe.stages]})
+        for pipe in result.plan.pipelines]})
+    everywhere = CostModel(forced, model, settings.model_copy(update={"formats": None}), profile).estimate(plain)
+    why = {"fp8": "fp8 tensor cores: its blocks' linear layers, --formats fastest"}
+    said = ", ".join(f"{gpu} in {fmt} ({why.get(fmt, f'no {settings.precision} tensor cores')})" for gpu, fmt in own)
+    return (f"number formats: {said}, the rest in {settings.precision}; this plan in {settings.precision} "
+            f"everywhere would take {everywhere.iteration_time_s:.3f} s per iteration against "
             f"{result.estimate.iteration_time_s:.3f} s")
+
+
+def fp8_note(cluster, settings, plan) -> str | None:
+    """Why ``--formats fastest`` gave no stage fp8, where it did not (a note: the plan is still the fastest in the
+    formats the cluster has)."""
+    if settings.format_policy != "fastest" or any(s.precision == "fp8" for p in plan.pipelines for s in p.stages):
+        return None
+    if settings.precision != "bf16":
+        return (f"--formats fastest: fp8 runs inside bf16 (bf16 around its linear layers); under --precision "
+                f"{settings.precision} every stage stays {settings.precision}")
+    with_fp8 = sorted({n.gpu for n in cluster.nodes if cluster.gpu_type(n.gpu).fp8_tflops is not None})
+    if not with_fp8:
+        return (f"--formats fastest: no GPU type of cluster '{cluster.name}' has fp8 tensor cores (no fp8_tflops in "
+                f"the catalog or its gpu_types); the plan is bf16's")
+    if plan.tp > 1:
+        return (f"--formats fastest: the plan runs tp {plan.tp} and fp8 runs without tensor parallelism, so its "
+                f"{', '.join(with_fp8)} stages stay bf16")
+    return f"--formats fastest: the plan leaves the {', '.join(with_fp8)} GPUs, the ones with fp8, out"
 
 
 def comparison_rows(results: dict) -> list[dict]:

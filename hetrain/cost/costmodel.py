@@ -65,6 +65,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s, send_s
+from hetrain.cost.formats import block_flops_per_s
 from hetrain.cost.pipeline import (Op, drain_ahead_s, eager_pipeline_s, gpipe_pipeline_s, interleaved_pipeline_s,
                                    one_f_one_b_play_s, pipeline_terms)
 from hetrain.cost.stage import UnitCosts
@@ -154,18 +155,19 @@ class CostModel:
 
     def unit_costs(self, gpu: str, intra_bw_gbps: float, tp: int, micro_batch_size: int,
                    recompute: RecomputeMode | None = None, optimizer_state: OptimizerStateMode | None = None,
-                   replicas: int = 1) -> UnitCosts:
+                   replicas: int = 1, fmt: str | None = None) -> UnitCosts:
         """Costs of one TP group's blocks under ``recompute`` (None: the settings' one mode for every stage)
-        with its ``optimizer_state`` (None: replicated) among ``replicas`` replicas of its layers."""
+        with its ``optimizer_state`` (None: replicated) among ``replicas`` replicas of its layers, in the number
+        format ``fmt`` (a stage's recorded ``precision``; None: its GPU type's under the settings' policy)."""
         recompute = self.settings.stage_recompute(recompute)
         state = optimizer_state or "replicated"
         replicas = 1 if state == "replicated" else replicas  # the replicas matter only where the state shards
-        key = (gpu, intra_bw_gbps, tp, micro_batch_size, recompute, state, replicas)
+        key = (gpu, intra_bw_gbps, tp, micro_batch_size, recompute, state, replicas, fmt)
         if key not in self._unit_cache:
             self._unit_cache[key] = stage_unit_costs(
                 self.model, self.settings, self.profile, self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp,
                 micro_batch_size, recompute, latency_s=self.latency_s, overheads=self.overheads(gpu),
-                cpu_ranks=gpu in self._cpu_types, optimizer_state=state, replicas=replicas)
+                cpu_ranks=gpu in self._cpu_types, optimizer_state=state, replicas=replicas, fmt=fmt)
         return self._unit_cache[key]
 
     def overheads(self, gpu: str) -> RuntimeOverheads | None:
@@ -257,9 +259,10 @@ class CostModel:
                 in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
                 replicas = self.data_replicas(plan) if id(stage) in sharded else 1
                 key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
-                       in_flight, pending, bucket_numel.get(id(stage), 0.0))
+                       in_flight, pending, bucket_numel.get(id(stage), 0.0), stage.precision)
                 if key not in stages_seen:
-                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas)
+                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas,
+                                        stage.precision)
                     first, last = k == 0, k == S - 1
                     stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
                                         u.stage_memory_bytes(n_blocks, first, last, in_flight, pending,
@@ -322,7 +325,7 @@ class CostModel:
             bw = cl.node_by_name[cl.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
             replicas = self.data_replicas(plan) if id(stage) in sharded else 1
             u = self.unit_costs(stage.gpu, bw, t, plan.micro_batch_size, stage.recompute, stage.optimizer_state,
-                                replicas)
+                                replicas, stage.precision)
             chunks = [(pipe.stages[j].layers[1] - pipe.stages[j].layers[0], j == 0, j == P - 1, held[j])
                       for j in pipe.chunks_of(k)]
             mem_gb = u.chunks_memory_bytes(chunks, syncs=self.data_replicas(plan) > 1) / GB
@@ -552,7 +555,13 @@ class CostModel:
         per_seq = train_flops_per_sequence(self.model, forced_full and not useful_work)
         total = 0.0
         for node in self.cluster.nodes:
-            g = self.cluster.gpu_type(node.gpu)
-            total += node.count * g.achievable_flops(self.settings.precision) / per_seq * self.model.seq_length
+            total += node.count * self.gpu_flops_per_s(node.gpu) / per_seq * self.model.seq_length
         return total
+
+    def gpu_flops_per_s(self, gpu: str) -> float:
+        """FLOP/s one GPU of this type sustains at its best under the settings (its format at TP 1: fp8's
+        blend of fp8 and bf16 under ``fastest`` where it has fp8, ``hetrain.cost.formats``): the unit of the
+        capacity bounds and shares."""
+        g, st = self.cluster.gpu_type(gpu), self.settings
+        return block_flops_per_s(self.model, g, st.precision, g.format_for(st.precision, st.format_policy))
 

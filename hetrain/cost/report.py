@@ -58,8 +58,8 @@ def where_time_goes(cost: CostModel, plan: Plan, est: Estimate) -> dict[str, flo
     its catalog rate makes ``other_stage_work`` negative (and a noisy measurement ``recompute``),
     while the shares still add to 1 and ``useful`` stays the plan's share of the bound.
     """
-    cl, st = cost.cluster, cost.settings
-    rate = {node.name: cl.gpu_type(node.gpu).achievable_flops(st.precision) for node in cl.nodes}
+    cl = cost.cluster
+    rate = {node.name: cost.gpu_flops_per_s(node.gpu) for node in cl.nodes}
     node_of = cl.node_of
     T = est.iteration_time_s
     parts = dict.fromkeys(CAPACITY_PARTS, 0.0)
@@ -93,8 +93,8 @@ def _device_seconds(cost: CostModel, plan: Plan, pipe, pest, k: int, flops_per_s
         useful += mb * flops / flops_per_s
         intra = cl.node_by_name[cl.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
         mode = st.stage_recompute(stage.recompute)
-        recompute += mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode).block_s
-                                    - cost.unit_costs(stage.gpu, intra, t, b, "none").block_s)
+        recompute += mb * blocks * (cost.unit_costs(stage.gpu, intra, t, b, mode, fmt=stage.precision).block_s
+                                    - cost.unit_costs(stage.gpu, intra, t, b, "none", fmt=stage.precision).block_s)
     work = sum(pest.stage_s[j] for j in pipe.chunks_of(k))
     if pipe.schedule_name == "1f1b":  # 1F1B: a stage waits for its own sends
         sends = (pest.p2p_s[k - 1] if k > 0 else 0.0) + (pest.p2p_s[k] if k < S - 1 else 0.0)

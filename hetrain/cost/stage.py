@@ -10,6 +10,8 @@ Compute per micro-batch: time = FLOPs / (t F_g); backward = 2 x forward, + 1 x f
     activation recompute; selective recompute + the elementwise ops it redoes, their bytes over
     the memory bandwidth (``selective_recompute_bytes``).
     A measured profile (hetrain.profile/v1) replaces these per (GPU type, t, b).
+    The stage's number format (``GPUType.format_for``): F_g at its rate; fp8 runs the blocks' linear
+    layers at the fp8 rate, the rest at bf16's, and keeps no 16-bit weight copies (``hetrain.cost.formats``).
 
 Tensor parallelism (Megatron column/row split): per block 2 all-reduces in forward, 2 in
     backward, 2 more when recomputing, each of b s h B_act bytes, ring cost
@@ -66,8 +68,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetrain.cost.collectives import ring_allreduce_s
+from hetrain.cost.formats import block_forward_s, fp8_cast_bytes, fp8_weight_copy_bytes
 from hetrain.profiling.profile import Profile, ProfileEntry, RuntimeOverheads
-from hetrain.spec.arithmetic import (GRAD_SYNC_CHUNK_NUMEL, RESIDUAL_BYTES, block_activation_bytes, block_forward_flops, block_params,
+from hetrain.spec.arithmetic import (GRAD_SYNC_CHUNK_NUMEL, RESIDUAL_BYTES, block_activation_bytes, block_params,
                                      block_weight_grad_bytes, block_weight_grad_fraction,
                                      embed_params, head_forward_flops, head_params, selective_activation_bytes,
                                      selective_recompute_bytes)
@@ -284,14 +287,42 @@ class UnitCosts:
 
 
 
+def measured_scale(model: ModelSpec, settings: TrainingSettings, g: GPUType, entry: ProfileEntry | None, t: int,
+                   b: int, fmt: str) -> float:
+    """What a profile's block times are multiplied by for a stage in ``fmt``: 1, but for an fp8 stage, whose
+    times the profiler measured in bf16 (it does not measure fp8 yet), the analytic fp8 / bf16 ratio of a block
+    (``hetrain.cost.formats``)."""
+    if fmt != "fp8" or entry is None:
+        return 1.0
+    return (block_forward_s(model, g, settings.precision, fmt, t, b)
+            / block_forward_s(model, g, settings.precision, "bf16", t, b))
+
+
 def block_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType,
-                  entry: ProfileEntry | None, t: int, b: int, recompute: RecomputeMode) -> tuple[float, float, float]:
-    """(forward + backward seconds, bytes kept per micro-batch, bytes kept without recompute) of one block.
+                  entry: ProfileEntry | None, t: int, b: int, recompute: RecomputeMode,
+                  fmt: str | None = None) -> tuple[float, float, float]:
+    """(forward + backward seconds, bytes kept per micro-batch, bytes kept without recompute) of one block in the
+    stage's format ``fmt`` (None: the settings' precision).
 
     Measured per mode when the profile has it; an older profile's one mode gives the others
-    (full = none + one more forward); without a profile, from FLOPs and memory bandwidth.
+    (full = none + one more forward); without a profile, from FLOPs and memory bandwidth. fp8
+    (``hetrain.cost.formats``): the measured times scaled (``measured_scale``), and without the
+    16-bit weight copies autocast would keep (no recompute; a recomputed block's rebuild too).
     """
+    fmt = fmt or settings.precision
+    seconds, kept, whole = _block_compute(model, settings, profile, g, entry, t, b, recompute, fmt)
+    if fmt == "fp8":
+        copies = fp8_weight_copy_bytes(model, t)
+        kept, whole = kept - (copies if recompute == "none" else 0.0), whole - copies
+    return seconds, kept, whole
+
+
+def _block_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType,
+                   entry: ProfileEntry | None, t: int, b: int, recompute: RecomputeMode,
+                   fmt: str) -> tuple[float, float, float]:
+    """``block_compute`` as autocast runs a block, its times in ``fmt``."""
     m, st = model, settings
+    scale = measured_scale(m, st, g, entry, t, b, fmt)
     no_recompute_bytes = block_activation_bytes(m, st, t, b)
     if entry is not None and recompute in entry.recompute:
         measured = entry.recompute[recompute]
@@ -300,14 +331,14 @@ def block_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile
             kept_bytes += 2 * m.seq_length * b * m.hidden_size * st.activation_bytes
         if "none" in entry.recompute:
             no_recompute_bytes = entry.recompute["none"].block_activation_bytes
-        return entry.block_forward_s + measured.block_backward_s, kept_bytes, no_recompute_bytes
+        return (entry.block_forward_s + measured.block_backward_s) * scale, kept_bytes, no_recompute_bytes
     if entry is not None:
-        fwd = entry.block_forward_s
-        plain = fwd + entry.block_backward_s - (fwd if profile.activation_recompute else 0.0)
+        fwd = entry.block_forward_s * scale
+        plain = fwd + entry.block_backward_s * scale - (fwd if profile.activation_recompute else 0.0)
         if not profile.activation_recompute and entry.block_activation_bytes is not None:
             no_recompute_bytes = float(entry.block_activation_bytes)
     else:
-        fwd = block_forward_flops(m, b) / (t * g.achievable_flops(st.precision))
+        fwd = block_forward_s(m, g, st.precision, fmt, t, b)
         plain = 3 * fwd
     if recompute == "none":
         return plain, no_recompute_bytes, no_recompute_bytes
@@ -317,13 +348,16 @@ def block_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile
     return plain + redo_s, selective_activation_bytes(m, st, t, b), no_recompute_bytes
 
 
-def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: ProfileEntry | None, t: int, b: int,
-                  flops: float, msg: float) -> tuple[float, float, float, float]:
+def _ends_compute(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType,
+                  entry: ProfileEntry | None, t: int, b: int, fmt: str,
+                  msg: float) -> tuple[float, float, float, float]:
     """(block forward, embedding forward + backward, head forward + backward, head backward) seconds
-    on one TP rank: measured where the profile has them, else from FLOPs and memory bandwidth."""
-    m = model
+    on one TP rank: measured where the profile has them (the block's x ``measured_scale``), else from
+    FLOPs (the block's in the stage's format ``fmt``; the head's in the settings' precision, bf16 under
+    fp8 too) and memory bandwidth."""
+    m, flops = model, g.achievable_flops(settings.precision)
     if entry is not None:
-        blk_fwd = entry.block_forward_s
+        blk_fwd = entry.block_forward_s * measured_scale(m, settings, g, entry, t, b, fmt)
         embed_compute = entry.embed_forward_s + entry.embed_backward_s
         head_compute = entry.head_forward_s + entry.head_backward_s
         head_bwd = entry.head_backward_s
@@ -331,7 +365,7 @@ def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: 
             head_compute /= t
             head_bwd /= t
     else:
-        blk_fwd = block_forward_flops(m, b) / (t * flops)
+        blk_fwd = block_forward_s(m, g, settings.precision, fmt, t, b)
         head_compute = 3 * head_forward_flops(m, b) / (t * flops)  # each TP rank its vocabulary shard
         embed_compute = 3 * msg / (g.memory_bandwidth_gbps * GB)
         head_bwd = 2 / 3 * head_compute
@@ -339,48 +373,49 @@ def _ends_compute(model: ModelSpec, profile: Profile | None, g: GPUType, entry: 
 
 
 def _split_costs(model: ModelSpec, settings: TrainingSettings, entry: ProfileEntry | None, t: int, b: int,
-                 recompute: RecomputeMode, block_bwd_s: float, head_bwd_s: float) -> dict[str, float]:
+                 recompute: RecomputeMode, block_bwd_s: float, head_bwd_s: float,
+                 scale: float = 1.0) -> dict[str, float]:
     """ZB-H1's split of the backward (``UnitCosts.stage_backward_split_s``): the weight gradients' seconds,
     measured where the profile has them (no recompute), else the FLOP share of the compute (no TP
     communication: those all-reduces carry input gradients); the head's two products are the same
     size. What a micro-batch holds between B and W: ``block_weight_grad_bytes``, and on the last stage
-    the logits' gradient and the final norm's."""
+    the logits' gradient and the final norm's. Measured times x ``scale`` (``measured_scale``: an fp8 stage's)."""
     m, s, V, h = model, model.seq_length, model.vocab_size, model.hidden_size
     out = {"block_wgt_s": block_weight_grad_fraction(m) * block_bwd_s, "block_split_extra_s": 0.0,
            "head_wgt_s": head_bwd_s / 2, "block_wgrad_bytes": block_weight_grad_bytes(m, settings, t, b),
            "head_wgrad_bytes": s * b * (V / t * settings.activation_bytes + h * RESIDUAL_BYTES)}
     if recompute == "none" and entry is not None and entry.block_weight_backward_s is not None:
-        out["block_wgt_s"] = entry.block_weight_backward_s
-        out["block_split_extra_s"] = max(entry.block_split_backward_s - block_bwd_s, 0.0)
+        out["block_wgt_s"] = entry.block_weight_backward_s * scale
+        out["block_split_extra_s"] = max(entry.block_split_backward_s * scale - block_bwd_s, 0.0)
     return out
 
 
 def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
                bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
                overheads: RuntimeOverheads | None, cpu_ranks: bool,
-               optimizer_state: OptimizerStateMode = "replicated", replicas: int = 1) -> UnitCosts:
+               optimizer_state: OptimizerStateMode = "replicated", replicas: int = 1,
+               fmt: str | None = None) -> UnitCosts:
     """Costs of one TP group of GPU type ``gpu`` (``g``) whose node links its GPUs at ``bw`` GB/s, for
-    (t, b), one recompute mode and one optimizer state among ``replicas`` replicas of its layers.
+    (t, b), one recompute mode and one optimizer state among ``replicas`` replicas of its layers, in the
+    number format ``fmt`` (None: the type's under the settings' precision and format policy at t,
+    ``GPUType.format_for``: a property of the type, so the search prices it without choosing it).
     ``overheads``: the runtime's measured costs on it (None: not measured); ``cpu_ranks``: it is
     emulated on CPU ranks (foreach AdamW's temporaries)."""
     m, st = model, settings
-    h, s, V, f = m.hidden_size, m.seq_length, m.vocab_size, m.ffn_size
+    fmt = fmt or g.format_for(st.precision, st.format_policy, t)
+    h, s, V = m.hidden_size, m.seq_length, m.vocab_size
     act = st.activation_bytes
-    flops = g.achievable_flops(st.precision)
     msg = b * s * h * act  # one activation tensor of a micro-batch
     entry = profile.lookup(gpu, t, b) if profile else None
     # A profile timed on real TP groups has the all-reduces in its times (``Profile.includes_tp_comm``)
     priced = entry is None or not profile.includes_tp_comm
     tp_ar = ring_allreduce_s(msg, t, bw, latency_s) if priced else 0.0
-    blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute)
-    blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, profile, g, entry, t, b, flops, msg)
+    blk_compute, blk_act, no_recompute_act = block_compute(m, st, profile, g, entry, t, b, recompute, fmt)
+    blk_fwd, embed_compute, head_compute, head_bwd = _ends_compute(m, st, profile, g, entry, t, b, fmt, msg)
     # the split head: its input's gradient all-reduced; the loss's per-token max (4 bytes), then its
     # target logit + sum of exponentials (8)
     head_comm = tp_ar + sum(ring_allreduce_s(n * b * s, t, bw, latency_s) for n in (4, 8)) if priced else 0.0
 
-    # GELU backward: the MLP hidden gradients in and out, both alive; SwiGLU's: the product's, the
-    # gate's, the up projection's and silu's
-    widest_grad = (4 if m.arch == "llama" else 2) * s * b * f * act / t
     # Logits (compute dtype), their fp32 copy for the loss and log-softmax's saved output, then the
     # gradient: of this rank's vocabulary shard.
     head_work = s * b * V * (4 + 4) / t
@@ -395,23 +430,32 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         # (two, four under full recompute); the head's input-gradient all-reduce
         block_bwd_s=max(blk_compute - blk_fwd, 0.0) + (4 if recompute == "full" else 2) * tp_ar,
         head_bwd_s=head_bwd + tp_ar,
-        **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd),
+        **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd,
+                       measured_scale(m, st, g, entry, t, b, fmt)),
         **_state_costs(m, st, g, t, overheads, cpu_ranks, optimizer_state, replicas),
         block_act_bytes=blk_act,
         boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
         head_work_bytes=head_work,
         head_out_bytes=s * b * V * act / t,
         head_saved_bytes=s * b * V * 4 / t,
-        # backward's transient: what recompute rebuilds for the one block in backward (all it would
-        # have saved but the kept input, which is counted above, plus the input's fp32 copy the
-        # rebuilt norm saves), then its gradients
-        block_work_bytes=(0.0 if recompute == "none" else
-                          max(no_recompute_act - blk_act, 0.0) + s * b * h * RESIDUAL_BYTES) + widest_grad,
+        block_work_bytes=_block_work_bytes(m, st, t, b, recompute, blk_act, no_recompute_act, fmt),
         reserve_bytes=st.framework_reserve_gb * GB,
         capacity_bytes=g.memory_gb * GB,
         microbatch_s=overheads.microbatch_s if overheads is not None else 0.0,
         recompute=recompute,
     )
+
+
+def _block_work_bytes(m: ModelSpec, st: TrainingSettings, t: int, b: int, recompute: RecomputeMode, kept: float,
+                      whole: float, fmt: str) -> float:
+    """Backward's transient in one block: what recompute rebuilds for the one block in backward (all it would
+    have saved, ``whole``, but the kept input, counted in ``kept``, plus the input's fp32 copy the rebuilt norm
+    saves), then its gradients: GELU's MLP hidden gradients in and out, both alive, SwiGLU's the product's, the
+    gate's, the up projection's and silu's; in fp8 the largest linear's casts besides (``fp8_cast_bytes``)."""
+    s, h = m.seq_length, m.hidden_size
+    widest_grad = (4 if m.arch == "llama" else 2) * s * b * m.ffn_size * st.activation_bytes / t
+    rebuilt = 0.0 if recompute == "none" else max(whole - kept, 0.0) + s * b * h * RESIDUAL_BYTES
+    return rebuilt + widest_grad + (fp8_cast_bytes(m, b) if fmt == "fp8" else 0.0)
 
 
 def _state_costs(m: ModelSpec, st: TrainingSettings, g: GPUType, t: int, overheads: RuntimeOverheads | None,

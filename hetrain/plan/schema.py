@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
 from hetrain.plan.eager import Schedule, interleaved_held, interleaved_order, interleaved_rounds
+from hetrain.spec.catalog import FP8_MAX_TP
 from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec,
                                  OptimizerStateMode, RecomputeMode, TrainingSettings, describe_validation_error)
 
@@ -35,9 +36,11 @@ class StagePlan(BaseModel):
         default=None, description="where the stage keeps its layers' AdamW state: replicated (whole, on every "
         "replica), sharded (1/D across the D replicas of each layer, ZeRO-1), offloaded (its share in host memory, "
         "the step on the CPU); absent: replicated")
-    precision: Literal["bf16", "fp16", "fp32"] | None = Field(
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] | None = Field(
         default=None, description="the number format the stage computes in (its GPU type's best under the plan's "
-        "precision policy: fp16 where a type has no bf16 tensor cores); absent: the training settings' precision")
+        "precision and format policy: fp16 where a type has no bf16 tensor cores; fp8 under `formats: fastest` "
+        "where it has fp8 tensor cores: the blocks' linear layers in fp8, bf16 around them); absent: the training "
+        "settings' precision")
     in_flight: PositiveInt | None = Field(
         default=None, description="micro-batches the stage keeps in flight (forwards before its first backward) under "
         "eager 1F1B, whose sends do not block (hetrain.runtime.pipeline); two more than the next stage give the "
@@ -245,6 +248,9 @@ def validate_plan_structure(plan: Plan) -> None:
                 if name in used:
                     raise HetrainError(f"{where}: device '{name}' is used more than once")
                 used.add(name)
+            if stage.precision == "fp8" and t > FP8_MAX_TP:
+                raise HetrainError(f"{where}: precision fp8 runs without tensor parallelism (tp {FP8_MAX_TP}: "
+                                   f"hetrain.runtime.fp8 has no float8 TP yet), the plan has tp {t}")
             lo, hi = stage.layers
             if lo != expect or hi <= lo:
                 raise HetrainError(
@@ -326,7 +332,7 @@ def _check_interleaved(pi: int, pipe: PipelinePlan) -> None:
     p = pipe.depth
     for si in range(p, len(pipe.stages)):
         here, home = pipe.stages[si], pipe.stages[si % p]
-        for field in ("devices", "gpu", "recompute", "optimizer_state"):
+        for field in ("devices", "gpu", "recompute", "optimizer_state", "precision"):
             if getattr(here, field) != getattr(home, field):
                 raise HetrainError(f"pipelines[{pi}].stages[{si}]: {field} {getattr(here, field)} differs from "
                                    f"stages[{si % p}]'s {getattr(home, field)}; chunk {si} runs on the devices of "
@@ -365,6 +371,15 @@ def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
                            f"{pipe.num_microbatches} micro-batches")
 
 
+def _check_fp8_type(where: str, stage: StagePlan, cluster: ClusterSpec, nodes: set[str]) -> None:
+    """A stage in fp8 runs on a GPU type with fp8 tensor cores (its ``fp8_tflops``), or on CPU ranks (an emulated
+    node: torchao's emulation computes the same casts without them)."""
+    emulated = all(cluster.node_by_name[n].emulate is not None for n in nodes)
+    if stage.precision == "fp8" and cluster.gpu_type(stage.gpu).fp8_tflops is None and not emulated:
+        raise HetrainError(f"{where}: precision fp8 on a {stage.gpu}, which has no fp8 tensor cores (no fp8_tflops "
+                           f"in the catalog or the cluster's gpu_types); expected bf16 there")
+
+
 def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
     """Raise HetrainError naming the first structural problem of ``plan`` on ``cluster``.
 
@@ -384,5 +399,6 @@ def validate_plan(plan: Plan, cluster: ClusterSpec) -> None:
                 if dev.gpu != stage.gpu:
                     raise HetrainError(f"{where}: device '{name}' is a {dev.gpu}, but the stage says {stage.gpu}")
                 nodes.add(dev.node)
+            _check_fp8_type(where, stage, cluster, nodes)
             if len(nodes) > 1:
                 raise HetrainError(f"{where}: a TP group must sit on one node, got {', '.join(sorted(nodes))}")

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from hetrain.errors import HetrainError
+from hetrain.spec.catalog import FP8_DIM_MULTIPLE, FP8_MAX_TP
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have fp8 tensor cores; Ampere and older do not
-FP8_DIM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each matrix divisible by 16
 
 
 def _divisible(module: nn.Module, _fqn: str) -> bool:
@@ -26,26 +26,29 @@ def _divisible(module: nn.Module, _fqn: str) -> bool:
             and module.out_features % FP8_DIM_MULTIPLE == 0)
 
 
-def apply_fp8(stage: nn.Module, precision: str, device: torch.device, *, tp: int) -> int:
+def apply_fp8(stage: nn.Module, precision: str, device: torch.device, *, tp: int, asked_by: str = "--fp8") -> int:
     """Swap the linear layers of ``stage``'s blocks for torchao's ``Float8Linear``; returns how many.
 
-    One-line errors: torchao missing, a GPU without fp8, fp8 asked of a stage not in bf16, or under
-    tensor parallelism (torchao's float8 TP needs its own parallel styles, not wired here yet).
+    One-line errors naming what asked for fp8 (``asked_by``: the run-wide ``--fp8``, or the plan's stage):
+    torchao missing, a GPU without fp8, fp8 asked of a stage not in bf16, or under tensor parallelism
+    (torchao's float8 TP needs its own parallel styles, not wired here yet; the planner puts fp8 only on
+    stages without TP, ``FP8_MAX_TP``).
     """
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise HetrainError("--fp8: needs torchao (pip install 'hetrain[fp8]')") from None
+        raise HetrainError(f"{asked_by}: needs torchao (pip install 'hetrain[fp8]')") from None
     if precision != "bf16":
-        raise HetrainError(f"--fp8: expected the stage in bf16 around its fp8 matmuls, got precision {precision}")
-    if tp > 1:
-        raise HetrainError(f"--fp8: tensor parallelism (tp {tp}) with fp8 is not supported yet; plan with tp 1")
+        raise HetrainError(f"{asked_by}: expected the stage in bf16 around its fp8 matmuls, got precision {precision}")
+    if tp > FP8_MAX_TP:
+        raise HetrainError(f"{asked_by}: tensor parallelism (tp {tp}) with fp8 is not supported yet; plan with tp 1")
     emulate = device.type != "cuda"
     if not emulate:
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
-            raise HetrainError(f"--fp8: {torch.cuda.get_device_name(device)} (sm_{capability[0]}{capability[1]}) has "
-                               f"no fp8 tensor cores (Ada sm_89 or Hopper sm_90 and later)")
+            name, sm = torch.cuda.get_device_name(device), f"sm_{capability[0]}{capability[1]}"
+            raise HetrainError(f"{asked_by}: {name} ({sm}) has no fp8 tensor cores (Ada sm_89 or Hopper sm_90 "
+                               f"and later)")
     config = Float8LinearConfig(emulate=emulate)
     swapped = 0
     for block in stage.layers.values():

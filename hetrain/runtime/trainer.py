@@ -177,8 +177,9 @@ class Trainer:
         self.chunks = [model.chunk(*layers) for layers in role.chunk_layers] if role.chunks else [model]
         for chunk in self.chunks:
             apply_mixed_precision(chunk, self.precision, device.type, is_last=chunk.head is not None)
-        if config.options.fp8:
-            apply_fp8(model, self.precision, device, tp=plan.tp)
+        if config.stage_fp8(plan.pipelines[role.pipeline].stages[role.stage]):  # --fp8, or the plan's fp8 stage
+            apply_fp8(model, self.precision, device, tp=plan.tp, asked_by="--fp8" if config.options.fp8 else
+                      f"pipelines[{role.pipeline}].stages[{role.stage}]: precision fp8")
         if config.options.compile and device.type == "cuda":
             for block in model.layers.values():
                 block.compile()

@@ -425,6 +425,12 @@ class TrainingSettings(_Spec):
     tp_degrees: list[Annotated[int, Field(ge=1, le=MAX_TP_DEGREE)]] = Field(default=[1, 2, 4, 8], min_length=1,
                                                                               max_length=64)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Absent (None) is bf16's policy, so the plans of everyone who never asks keep their bytes.
+    formats: Literal["bf16", "fastest"] | None = Field(
+        default=None, description="number-format policy: bf16 (absent): every stage in `precision` where its GPU "
+        "has it (fp16 where a type has no bf16 tensor cores); fastest: besides, fp8 on the stages whose GPU type has "
+        "fp8 tensor cores (its catalog fp8_tflops) and that run without tensor parallelism, bf16 around the blocks' "
+        "fp8 linear layers")
     bytes_per_param: PositiveFloat = Field(
         default=16.0, le=MAX_BYTES_PER_PARAM,
         description="weights + gradients + optimizer state per parameter; mixed-precision Adam: "
@@ -447,6 +453,16 @@ class TrainingSettings(_Spec):
         if isinstance(v, bool):
             return "auto" if v else "none"
         return v
+
+    @field_validator("formats")
+    @classmethod
+    def _bf16_policy_unwritten(cls, v: str | None) -> str | None:
+        """bf16's policy, given or not, is absent: a plan made with it keeps the bytes it had before policies."""
+        return None if v == "bf16" else v
+
+    @property
+    def format_policy(self) -> Literal["bf16", "fastest"]:
+        return self.formats or "bf16"
 
     @property
     def recompute_modes(self) -> tuple[RecomputeMode, ...]:

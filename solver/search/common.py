@@ -83,15 +83,17 @@ def explain_no_plan(cluster: ClusterSpec, cost: CostModel) -> str:
 
 def with_stage_formats(plan, cluster: ClusterSpec):
     """``plan`` with each stage's number format written where its GPU type's differs from the plan's precision
-    (fp16 on a GPU without bf16 tensor cores under bf16): the runtime computes each stage in its own and the
-    cost model priced it so (``GPUType.format_for``). Plans whose stages all compute in the plan's precision
-    come back unchanged, as before."""
-    policy = plan.settings().precision
+    (fp16 on a GPU without bf16 tensor cores under bf16; fp8 under the ``fastest`` policy where a type has fp8
+    tensor cores and the plan no TP): the runtime computes each stage in its own and the cost model priced it
+    so (``GPUType.format_for``). Plans whose stages all compute in the plan's precision come back unchanged,
+    as before. Formats are a property of a GPU type, so they are written after the search, never searched."""
+    settings = plan.settings()
+    precision = settings.precision
     data, changed = None, False
     for p, pipe in enumerate(plan.pipelines):
         for k, stage in enumerate(pipe.stages):
-            fmt = cluster.gpu_type(stage.gpu).format_for(policy)
-            if fmt != policy and stage.precision != fmt:
+            fmt = cluster.gpu_type(stage.gpu).format_for(precision, settings.format_policy, plan.tp)
+            if fmt != precision and stage.precision != fmt:
                 data = data or plan.model_dump(mode="json", by_alias=True)
                 data["pipelines"][p]["stages"][k]["precision"] = fmt
                 changed = True

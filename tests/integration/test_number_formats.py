@@ -4,8 +4,10 @@ against one process running the same formats block for block, and one loss scale
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from hetrain.plan.layout import build_layout
@@ -14,7 +16,7 @@ from hetrain.runtime.data import TokenSource
 from hetrain.runtime.model import GPT, lm_loss
 from hetrain.runtime.precision import apply_mixed_precision
 from tests.helpers import run_cli
-from tests.helpers.training import plan
+from tests.helpers.training import plan, run
 
 SPLIT = 3  # stage 0: blocks [0, 3) in fp16 (a V100's), stage 1: [3, 6) in bf16 (an A100's)
 
@@ -62,3 +64,49 @@ def test_an_fp16_stage_beside_a_bf16_stage_matches_one_process_in_the_same_forma
     assert max(_rel(got[n], fp32[n]) for n in got) > 1e-3
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("loss_scale" in rec for rec in records)  # the fp16 stage turned loss scaling on for the whole run
+
+
+def _fp8_reference(p: Plan, fp8: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, micro-batch by micro-batch as the pipeline runs them (an fp8 cast's scale is per tensor, so
+    per micro-batch): blocks 0-2 under bf16 autocast with their linear layers in fp8 through torchao's CPU
+    emulation (``fp8``) or not, 3-5 in bf16; the step's loss and its clipped gradients."""
+    from hetrain.runtime.fp8 import apply_fp8
+
+    model = GPT(p.model)
+    model.init_weights(0)
+    first, last = model.chunk(0, SPLIT), model.chunk(SPLIT, p.model.num_layers)
+    apply_mixed_precision(first, "bf16", "cpu", is_last=False)
+    apply_mixed_precision(last, "bf16", "cpu", is_last=True)
+    if fp8:
+        apply_fp8(first, "bf16", torch.device("cpu"), tp=1)
+    seq = TokenSource(p.model.seq_length, p.model.vocab_size, seed=0).sequences(0, p.global_batch_size)
+    loss = 0.0
+    for mb in seq.split(p.micro_batch_size):
+        part = lm_loss(last(first(mb[:, :-1])), mb[:, 1:]) * (p.micro_batch_size / p.global_batch_size)
+        part.backward()
+        loss += float(part.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return loss, {n: q.grad for n, q in model.named_parameters()}
+
+
+def test_an_fp8_stage_beside_a_bf16_stage_runs_float8_linears_on_its_ranks_only(tmp_path: Path):
+    """The plan's first stage in fp8 (as `--formats fastest` writes it on an H100), the second in bf16: the fp8
+    stage's ranks ran Float8Linear: every gradient is one process's with those linear layers in fp8 (torchao's CPU
+    emulation), not bf16's; the loss is bf16's within fp8's rounding, and stays finite."""
+    pytest.importorskip("torchao", reason="the fp8 extra (the test extra installs it)")
+    data = _mixed_plan().model_dump(mode="json", by_alias=True)
+    data["pipelines"][0]["stages"][0]["precision"] = "fp8"
+    p = Plan.model_validate(data)
+    records = run(p, tmp_path, 2, dump=True, optimizer="sgd")
+    got: dict[str, torch.Tensor] = {}
+    for role in build_layout(p).roles:
+        got.update(torch.load(tmp_path / "dump" / f"grads-rank{role.rank}.pt"))
+    fp8_loss, fp8 = _fp8_reference(p, fp8=True)
+    bf16_loss, bf16 = _fp8_reference(p, fp8=False)
+    linears = [n for n in got if n.startswith(tuple(f"layers.{i}." for i in range(SPLIT)))
+               and n.endswith(".weight") and "norm" not in n]
+    assert linears and max(_rel(got[n], fp8[n]) for n in got) < 1e-3  # the fp8 stage's own casts, block for block
+    assert min(_rel(got[n], bf16[n]) for n in linears) > 1e-2  # ... and not bf16's
+    assert records[0]["loss"] == pytest.approx(fp8_loss, rel=1e-4)
+    assert records[0]["loss"] == pytest.approx(bf16_loss, rel=0.02) and all(math.isfinite(r["loss"]) for r in records)
+    assert not any("loss_scale" in rec for rec in records)  # fp8's gradients are scaled per tensor, not the loss

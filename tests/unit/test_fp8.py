@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hetrain.cost.formats import fp8_weight_copy_bytes
 from hetrain.errors import HetrainError
 from hetrain.runtime.fp8 import apply_fp8
 from hetrain.runtime.model import GPT, lm_loss
@@ -47,3 +48,31 @@ def test_fp8_blocks_train_close_to_bf16_and_keep_fp32_weights():
 def test_fp8_refuses_what_it_cannot_run_in_one_line(precision, tp, expected):
     with pytest.raises(HetrainError, match="^" + expected.replace("(", r"\(").replace(")", r"\)") + "$"):
         apply_fp8(GPT(SPEC), precision, torch.device("cpu"), tp=tp)
+
+
+def _saved_bytes(fp8: bool) -> int:
+    """Bytes autograd keeps for backward of one forward of two sequences, parameters aside (distinct storages)."""
+    model = GPT(SPEC)
+    model.init_weights(0)
+    apply_mixed_precision(model, "bf16", "cpu", is_last=True)
+    if fp8:
+        apply_fp8(model, "bf16", torch.device("cpu"), tp=1)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, SPEC.vocab_size, (2, SPEC.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    return sum(kept.values())
+
+
+def test_fp8_saves_the_parameters_where_autocast_saves_16_bit_copies_as_the_cost_model_counts():
+    """What ``hetrain.cost.formats`` prices an fp8 stage's memory at: a ``Float8Linear`` keeps its bf16 input, as
+    autocast's linear does, and the fp32 parameter itself instead of a bf16 copy of the weight."""
+    assert _saved_bytes(fp8=False) - _saved_bytes(fp8=True) == SPEC.num_layers * fp8_weight_copy_bytes(SPEC, 1)
