@@ -22,7 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import Artifact, create_table_artifact
 from pydantic import Field
 
@@ -148,6 +149,10 @@ def _ended_badly(flow_run_id: str) -> str | None:
         else None
 
 
+# The two ways a recovery goes are tasks: each shows in the flow run's graph with its own state and log. Not cached
+# (a recovery acts on what is there now) and not retried (a half-done switch is not safely repeated; the flow run is
+# rerun from the UI instead, and starts from the newest committed checkpoint).
+@task(cache_policy=NO_CACHE)
 def recover_on_nodes(run_id: str, lost: list[str], cluster_file: Path, steps: int | None, runs_root: str,
                      timeout_s: float, rendezvous_port: int, lost_until: datetime | None = None,
                      hand_over: Callable[[], None] = lambda: None) -> dict:
@@ -271,6 +276,7 @@ def recover(
         return recover_local(root, run_id, lost, cluster_file, steps, timeout_s, until, hand_over)
 
 
+@task(cache_policy=NO_CACHE)
 def recover_local(root: Path, run_id: str, lost: list[str], cluster_file: Path | None, steps: int | None,
                   timeout_s: float, until: datetime | None, hand_over: Callable[[], None]) -> dict:
     """Recover a run whose ranks all run on this machine: a switch inside the notice if it still trains, else a restart."""
