@@ -278,6 +278,7 @@ def train(
     options: TrainOptions = TrainOptions(),  # noqa: B008 (pydantic models are values; Prefect renders it as a form)
     global_batch_size: Annotated[int, Field(gt=0)] = 16,
     planner: Literal["hetrain", "megatron", "whale"] = "hetrain",
+    formats: Literal["bf16", "fastest"] = "bf16",
     use_profile: bool = True,
     spot_metadata_url: str | None = None,
     cloud: Literal["aws", "gcp", "azure"] = "aws",
@@ -300,6 +301,8 @@ def train(
     does, after stopping the others. Per-node runs start at step 0 on each node's own disk;
     ``peer_port`` is where each node serves its runs to peers (``hetrain node start``; 0: none).
 
+    ``formats``: ``hetrain plan --formats`` (``fastest``: fp8 on the stages whose GPUs have fp8 tensor cores).
+
     ``options.data``: a token file or a text file, relative to the repository (default:
     synthetic tokens); a scheduled run that resumes reads the file as it is then, so refreshing
     it feeds the next run. ``options.precision``: default fp32 on clusters of emulated (CPU)
@@ -310,7 +313,8 @@ def train(
     cl, spec = load_cluster(repo_path(cluster)), load_model(repo_path(model))
     # bad data or weights: one line now, before the profiling and the planning, not from the ranks
     check_inputs(options.model_copy(update={"data": str(repo_path(options.data))}) if options.data else options, spec)
-    settings = TrainingSettings(global_batch_size=global_batch_size, precision=options.precision or cl.default_precision)
+    settings = TrainingSettings(global_batch_size=global_batch_size, precision=options.precision or cl.default_precision,
+                                formats=formats)
     prof = None
     tp_degrees = [t for t in settings.tp_degrees if spec.tp_divides(t)]
     if use_profile and launch == "per-node":
