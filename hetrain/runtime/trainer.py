@@ -52,6 +52,9 @@ from hetrain.spec.specs import EmulateSpec
 # The launch's step whose ops are recorded (RunDir.timeline): the first two pay for warm-up (first
 # allocations, gloo's connections, the data's first reads) that the steady state does not.
 TIMELINE_WARMUP_STEPS = 2
+# Tests: "RANK:STEP" makes that rank's gradients overflow at that step (an inf in its first gradient), as an fp16
+# stage's would; every rank must then skip the step and halve the loss scale (tests/integration/test_number_formats.py).
+FAULT_OVERFLOW = "HETRAIN_FAULT_OVERFLOW"
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
 
@@ -300,6 +303,7 @@ class Trainer:
         started = time.perf_counter()
         self._phase("forward-backward")
         losses = self._run_schedule(step)
+        self._inject_overflow(step)
         compute_done = time.perf_counter()
         self._phase("sync")
         if self.zero is not None:
@@ -330,6 +334,13 @@ class Trainer:
             if not applied:
                 record["skipped"] = True  # fp16 overflow: no update, the scale halves
         return record
+
+    def _inject_overflow(self, step: int) -> None:
+        """``FAULT_OVERFLOW`` (tests only): this rank's gradients overflow at the step it names."""
+        rank, _, at_step = os.environ.get(FAULT_OVERFLOW, "").partition(":")
+        if rank == str(self.role.rank) and at_step == str(step):
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            local_tensor(grad).view(-1)[0] = float("inf")
 
     def _run_schedule(self, step: int) -> list[torch.Tensor]:
         """The step's forwards and backwards through the pipeline schedule; the last stage's losses."""

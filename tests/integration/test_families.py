@@ -32,10 +32,11 @@ def asymmetric_tp2_plan(spec) -> Plan:
                       {"num_microbatches": 1, "stages": [stage("b", 0, [0, 4])]}]})
 
 
-@pytest.mark.parametrize("family", ["llama-3.2", "qwen-3"])
+@pytest.mark.parametrize("family", ["llama-3.1", "llama-3.2", "qwen-2.5", "qwen-3", "mistral"])
 def test_a_family_trains_from_transformers_loss_under_two_asymmetric_pipelines_at_tp2(tmp_path: Path, family: str):
     """The first loss of a run started with --init-from on transformers' save is transformers' on the same
-    batch: tied weights split by vocabulary on both ends, Qwen 3's head norms summed over the TP group."""
+    batch, for each family issue 46 names: Llama 3.1's rotary scaling, tied weights split by vocabulary on both ends
+    (Llama 3.2, Qwen 2.5), Qwen 2.5's q/k/v biases, Qwen 3's head norms summed over the TP group, Mistral."""
     theirs = transformers_model(tmp_path / "hf", family)
     spec = pretrained_spec(tmp_path / "hf", SEQ)
     plan = asymmetric_tp2_plan(spec)

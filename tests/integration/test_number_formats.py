@@ -110,3 +110,55 @@ def test_an_fp8_stage_beside_a_bf16_stage_runs_float8_linears_on_its_ranks_only(
     assert records[0]["loss"] == pytest.approx(fp8_loss, rel=1e-4)
     assert records[0]["loss"] == pytest.approx(bf16_loss, rel=0.02) and all(math.isfinite(r["loss"]) for r in records)
     assert not any("loss_scale" in rec for rec in records)  # fp8's gradients are scaled per tensor, not the loss
+
+
+def _final_params(dump: Path, p: Plan) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for role in build_layout(p).roles:
+        got.update(torch.load(dump / f"params-rank{role.rank}.pt"))
+    return got
+
+
+def _checkpointed_loss_scale(run_dir: Path, step: int) -> float:
+    """The loss scale the run's checkpoint of ``step`` carries on: the nodes' shards of the step read as one."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    whole = run_dir / "whole"
+    for node in ("a", "b"):
+        shutil.copytree(run_dir / "checkpoints" / node / f"step-{step:08d}", whole, dirs_exist_ok=True)
+    state = {"train_state": {"loss_scale": torch.zeros((), dtype=torch.float64)}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(whole)), no_dist=True)
+    return float(state["train_state"]["loss_scale"])
+
+
+def test_an_overflow_on_the_fp16_stage_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path: Path,
+                                                                                           monkeypatch):
+    """The fp16 stage's gradients overflow at step 1 (``FAULT_OVERFLOW`` on its rank): the step is skipped on
+    every rank (the parameters are those of a run that stopped after step 0, on the bf16 stage too) and the scale
+    the run carries on is half the one it used."""
+    from hetrain.runtime.trainer import FAULT_OVERFLOW
+
+    p = _mixed_plan()
+    p.write(tmp_path / "plan.json")
+    constant_lr = ["--optimizer", "sgd", "--lr", "0.01", "--lr-min", "0.01", "--warmup-steps", "0"]
+
+    def train(name: str, steps: int, *extra: str) -> list[dict]:
+        r = run_cli("train", "--plan", str(tmp_path / "plan.json"), "--steps", str(steps), *constant_lr,
+                    "--run-dir", str(tmp_path / name), "--dump-dir", str(tmp_path / f"dump-{name}"), *extra)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    fp16_rank = next(role.rank for role in build_layout(p).roles if role.stage == 0)
+    monkeypatch.setenv(FAULT_OVERFLOW, f"{fp16_rank}:1")
+    overflowed = train("overflowed", 2, "--checkpoint-every", "100")
+    monkeypatch.delenv(FAULT_OVERFLOW)
+    stopped = train("stopped", 1, "--no-checkpoints")
+    assert [r.get("skipped", False) for r in overflowed] == [False, True]
+    assert math.isinf(overflowed[1]["grad_norm"]) or math.isnan(overflowed[1]["grad_norm"])
+    used = overflowed[1]["loss_scale"]
+    assert _checkpointed_loss_scale(tmp_path / "overflowed", 1) == used / 2
+    got, want = _final_params(tmp_path / "dump-overflowed", p), _final_params(tmp_path / "dump-stopped", p)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in got), [n for n in got if not torch.equal(got[n], want[n])]
