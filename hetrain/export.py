@@ -123,10 +123,11 @@ def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP's wrapper of rank errors
 
     from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
-    from hetrain.runtime.model import GPT
+    from hetrain.runtime.model import GPT, HEAD_NAME
 
     model = GPT(spec)  # whole, on the CPU: DCP fills it from whatever shards the plan wrote
-    state = {"model": model.state_dict()}
+    # a tied head is the embedding's Parameter, which checkpoints hold once, under the embedding's name
+    state = {"model": {n: t for n, t in model.state_dict().items() if not (spec.tied and n == HEAD_NAME)}}
     try:
         with warnings.catch_warnings():  # one process by design: DCP's warning that it is one says nothing to a user
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
@@ -136,7 +137,7 @@ def consolidate(checkpoint_dir: str, spec: ModelSpec) -> dict[str, torch.Tensor]
     except (Exception, CheckpointException) as e:  # an index that does not fit the model (no code runs: safe unpickler)
         raise HetrainError(f"{checkpoint_dir}: the checkpoint's .metadata does not describe '{spec.name}' "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return state["model"]
+    return model.state_dict()  # loaded in place, the tied head with its embedding
 
 
 def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: str = "fp32",

@@ -11,7 +11,8 @@ state: keys are parameter names (``layers.7.mlp.w1.weight``, ``state.layers.7.ml
 values are DTensors under tensor parallelism, so DCP reshards on load into any other plan:
 another TP degree, other pipeline cuts, fewer or more pipelines. A stage whose optimizer state is
 sharded or offloaded (``hetrain.runtime.zero``) gives the same keys, its rows of each moment as a
-DTensor on a (TP x replicas) mesh: checkpoints reshard across optimizer-state modes too.
+DTensor on a (TP x replicas) mesh: checkpoints reshard across optimizer-state modes too. A tied
+model's weight is stored once, under the embedding's name, whichever stages hold its ends (``TIED_NAMES``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ POSITIONAL_TRAIN_STATE = ("lr", "lr_min", "warmup_steps", "decay_steps", "loss_s
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    train_state: dict[str, torch.Tensor] | None = None) -> dict:
+    """This rank's checkpoint entries; a tied model's weight only under the embedding's name (``_store_tied_once``)."""
+    return _named_state(model, optimizer, train_state)[0]
+
+
+def _named_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 train_state: dict[str, torch.Tensor] | None) -> tuple[dict, list[tuple[str, str, str, bool]]]:
+    """``training_state`` and the tied entries it named by the embedding's name (to name them back after a load)."""
     if _is_sharded(optimizer):
         model_sd, optim_sd = get_model_state_dict(model, options=OPTIONS), optimizer.checkpoint_state()
     else:
@@ -67,7 +75,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     state = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     if train_state is not None:
         state[TRAIN_STATE] = train_state  # the same on every rank, stored once like the RNG state
-    return state
+    return state, _store_tied_once(state, bool(getattr(getattr(model, "spec", None), "tied", False)))
 
 
 def _is_sharded(optimizer) -> bool:
@@ -88,27 +96,55 @@ def prepare_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) 
         get_state_dict(model, optimizer, options=OPTIONS)
 
 
-# A tied model's one weight under its two names (hetrain.runtime.model's TIED_NAME and HEAD_NAME): a stage holding
-# both ends keeps one Parameter, its optimizer state under the first name only; stages holding one end each keep
-# their copy's state under their own name.
+# A tied model's one weight under its two names (hetrain.runtime.model's TIED_NAME and HEAD_NAME, not imported:
+# the runtime imports this layer). A checkpoint holds it once, under the embedding's name: a stage holding both
+# ends has one Parameter under both model keys (its optimizer state under the first only); where the ends are on
+# different ranks, each last stage names its copy (equal to the first stages', hetrain.runtime.parallelize sums
+# their gradients) and the copy's optimizer state by the embedding's name too, so DCP's save planner keeps one of
+# the identical entries (dedup_save_plans: one writer per fqn and offset; TP shards of both ends have the same).
 TIED_NAMES = ("tok_embedding.weight", "head.weight")
 
 
-def _alias_tied(optim: dict, stored_keys) -> dict[str, str]:
-    """Rename, in place, this rank's optimizer entries of a tied weight that the checkpoint holds only under the
-    other end's name (a plan whose pipelines each hold both ends, resumed on one that splits them, or back);
-    returns {stored name: this rank's name} to rename them back after the load. The values are the same weight's."""
-    renames = {}
-    for key in list(optim):
-        if f"optim.{key}" in stored_keys:
-            continue
-        for mine, other in (TIED_NAMES, TIED_NAMES[::-1]):
-            alias = key.replace(f".{mine}.", f".{other}.", 1) if f".{mine}." in key else None
-            if alias and alias not in optim and f"optim.{alias}" in stored_keys:
-                renames[alias] = key
-                optim[alias] = optim.pop(key)
-                break
-    return renames
+def _tied_alias(section: str, key: str) -> str | None:
+    """The embedding's name for an entry of a tied model's head (``model``: ``head.weight``; ``optim``:
+    ``state.head.weight.exp_avg``, ``param_groups.head.weight.lr``...); None for any other entry."""
+    embedding, head = TIED_NAMES
+    if section == "model":
+        return embedding if key == head else None
+    for part in ("state.", "param_groups."):
+        if key.startswith(f"{part}{head}."):
+            return f"{part}{embedding}.{key[len(part) + len(head) + 1:]}"
+    return None
+
+
+def _store_tied_once(state: dict, tied: bool) -> list[tuple[str, str, str, bool]]:
+    """Name, in place, a tied model's head entries by the embedding's (module comment above ``TIED_NAMES``).
+
+    Every checkpoint a tied run ever wrote holds the embedding's entries (its first stages', whichever plan), so
+    a load reads them under that name onto either layout, old checkpoints with a copy of each too: no key is
+    taken from the (untrusted) metadata. Returns (section, stored name, this rank's name, shared): ``shared``
+    where the embedding's entry is the same Parameter's (one stage holds both ends), dropped rather than moved.
+    """
+    renamed = []
+    for section in ("model", "optim") if tied else ():
+        entries = state[section]
+        for key in list(entries):
+            alias = _tied_alias(section, key)
+            if alias is None:
+                continue
+            value = entries.pop(key)
+            shared = alias in entries
+            if not shared:
+                entries[alias] = value
+            renamed.append((section, alias, key, shared))
+    return renamed
+
+
+def _name_back(state: dict, renamed: list[tuple[str, str, str, bool]]) -> None:
+    """After a load: each tied entry under this rank's own name again, as ``set_state_dict`` wants them."""
+    for section, stored, mine, shared in renamed:
+        entries = state[section]
+        entries[mine] = entries[stored] if shared else entries.pop(stored)
 
 
 def _stored_train_state(keys) -> tuple[str, ...] | None:
@@ -137,13 +173,11 @@ def load_training_state(url: str, model: nn.Module, optimizer: torch.optim.Optim
         template = torch.zeros(len(POSITIONAL_TRAIN_STATE), dtype=torch.float64)
     elif names:
         template = {name: torch.zeros((), dtype=torch.float64) for name in names}
-    state = training_state(model, optimizer, template)
+    state, renamed = _named_state(model, optimizer, template)
     if isinstance(reader, SafeFsspecReader):  # a fresh one: DCP's load sets the reader up again
         reader = SafeFsspecReader(url, **(storage_options or {}))
-    renames = _alias_tied(state["optim"], keys)
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    for stored, mine in renames.items():
-        state["optim"][mine] = state["optim"].pop(stored)
+    _name_back(state, renamed)
     if _is_sharded(optimizer):  # DCP loaded its shares in place; the model's weights go in as usual
         set_model_state_dict(model, state["model"], options=OPTIONS)
         optimizer.load_checkpoint_state(state["optim"])

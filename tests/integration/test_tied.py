@@ -1,10 +1,12 @@
 """Tied embeddings trained: asymmetric plans whose ends sit on different ranks (TP 2, ZeRO-1) against one
 process, as tests/integration/test_runtime.py does for untied models, and a checkpoint moved between a stage
-holding both ends and a copy on each end."""
+holding both ends and a copy on each end, both ways; each checkpoint holds the tied weight once."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,25 @@ def assert_close(got: dict, want: dict, what: str, tol: float = 1e-5) -> None:
         assert rel < tol, f"{what} {name}: relative error {rel:.2e}"
 
 
+def assert_stored_once(roots: list[Path], step: int) -> None:
+    """The step's DCP index on each node: the tied weight and its optimizer state only under the embedding's name,
+    one stored item per chunk (one per TP rank), and the shard files hold nothing the index does not point at (so
+    no second copy was written under any name)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hetrain.checkpoint.manifest import step_name
+
+    files = sum(f.stat().st_size for root in roots for f in (root / step_name(step)).glob("__*.distcp"))
+    for root in roots:
+        metadata = FileSystemReader(str(root / step_name(step))).read_metadata()
+        keys = metadata.state_dict_metadata
+        assert not [k for k in keys if HEAD_NAME in k], sorted(k for k in keys if HEAD_NAME in k)
+        weight = keys[f"model.{TIED_NAME}"]
+        assert sum(math.prod(c.sizes) for c in weight.chunks) == weight.size.numel()
+        assert len([i for i in metadata.storage_data if i.fqn == f"model.{TIED_NAME}"]) == len(weight.chunks)
+        assert sum(info.length for info in metadata.storage_data.values()) == files
+
+
 def test_tied_plan_at_tp2_matches_one_process(tmp_path: Path):
     """Embedding and head on different ranks of pipeline 0, on one rank of pipeline 1, TP 2 (the head's
     copy split by vocabulary like the embedding; the q/k norms' gradients summed over the TP group):
@@ -49,40 +70,57 @@ def test_tied_plan_at_tp2_matches_one_process(tmp_path: Path):
     assert copies == 3  # pipeline 0's two ends, pipeline 1's one weight
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [rec["loss"] for rec in records] == pytest.approx(ref_losses, rel=1e-5)
+    # the run's last checkpoint: both ends' vocabulary shards (DTensors at the same offsets) deduplicated by DCP
+    assert_stored_once([tmp_path / "run" / "checkpoints" / node for node in ("a", "b")], STEPS - 1)
 
 
 def test_tied_plan_under_zero1_matches_one_process(tmp_path: Path):
     """The same plan at TP 1 with AdamW, every stage's state sharded (ZeRO-1): the blocks' state in
     shares, the tied weight's whole on each holder (its holders name it differently). Weights and losses
     are one process's (within what AdamW makes of float32 sums in another order, as tests/integration/test_zero.py)."""
+    from hetrain.config import CheckpointConfig
+
     plan = tied_plan(1, ("sharded",) * 3)
-    records = run(plan, tmp_path / "sharded", steps=STEPS, dump=True)
+    records = run(plan, tmp_path / "sharded", steps=STEPS, dump=True,
+                  checkpoint=CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=STEPS))
     want, losses = adamw_reference(plan, [r["lr"] for r in records])
     got = dumped_state(plan, tmp_path / "sharded")
     assert f"optim/{HEAD_NAME}/exp_avg" in got and f"optim/{TIED_NAME}/exp_avg" in got
     assert_close({n: t for n, t in got.items() if not n.startswith("optim/")}, want, "parameter", ONE_PROCESS_TOL)
     assert torch.equal(got[HEAD_NAME], got[TIED_NAME])  # the two copies stay one weight
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+    assert_stored_once([tmp_path / "nodes" / node for node in ("a", "b")], STEPS - 1)
 
 
 def test_a_tied_checkpoint_moves_between_one_weight_and_a_copy_on_each_end(tmp_path: Path):
     """Saved where one stage holds both ends (the optimizer state under the embedding's name only), resumed where
-    the ends are on different ranks (the head's copy takes the same state): the step after equals the run that
-    never moved."""
+    the ends are on different ranks (the head's copy takes the same state; its stage's optimizer state offloaded,
+    ZeRO's ShardedAdamW), saved there (the weight once) and resumed on one stage again: each step after a move
+    equals the run that never moved."""
     from hetrain.checkpoint.manifest import step_name
     from hetrain.config import CheckpointConfig
 
-    def one_plan(stages: list[tuple[str, list[int]]]) -> Plan:
+    def one_plan(stages: list[tuple[str, list[int], str | None]]) -> Plan:
         return Plan.model_validate({
             "schema": "hetrain.plan/v1", "model": TIED.model_dump(), "cluster": "test", "global_batch_size": 8,
             "micro_batch_size": 2, "tp": 1, "pipelines": [{"num_microbatches": 4, "stages": [
-                {"devices": [d], "gpu": "cpu", "layers": layers} for d, layers in stages]}]})
+                {"devices": [d], "gpu": "cpu", "layers": layers, "optimizer_state": mode}
+                for d, layers, mode in stages]}]})
 
-    whole, split = one_plan([("a/0", [0, 6])]), one_plan([("a/0", [0, 3]), ("b/0", [3, 6])])
+    whole = one_plan([("a/0", [0, 6], None)])
+    split = one_plan([("a/0", [0, 3], None), ("b/0", [3, 6], "offloaded")])
     cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=2)
-    straight = run(whole, tmp_path / "straight", steps=3)
+    split_cfg = cfg.model_copy(update={"local_dir": str(tmp_path / "split" / "{node}")})
+    straight = run(whole, tmp_path / "straight", steps=6)
     run(whole, tmp_path / "save", steps=2, checkpoint=cfg)
-    moved = run(split, tmp_path / "moved", steps=3, start_step=2,
+    moved = run(split, tmp_path / "moved", steps=4, start_step=2, checkpoint=split_cfg,
                 resume_from=str(Path(cfg.node_root("a")) / step_name(1)))
-    assert moved[0]["step"] == 2
-    assert moved[0]["loss"] == pytest.approx(straight[2]["loss"], rel=1e-5)
+    # two steps each: the second's loss is after an update with the moved optimizer state
+    assert [r["step"] for r in moved] == [2, 3]
+    assert [r["loss"] for r in moved] == pytest.approx([r["loss"] for r in straight[2:4]], rel=1e-5)
+    assert_stored_once([tmp_path / "split" / node for node in ("a", "b")], 3)
+    for node in ("a", "b"):  # the nodes' shards of the step in one directory (reassemble's job in a run)
+        shutil.copytree(Path(split_cfg.node_root(node)) / step_name(3), tmp_path / "both", dirs_exist_ok=True)
+    back = run(whole, tmp_path / "back", steps=6, start_step=4, resume_from=str(tmp_path / "both"))
+    assert [r["step"] for r in back] == [4, 5]
+    assert [r["loss"] for r in back] == pytest.approx([r["loss"] for r in straight[4:6]], rel=1e-5)

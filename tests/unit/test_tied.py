@@ -56,3 +56,31 @@ def test_the_tied_bucket_holds_every_end_of_every_pipeline():
     one_pipeline = Plan.model_validate(tied_plan(1).model_dump() | {"pipelines": [tied_plan(1).pipelines[0]],
                                                                      "global_batch_size": 6})
     assert [(b.ranks, b.tied) for b in build_layout(one_pipeline).buckets] == [((0, 1), True)]
+
+
+def test_a_checkpoint_holds_the_tied_weight_once_and_loads_onto_either_layout(tmp_path):
+    """Saved by one stage holding both ends, or by a last stage holding the head's copy alone: the weight and its
+    AdamW state only under the embedding's name; a last stage's copy loads from either (the weight and its state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from hetrain.checkpoint.save import load_training_state, prepare_optimizer_state, training_state
+
+    def stage(layers: tuple[int, int], seed: int) -> tuple[GPT, torch.optim.Optimizer]:
+        model = GPT(TIED, layers)
+        model.init_weights(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        prepare_optimizer_state(model, opt)
+        opt.state[model.head.weight]["exp_avg"].fill_(seed)
+        return model, opt
+
+    for saved in ((0, 6), (2, 6)):
+        model, opt = stage(saved, 1)
+        dcp.save(training_state(model, opt), storage_writer=FsspecWriter(str(tmp_path / str(saved))))
+        keys = dcp.FileSystemReader(str(tmp_path / str(saved))).read_metadata().state_dict_metadata
+        assert "model.tok_embedding.weight" in keys and "optim.state.tok_embedding.weight.exp_avg" in keys
+        assert not any("head.weight" in k for k in keys), sorted(k for k in keys if "head" in k)
+        last, last_opt = stage((2, 6), 2)
+        load_training_state(str(tmp_path / str(saved)), last, last_opt)
+        assert torch.equal(last.head.weight, model.head.weight)
+        assert torch.equal(last_opt.state[last.head.weight]["exp_avg"], opt.state[model.head.weight]["exp_avg"])
