@@ -28,23 +28,42 @@ def _train(tmp_path: Path, *extra: str):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> tuple[Path, list[dict], str]:
-    """A finished run of 6 steps without checkpoints: its directory, records and metrics file.
+    """A finished run of 6 steps without checkpoints, its plan in its own run directory (``--plan R/plan.json
+    --run-dir R``): the directory, its records and its metrics file.
 
-    Shared (one training run fewer): the first test below compares a resumed run's curve with
-    its records; the second re-runs it (refused, then ``--restart``, which archives it).
+    Shared (three training runs fewer): the first test below compares a resumed run's curve with its
+    records; the second re-runs it (refused, then ``--restart``, which archives it and keeps the plan
+    the new run reads).
     """
-    directory = tmp_path_factory.mktemp("finished")
-    asymmetric_plan(1).write(directory / "plan.json")
-    r = _train(directory, "--steps", "6", "--no-checkpoints")
+    run_dir = tmp_path_factory.mktemp("finished") / "R"
+    run_dir.mkdir()
+    asymmetric_plan(1).write(run_dir / "plan.json")
+    r = _train_in(run_dir, "--steps", "6", "--no-checkpoints")
     assert r.returncode == 0, r.stderr
-    return directory, _records(directory / "run"), (directory / "run" / "metrics.jsonl").read_text()
+    return run_dir, _records(run_dir), (run_dir / "metrics.jsonl").read_text()
 
 
-def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path, finished_run):
+def _train_in(run_dir: Path, *extra: str):
+    """``_train`` of the plan kept in the run directory itself."""
+    return run_cli("train", "--plan", str(run_dir / "plan.json"), "--run-dir", str(run_dir),
+                   "--lr", "3e-3", "--warmup-steps", "1", "--decay-steps", "10", *extra)
+
+
+def test_rerun_resumes_and_continues_the_same_curve_and_a_local_remote_is_made_and_backed_up(tmp_path: Path,
+                                                                                             finished_run):
+    """The same command with more steps resumes after its newest checkpoint and trains the losses of a run
+    that was never stopped. Its remote, a local directory that did not exist, is made as a local disk
+    would be and holds the committed checkpoints, and the remote's probe leaves nothing behind."""
+    from hetrain.checkpoint.store import CheckpointStore
+
     asymmetric_plan(1).write(tmp_path / "plan.json")
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt" / "{node}"), "--checkpoint-every", "2"]
+    backup = tmp_path / "backup" / "run"  # neither exists yet: a directory remote is made as for a local disk
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt" / "{node}"), "--checkpoint-every", "2",
+            "--remote", f"file://{backup}"]
     r = _train(tmp_path, "--steps", "4", *ckpt)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert CheckpointStore(f"file://{backup}").committed_steps() == [1, 3]
+    assert not [p for p in backup.iterdir() if p.name.startswith(".hetrain-probe")]
     r = _train(tmp_path, "--steps", "6", *ckpt)  # the same command, more steps: resumes after step 3
     assert r.returncode == 0, r.stderr
     assert "resuming after step 3" in r.stdout
@@ -56,18 +75,21 @@ def test_rerun_resumes_and_continues_the_same_curve(tmp_path: Path, finished_run
     assert max(abs(a["loss"] - b) / b for a, b in zip(resumed, want)) < 1e-5
 
 
-def test_rerun_without_checkpoints_is_refused_and_restart_archives(finished_run):
-    run_root, _, before = finished_run
-    assert (run_root / "run" / "metrics.jsonl").read_text() == before
-    r = _train(run_root, "--steps", "6", "--no-checkpoints")
+def test_rerun_without_checkpoints_is_refused_and_restart_archives_and_keeps_the_inputs_it_reads(finished_run):
+    """`--plan R/plan.json --run-dir R --restart`: the old run goes to the archive, the plan stays where the new
+    run reads it and the archive gets a copy."""
+    run_dir, _, before = finished_run
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    r = _train_in(run_dir, "--steps", "6", "--no-checkpoints")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "holds a previous run (config.json, metrics.jsonl with 6 steps) with no committed checkpoint" in r.stderr
-    assert "--restart" in r.stderr and (run_root / "run" / "metrics.jsonl").read_text() == before
-    r = _train(run_root, "--steps", "3", "--restart")
+    assert "--restart" in r.stderr and (run_dir / "metrics.jsonl").read_text() == before
+    r = _train_in(run_dir, "--steps", "3", "--restart")
     assert r.returncode == 0, r.stderr
-    archived = list((run_root / "run" / "archive").iterdir())
-    assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == before
-    assert [x["step"] for x in _records(run_root / "run")] == [0, 1, 2]
+    (archived,) = (run_dir / "archive").iterdir()
+    assert (archived / "metrics.jsonl").read_text() == before
+    assert (run_dir / "plan.json").is_file() and (archived / "plan.json").is_file()
+    assert [x["step"] for x in _records(run_dir)] == [0, 1, 2]
 
 
 def test_metrics_path_that_is_not_a_metrics_file_is_never_touched(tmp_path: Path):
@@ -163,32 +185,6 @@ def test_a_missing_bucket_is_one_line_before_any_step(tmp_path: Path, s3_endpoin
         "error: --remote s3://no-such-bucket/run: cannot write there (no such bucket or directory); expected an "
         "existing bucket or directory this machine's credentials can write to"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-def test_a_local_remote_is_made_and_backed_up(tmp_path: Path):
-    from hetrain.checkpoint.store import CheckpointStore
-
-    asymmetric_plan(1).write(tmp_path / "plan.json")
-    backup = tmp_path / "backup" / "run"  # neither exists yet: a directory remote is made as for a local disk
-    r = _train(tmp_path, "--steps", "2", "--remote", f"file://{backup}")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert CheckpointStore(f"file://{backup}").committed_steps() == [1]
-    assert not [p for p in backup.iterdir() if p.name.startswith(".hetrain-probe")]
-
-
-def test_a_restart_keeps_the_inputs_it_reads_from_the_run_directory(tmp_path: Path):
-    """`--plan R/plan.json --run-dir R --restart`: the plan stays where the new run reads it; the archive gets a copy."""
-    run_dir = tmp_path / "R"
-    run_dir.mkdir()
-    asymmetric_plan(1).write(run_dir / "plan.json")
-    argv = ["train", "--plan", str(run_dir / "plan.json"), "--run-dir", str(run_dir), "--steps", "2"]
-    r = run_cli(*argv)
-    assert r.returncode == 0, r.stderr
-    r = run_cli(*argv, "--restart")
-    assert r.returncode == 0, r.stderr
-    (archived,) = (run_dir / "archive").iterdir()
-    assert (run_dir / "plan.json").is_file() and (archived / "plan.json").is_file()
-    assert (archived / "metrics.jsonl").is_file() and [x["step"] for x in _records(run_dir)] == [0, 1]
 
 
 # -- issue 48: a killed run stops training --------------------------------------------------------------------------
