@@ -292,12 +292,14 @@ def emulated_plan(tmp_path_factory) -> Path:
     return path
 
 
-def test_emulated_cluster_trains_100_steps_and_loss_falls(tmp_path: Path, emulated_plan: Path):
-    r = run_cli("train", "--plan", str(emulated_plan), "--cluster", str(CLUSTER), "--steps", "100",
+def test_emulated_cluster_trains_50_steps_and_loss_falls(tmp_path: Path, emulated_plan: Path):
+    """The planner's plan for the emulated cluster trains to the end, the loss of its last 5 steps under 0.8 of its
+    first 5 (0.76 measured at 50 steps; 0.54 at 100, which took 10 s more of the suite)."""
+    r = run_cli("train", "--plan", str(emulated_plan), "--cluster", str(CLUSTER), "--steps", "50",
                 "--lr", "3e-3", "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 0, r.stdout + r.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 100
+    assert len(records) == 50
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < 0.8 * first, (first, last)
