@@ -33,7 +33,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, list[dict], str]:
 
     Shared (three training runs fewer): the first test below compares a resumed run's curve with its
     records; the second re-runs it (refused, then ``--restart``, which archives it and keeps the plan
-    the new run reads).
+    the new run reads, then extends the new run).
     """
     run_dir = tmp_path_factory.mktemp("finished") / "R"
     run_dir.mkdir()
@@ -75,21 +75,40 @@ def test_rerun_resumes_and_continues_the_same_curve_and_a_local_remote_is_made_a
     assert max(abs(a["loss"] - b) / b for a, b in zip(resumed, want)) < 1e-5
 
 
-def test_rerun_without_checkpoints_is_refused_and_restart_archives_and_keeps_the_inputs_it_reads(finished_run):
-    """`--plan R/plan.json --run-dir R --restart`: the old run goes to the archive, the plan stays where the new
-    run reads it and the archive gets a copy."""
+def test_rerun_without_checkpoints_is_refused_restart_archives_and_the_new_run_checkpoints_by_default_and_extends(
+        finished_run):
+    """A finished run without checkpoints, run again: refused (one line), untouched. `--plan R/plan.json --run-dir R
+    --restart`: the old run goes to the archive, the plan stays where the new run reads it and the archive gets a
+    copy. The new run, given no checkpoint option at all, checkpoints by default; the same command without
+    `--restart` and with more steps resumes after its checkpoint and stretches the learning-rate decay."""
+    from hetrain.checkpoint.store import CheckpointStore
+    from hetrain.spec.schedule import LRSchedule
+
     run_dir, _, before = finished_run
     assert (run_dir / "metrics.jsonl").read_text() == before
     r = _train_in(run_dir, "--steps", "6", "--no-checkpoints")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "holds a previous run (config.json, metrics.jsonl with 6 steps) with no committed checkpoint" in r.stderr
     assert "--restart" in r.stderr and (run_dir / "metrics.jsonl").read_text() == before
-    r = _train_in(run_dir, "--steps", "3", "--restart")
+    argv = ["train", "--plan", str(run_dir / "plan.json"), "--run-dir", str(run_dir), "--lr", "3e-3"]
+    r = run_cli(*argv, "--steps", "4", "--restart")  # no checkpoint option, no schedule option
     assert r.returncode == 0, r.stderr
     (archived,) = (run_dir / "archive").iterdir()
     assert (archived / "metrics.jsonl").read_text() == before
     assert (run_dir / "plan.json").is_file() and (archived / "plan.json").is_file()
-    assert [x["step"] for x in _records(run_dir)] == [0, 1, 2]
+    assert [x["step"] for x in _records(run_dir)] == [0, 1, 2, 3]
+    roots = sorted((run_dir / "checkpoints").iterdir())
+    assert roots and all(CheckpointStore(str(root)).committed_steps() == [3] for root in roots)
+    r = run_cli(*argv, "--steps", "8")  # the same command, a longer run: resumes after step 3
+    assert r.returncode == 0, r.stderr
+    assert "planned for 4 steps and now trains to 8" in r.stdout
+    records = _records(run_dir)
+    planned = LRSchedule.for_run(4, lr=3e-3)
+    extended = planned.extended_to(8)
+    assert [x["step"] for x in records] == list(range(8))
+    assert [x["lr"] for x in records[4:]] == pytest.approx([extended.lr_at(s) for s in range(4, 8)])
+    assert records[4]["lr"] > 2 * planned.lr_min  # not the floor the 4-step run ended at
+    assert records[4]["lr_schedule_extended"]["to_steps"] == 8
 
 
 def test_metrics_path_that_is_not_a_metrics_file_is_never_touched(tmp_path: Path):
@@ -136,29 +155,6 @@ def test_sigterm_stops_every_worker_and_a_second_train_is_refused_meanwhile(tmp_
     assert "SIGTERM: every training process of this run has been stopped" in stderr
     time.sleep(0.5)
     assert not worker_pids(run_dir)
-
-
-def test_a_run_checkpoints_by_default_and_extending_it_stretches_the_decay(tmp_path: Path):
-    from hetrain.checkpoint.store import CheckpointStore
-    from hetrain.spec.schedule import LRSchedule
-
-    asymmetric_plan(1).write(tmp_path / "plan.json")
-    run_dir = tmp_path / "run"
-    argv = ["train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(run_dir), "--lr", "3e-3"]
-    r = run_cli(*argv, "--steps", "4")  # no checkpoint option at all
-    assert r.returncode == 0, r.stderr
-    roots = sorted((run_dir / "checkpoints").iterdir())
-    assert roots and all(CheckpointStore(str(root)).committed_steps() == [3] for root in roots)
-    r = run_cli(*argv, "--steps", "8")  # the same command, a longer run: resumes after step 3
-    assert r.returncode == 0, r.stderr
-    assert "planned for 4 steps and now trains to 8" in r.stdout
-    records = _records(run_dir)
-    planned = LRSchedule.for_run(4, lr=3e-3)
-    extended = planned.extended_to(8)
-    assert [x["step"] for x in records] == list(range(8))
-    assert [x["lr"] for x in records[4:]] == pytest.approx([extended.lr_at(s) for s in range(4, 8)])
-    assert records[4]["lr"] > 2 * planned.lr_min  # not the floor the 4-step run ended at
-    assert records[4]["lr_schedule_extended"]["to_steps"] == 8
 
 
 def test_no_checkpoints_cannot_be_combined_with_a_checkpoint_place(tmp_path: Path):
