@@ -1,5 +1,6 @@
 """The Llama architecture (RMSNorm, SwiGLU, rotary positions, grouped-query attention) through spec,
-cost model, planner and profiler; its runtime equivalence is in test_runtime.py."""
+cost model, planner and profiler; its runtime equivalence is in test_runtime.py, the export of a trained
+Llama in test_init_from.py."""
 
 from __future__ import annotations
 
@@ -82,49 +83,6 @@ def test_swiglu_keeps_more_activations_than_gelu():
     extra = block_activation_bytes(llama, settings, 1, 1) - block_activation_bytes(gpt, settings, 1, 1)
     rms_norm_copies = gpt.seq_length * 2 * gpt.hidden_size * 4  # RMSNorm keeps its normalized input (fp32)
     assert extra == pytest.approx(gpt.seq_length * 2 * llama.ffn_size * settings.activation_bytes + rms_norm_copies)
-
-
-def test_export_of_a_trained_llama_round_trips_exactly(tmp_path):
-    """Trained under TP 2 in two pipeline stages, exported from the node directories' DCP shards into one
-    safetensors file in transformers' Llama layout: every weight equal to what the ranks held at the end,
-    and a fresh single-process model loaded from it gives the same logits."""
-    import json
-
-    from safetensors import safe_open
-
-    from hetrain.export import HF_CONFIG, WEIGHTS, load_export
-    from hetrain.config import CheckpointConfig
-    from hetrain.plan.schema import Plan
-    from tests.helpers.training import dumped_state, plan, run
-    from tests.helpers import run_cli
-
-    spec = load_model(LLAMA_TINY)
-    base = plan(2, [(8, [("a/0", [0, 3]), ("b/0", [3, 6])])])
-    p = Plan.model_validate({**json.loads(base.to_json()), "model": spec.model_dump(mode="json", exclude_none=True)})
-    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=1000)
-    run(p, tmp_path / "train", steps=2, checkpoint=cfg, dump=True)
-    out = tmp_path / "export"
-    r = run_cli("export", "--run", str(tmp_path / "train" / "run"), "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "exported step 1" in r.stdout
-    got_spec, weights = load_export(out)
-    assert got_spec == spec
-    trained = {n: t for n, t in dumped_state(p, tmp_path / "train").items() if not n.startswith("optim/")}
-    assert weights.keys() == trained.keys()
-    for name, tensor in trained.items():
-        assert torch.equal(weights[name], tensor), name
-    with safe_open(str(out / WEIGHTS), "pt") as f:
-        names = set(f.keys())
-    assert {"model.embed_tokens.weight", "model.layers.5.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
-            "model.norm.weight", "lm_head.weight"} <= names
-    config = json.loads((out / HF_CONFIG).read_text())
-    assert (config["num_key_value_heads"], config["intermediate_size"], config["model_type"]) == (2, 128, "llama")
-    fresh, held = GPT(spec), GPT(spec)
-    fresh.load_state_dict(weights)
-    held.load_state_dict(trained)
-    ids = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
-    assert torch.equal(fresh(ids), held(ids))
-    assert [x.name for x in out.iterdir() if x.name.startswith(".")] == []  # no staging left
 
 
 def test_a_llama_is_preempted_and_recovers_on_the_survivors(tmp_path):
