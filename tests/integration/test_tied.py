@@ -109,10 +109,11 @@ def test_a_tied_checkpoint_moves_between_one_weight_and_a_copy_on_each_end(tmp_p
 
     whole = one_plan([("a/0", [0, 6], None)])
     split = one_plan([("a/0", [0, 3], None), ("b/0", [3, 6], "offloaded")])
-    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=2)
+    # the run that never moves also leaves the step-1 checkpoint the first move starts from (every 2 steps, the
+    # three it commits kept): one run fewer than a separate save
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "nodes" / "{node}"), every_steps=2, keep=3)
     split_cfg = cfg.model_copy(update={"local_dir": str(tmp_path / "split" / "{node}")})
-    straight = run(whole, tmp_path / "straight", steps=6)
-    run(whole, tmp_path / "save", steps=2, checkpoint=cfg)
+    straight = run(whole, tmp_path / "straight", steps=6, checkpoint=cfg)
     moved = run(split, tmp_path / "moved", steps=4, start_step=2, checkpoint=split_cfg,
                 resume_from=str(Path(cfg.node_root("a")) / step_name(1)))
     # two steps each: the second's loss is after an update with the moved optimizer state
