@@ -56,8 +56,8 @@ def train(
     run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
 ):
     """Train the plan's model under the plan: one process per device, through accelerate launch."""
-    from hetrain.run.request import RunDebug, RunHooks, RunRequest
-    from hetrain.run.start import PLAN_FIELD, check_request, start_run
+    from hetrain.run.request import RunDebug, RunRequest
+    from hetrain.run.start import PLAN_FIELD, check_request
 
     request = RunRequest(plan=_loaded_plan(plan_file, model), run_dir=run_dir or Path("runs") / plan_file.stem,
                          options=options, cluster=cluster, run_id=run_id or "", metrics=metrics,
@@ -72,7 +72,7 @@ def train(
             _print_launch(check_request(request), main_address)
             _note_analytic(pl)
             return
-        result = _start_with_progress(request, start_run, RunHooks)
+        result = _start_with_progress(request)
     except HetrainError as e:  # the library names the plan by its field; here it is a file the user named
         if str(e).startswith(PLAN_FIELD):
             raise HetrainError(f"{plan_file}: {str(e).removeprefix(PLAN_FIELD)}") from None
@@ -105,10 +105,13 @@ def _print_launch(checked, main_address: str) -> None:
         out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
 
 
-def _start_with_progress(request, start_run, hooks) -> object:
+def _start_with_progress(request):
     """Start the run under a progress bar (opened once its resume is decided); a signal stops every worker and
     exits 128 + its number."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from hetrain.run.request import RunHooks
+    from hetrain.run.start import start_run
 
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=out, transient=False)
@@ -139,7 +142,7 @@ def _start_with_progress(request, start_run, hooks) -> object:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and `kill -INT` must still stop the run
     previous_handlers = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        return start_run(request, hooks(on_start=on_start, on_record=_shown(progress, tasks, request),
+        return start_run(request, RunHooks(on_start=on_start, on_record=_shown(progress, tasks, request),
                                         note=lambda line: err.print(as_flags(line), highlight=False, soft_wrap=True),
                                         warn=say_note))
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """What a run's start needs, as one object: ``RunRequest`` (built by every front end, compared in tests).
 
-The CLI, the Python API, the train flow and recovery differ in where their inputs come from
-(flags, keywords, a Prefect form, a run directory), not in what a run is; each turns its inputs
+The CLI, the Python API, the train flow and the per-node flow differ in where their inputs come
+from (flags, keywords, a Prefect form), not in what a run is; each turns its inputs
 into a request and hands it to ``hetrain.run.start.start_run``. The request is plain data, so a
 test can build it from each front end and compare; the callbacks a front end wants (progress,
 warnings, a preemption's stop) travel beside it as ``RunHooks``.
