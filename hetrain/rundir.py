@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetrain.errors import HetrainError
+from hetrain.processes import alive, owner_token
 
 
 CONFIG = "config.json"
@@ -150,22 +151,21 @@ class RunDir:
         return self.path / "archive"
 
     def live_workers(self, config_name: str | None = CONFIG) -> list[int]:
-        """PIDs of this run's workers that are still alive (``pids/*.pid``, checked against their command line).
+        """PIDs of this run's workers that are still alive (``pids/*.pid``, each as ``worker_record`` wrote it).
 
         ``config_name``: those of one launch (the run's, or a warm start's); None: of every launch
         of the run (a switched run trains under its warm start's config until it is switched again).
         """
-        alive = []
+        alive_pids = []
         pids = self.path / "pids"
         for pid_file in pids.glob("*.pid") if pids.is_dir() and not pids.is_symlink() else ():
             try:
-                pid = int(pid_file.read_text()[:32])
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                pid, config = _read_worker_record(pid_file)
             except (OSError, ValueError):
                 continue
-            if any(_is_config_of(arg, self.path, config_name) for arg in argv):
-                alive.append(pid)
-        return alive
+            if config is not None and _is_config_of(config, self.path, config_name):
+                alive_pids.append(pid)
+        return alive_pids
 
     @contextlib.contextmanager
     def lock(self, what: str = "`run_dir`", workers_grace_s: float = LOCK_WORKERS_GRACE_S) -> Iterator[None]:
@@ -230,6 +230,25 @@ def _is_config_of(arg: str, run_dir: Path, config_name: str | None) -> bool:
         return str(run_dir / config_name) in arg
     path = Path(arg)
     return path.parent == run_dir and path.name.startswith("config") and path.suffix == ".json"
+
+
+def worker_record(config_path: str) -> str:
+    """What a worker writes into ``RUN/pids/PID.pid``: its name for as long as it lives (pid and start time)
+    and the config it trains under, so that neither a reused pid nor another launch's worker counts as it
+    (a worker forked by ``hetrain.runtime.agent`` has its fork server's command line, not its config)."""
+    return f"{owner_token()}\n{Path(config_path).resolve()}\n"
+
+
+def _read_worker_record(pid_file: Path) -> tuple[int, str | None]:
+    """(pid, its config while that process lives, else None). A bare pid (a worker of an older hetrain) is
+    checked against its command line."""
+    lines = pid_file.read_text()[:4096].splitlines()
+    token = lines[0] if lines else ""
+    pid = int(token.partition(":")[0])
+    if len(lines) >= 2 and ":" in token:
+        return pid, lines[1] if alive(token) else None
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return pid, next((arg for arg in argv if arg.endswith(".json")), None)
 
 
 def run_dir_of_config(config_path: str | Path) -> RunDir:

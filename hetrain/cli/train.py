@@ -55,7 +55,7 @@ def train(
                                                          "(hetrain serve); repeatable")] = None,
     run_id: Annotated[str | None, typer.Option(help="run name in checkpoints (default: the run directory's name)")] = None,
 ):
-    """Train the plan's model under the plan: one process per device, through accelerate launch."""
+    """Train the plan's model under the plan: one process per device, forked by each node's agent (torchrun)."""
     from hetrain.run.request import RunDebug, RunRequest
     from hetrain.run.start import PLAN_FIELD, check_request
 
@@ -101,7 +101,8 @@ def _print_launch(checked, main_address: str) -> None:
     checked.request.plan.write(config.plan)
     path = write_config(config, run_dir)
     out.print(f"# copy {run_dir} (config.json, plan.json) and the data to every node, then run there:")
-    for cmd in node_commands(checked.layout, str(path), main_address, 29500, run_dir.name):
+    for cmd in node_commands(checked.layout, str(path), main_address, 29500, run_dir.name,
+                             agent=["python", "-m", "hetrain.runtime.agent"]):
         out.print(f"# on {cmd.node}:\n{cmd.shell()}", highlight=False, soft_wrap=True)
 
 

@@ -1,11 +1,12 @@
-"""Start the processes of a plan: ``accelerate launch`` per node, or ``torchrun`` where node sizes differ.
+"""Start the processes of a plan: one ``hetrain.runtime.agent`` (torchrun, workers forked preloaded) per node.
 
-One machine (the emulated cluster, or one GPU node): a single ``accelerate launch`` with one
-process per device of the plan. Several machines: one command per node. accelerate runs
-``num_processes / num_machines`` processes on every node, so when the plan uses different
-numbers of devices per node we emit ``torchrun`` with c10d rendezvous instead, which accepts
-a different ``--nproc-per-node`` on each node. Either way each process learns its node from
-``HETRAIN_NODE`` and its device from ``LOCAL_RANK``, so rendezvous order does not matter.
+One machine (the emulated cluster, or one GPU node): a single agent with one process per device of
+the plan. Several machines: one command per node, against a c10d rendezvous on the first node, which
+takes a different ``--nproc-per-node`` on each node (accelerate would run ``num_processes /
+num_machines`` everywhere). Each process learns its node from ``HETRAIN_NODE`` and its device from
+``LOCAL_RANK``, so rendezvous order does not matter. The agent is torchrun's own launcher whose
+workers fork from a process that imported them once (``hetrain.runtime.agent`` says why);
+``python -m hetrain.runtime.worker`` still runs under a plain ``torchrun`` or ``accelerate launch``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
 from hetrain.rundir import CONFIG, RunDir
-from hetrain.runtime.lifeline import TRAIN_PID_ENV, owner_token, tied_argv
+from hetrain.processes import owner_token
+from hetrain.runtime.lifeline import TRAIN_PID_ENV, tied_argv
 
-WORKER = ["-m", "hetrain.runtime.worker"]
+AGENT = [sys.executable, "-m", "hetrain.runtime.agent"]
+MONITOR_S = "0.2"  # how often the agent looks at its workers: a failed rank stops the run within this
 
 
 @dataclass(frozen=True)
@@ -46,48 +48,32 @@ class NodeCommand:
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def _cpu_env() -> dict[str, str]:
-    return {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
-
-
 def local_command(layout: Layout, config_path: str, port: int) -> NodeCommand:
-    """All ranks on this machine, as one ``accelerate launch``."""
-    n = layout.world_size
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", str(n),
-            "--main_process_port", str(port), "--monitor_interval", "0.2"]
-    if n > 1:
-        argv.insert(3, "--multi_gpu")
-    if torch.cuda.is_available():
-        argv += ["--gpu_ids", "all"]
-    return NodeCommand("*", _cpu_env(), argv + WORKER + [config_path])
+    """All ranks on this machine, under one agent."""
+    argv = [*AGENT, "--nnodes", "1", "--nproc-per-node", str(layout.world_size), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--monitor-interval", MONITOR_S, config_path]
+    return NodeCommand("*", {}, argv)
 
 
 def node_commands(layout: Layout, config_path: str, main_address: str, port: int, run_id: str,
-                  torchrun: list[str] | None = None, local_addresses: dict[str, str] | None = None) -> list[NodeCommand]:
+                  agent: list[str] | None = None, local_addresses: dict[str, str] | None = None) -> list[NodeCommand]:
     """One command per node of the plan; run each on its node (the first node hosts the rendezvous).
 
-    ``torchrun`` forces torchrun with c10d rendezvous (given as the argv that starts it, e.g.
-    ``[sys.executable, "-m", "torch.distributed.run"]``) even where accelerate would do;
-    ``local_addresses`` gives each node the address its agent advertises (``--local-addr``),
-    for hosts whose name does not resolve to the address the other nodes reach.
+    ``agent``: the argv that starts ``hetrain.runtime.agent`` there (default: this interpreter's;
+    a printout for other machines says ``python``). ``local_addresses`` gives each node the address its
+    agent advertises (``--local-addr``), for hosts whose name does not resolve to the address the other
+    nodes reach.
     """
     counts = {node: len(ranks) for node, ranks in layout.nodes.items()}
-    machines = len(counts)
     out = []
     for k, (node, count) in enumerate(counts.items()):
-        env = {"HETRAIN_NODE": node, **_cpu_env()}
-        if torchrun is None and len(set(counts.values())) == 1:
-            argv = ["accelerate", "launch", "--multi_gpu", "--num_machines", str(machines), "--machine_rank", str(k),
-                    "--num_processes", str(layout.world_size), "--main_process_ip", main_address,
-                    "--main_process_port", str(port)]
-        else:
-            argv = [*(torchrun or ["torchrun"]), "--nnodes", str(machines), "--nproc-per-node", str(count),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{main_address}:{port}", "--rdzv-id", run_id,
-                    "--monitor-interval", "0.2"]
-            if local_addresses and node in local_addresses:
-                # and say who hosts the rendezvous store: torch guesses it from the host name otherwise
-                argv += ["--local-addr", local_addresses[node], "--rdzv-conf", f"is_host={int(k == 0)}"]
-        out.append(NodeCommand(node, env, argv + WORKER + [config_path]))
+        argv = [*(agent or AGENT), "--nnodes", str(len(counts)), "--nproc-per-node", str(count),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{main_address}:{port}", "--rdzv-id", run_id,
+                "--monitor-interval", MONITOR_S]
+        if local_addresses and node in local_addresses:
+            # and say who hosts the rendezvous store: torch guesses it from the host name otherwise
+            argv += ["--local-addr", local_addresses[node], "--rdzv-conf", f"is_host={int(k == 0)}"]
+        out.append(NodeCommand(node, {"HETRAIN_NODE": node}, argv + [config_path]))
     return out
 
 
@@ -231,7 +217,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
            commands: Callable[[Path], list[NodeCommand]] | None = None, config_name: str = CONFIG) -> list[dict]:
     """Run training; returns the metric records. Raises HetrainError on failure.
 
-    By default every rank runs on this machine under one ``accelerate launch``. ``commands``
+    By default every rank runs on this machine under one agent (``local_command``). ``commands``
     (given the written config's path) returns instead one command per node, each already
     wrapped to run where that node is (``hetrain.testing.netbed`` runs them in network
     namespaces); they are supervised as one run: the first that fails stops the others.
@@ -351,8 +337,7 @@ def launch_node(config: RunConfig, layout: Layout, run_dir: Path, node: str, ren
     addresses = {node: local_address or node}
 
     def commands(config_path: Path) -> list[NodeCommand]:
-        every = node_commands(layout, str(config_path), host, int(port), config.run_id,
-                              torchrun=[sys.executable, "-m", "torch.distributed.run"], local_addresses=addresses)
+        every = node_commands(layout, str(config_path), host, int(port), config.run_id, local_addresses=addresses)
         return [c for c in every if c.node == node]
 
     return launch(config, layout, run_dir, on_record=on_record, stop_event=stop_event, commands=commands)

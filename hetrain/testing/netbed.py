@@ -214,13 +214,11 @@ class NetBed:
         return {"GLOO_SOCKET_IFNAME": INTERFACE, "NCCL_SOCKET_IFNAME": INTERFACE}
 
     def launch_commands(self, layout, run_id: str, port: int = RENDEZVOUS_PORT):
-        """For ``hetrain.runtime.launch.launch(commands=...)``: each node's torchrun inside its namespace.
+        """For ``hetrain.runtime.launch.launch(commands=...)``: each node's agent inside its namespace.
 
         The rendezvous is on the first node's address, each agent advertises its own (the
         namespaces share the host's name, which resolves to nothing they can reach).
         """
-        import sys
-
         from hetrain.runtime.launch import NodeCommand, node_commands
 
         missing = [n for n in layout.nodes if n not in self.nodes]
@@ -230,7 +228,6 @@ class NetBed:
 
         def commands(config_path) -> list[NodeCommand]:
             cmds = node_commands(layout, str(config_path), self.address(first), port, run_id,
-                                 torchrun=[sys.executable, "-m", "torch.distributed.run"],
                                  local_addresses={n: self.address(n) for n in layout.nodes})
             return [NodeCommand(c.node, {**c.env, **self.env(c.node)}, self.exec_argv(c.node, c.argv)) for c in cmds]
 

@@ -254,26 +254,37 @@ def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
 
 
 def test_the_lock_is_refused_while_a_worker_of_the_run_lives_and_taken_once_it_is_gone(tmp_path: Path):
-    """A killed run's worker that still lives (a real process naming the run's config) holds the run."""
+    """A killed run's worker that still lives (a real process, named in its pid file with the run's config) holds
+    the run; a bare pid (an older hetrain's pid file) counts where the process's command line names the config."""
     import subprocess
 
     from hetrain.errors import HetrainError
+    from hetrain.processes import owner_token
     from hetrain.rundir import RunDir
 
     run = RunDir.of(tmp_path / "run")
     run.pids.mkdir(parents=True)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.config)])
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.config)])
     try:
-        (run.pids / f"{worker.pid}.pid").write_text(str(worker.pid))  # as a worker writes it, once it runs:
-        while str(run.config) not in Path(f"/proc/{worker.pid}/cmdline").read_text():  # exec'd, as a worker is
+        (run.pids / f"{worker.pid}.pid").write_text(f"{owner_token(worker.pid)}\n{run.config}\n")  # as a worker does
+        (run.pids / f"{old.pid}.pid").write_text(str(old.pid))  # as an older hetrain's did, once exec'd:
+        while str(run.config) not in Path(f"/proc/{old.pid}/cmdline").read_text():
             pass
+        with pytest.raises(HetrainError, match=rf"2 training process\(es\) of this run are still alive \(pid "
+                                               rf"({worker.pid}, {old.pid}|{old.pid}, {worker.pid})\)"):
+            with run.lock(workers_grace_s=0.3):
+                pass
+        old.kill()
+        old.wait()
         with pytest.raises(HetrainError, match=rf"1 training process\(es\) of this run are still alive \(pid "
                                                rf"{worker.pid}\)"):
             with run.lock(workers_grace_s=0.3):
                 pass
     finally:
-        worker.kill()
-        worker.wait()
+        for p in (worker, old):
+            p.kill()
+            p.wait()
     with run.lock(workers_grace_s=0.3):  # gone: the run is free (its stale pid file names no live worker)
         assert (run.path / ".lock").read_text() == str(os.getpid())
 
@@ -435,7 +446,7 @@ def test_non_finite_weights_are_refused_at_load(llama_dirs, tmp_path: Path):
 def test_print_launch_writes_nothing_into_an_existing_run(files, tmp_path: Path, capsys):
     run_dir = tmp_path / "run"
     rc, out, err = run_main(["train", "--plan", str(files["plan"]), "--print-launch", "--run-dir", str(run_dir)], capsys)
-    assert rc == 0 and "accelerate" in out and (run_dir / "config.json").is_file(), err  # a new run: its config
+    assert rc == 0 and "hetrain.runtime.agent" in out and (run_dir / "config.json").is_file(), err  # a new run: its config
     before = tree(tmp_path)
     rc, out, err = run_main(["train", "--plan", str(files["plan"]), "--print-launch", "--run-dir", str(run_dir),
                              "--checkpoint-dir", str(tmp_path / "elsewhere"), "--steps", "7"], capsys)

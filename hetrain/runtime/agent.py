@@ -1,0 +1,57 @@
+"""The launcher of a node's ranks: torchrun, with every worker forked from a process that has imported it once.
+
+``python -m hetrain.runtime.agent [torchrun's flags] RUN_DIR/config.json`` takes torchrun's own flags
+and runs torchrun's own machinery (``torch.distributed.run.config_from_args``, its elastic agent, c10d
+rendezvous, monitoring and shutdown); one thing differs. A plain ``torchrun`` (or ``accelerate
+launch``) starts every worker as a fresh interpreter that imports torch, ``torch.distributed.pipelining``
+(which pulls in dynamo and DTensor) and hetrain before its first step: 5.0-5.5 CPU seconds a rank on the
+2-core test machine, paid again by every rank at every start, resume and recovery, and on top of the
+launcher's own 2.5-3 s. Here the workers are started by the ``forkserver`` start method from a server
+that imported ``hetrain.runtime.worker`` once, so each rank starts in milliseconds; the server is
+started first, so its imports run while this process imports torch.
+
+Why the forkserver and not ``fork`` from the agent: the agent holds threads (the rendezvous store's,
+the monitor's) when it starts workers, and a fork copies their locks in whatever state they are in;
+the stdlib's fork server is single-threaded and forks nothing but workers. No CUDA is touched before
+a fork (importing torch does not initialise it), so GPU workers start as they would from ``exec``.
+
+How a worker ends with its launcher (``hetrain.runtime.lifeline``): the worker's parent is the fork
+server, which exits when this process dies (its "alive" pipe closes), and the worker asks for the
+kernel's ``SIGKILL`` when its parent dies; the watch on ``hetrain train``'s own process stays as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PRELOAD = ["hetrain.runtime.worker"]  # what every rank imports before its first step
+START_METHOD = "forkserver"
+
+
+def _start_fork_server() -> None:
+    """Start the fork server now, importing the workers' modules while this process imports torch."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
+def main(argv: list[str] | None = None) -> None:
+    _start_fork_server()
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.training_script_args:
+        sys.exit(f"usage: python -m hetrain.runtime.agent [torchrun's flags] RUN_CONFIG.json "
+                 f"(got more after {args.training_script}: {' '.join(args.training_script_args)})")
+    args.start_method = START_METHOD
+    config, _, _ = config_from_args(args)
+    from hetrain.runtime.worker import entry
+
+    record(elastic_launch(config=config, entrypoint=entry))(args.training_script)
+
+
+if __name__ == "__main__":
+    main()
