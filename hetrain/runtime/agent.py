@@ -16,33 +16,54 @@ the stdlib's fork server is single-threaded and forks nothing but workers. No CU
 a fork (importing torch does not initialise it), so GPU workers start as they would from ``exec``.
 
 How a worker ends with its launcher (``hetrain.runtime.lifeline``): the worker's parent is the fork
-server, which exits when this process dies (its "alive" pipe closes), and the worker asks for the
-kernel's ``SIGKILL`` when its parent dies; the watch on ``hetrain train``'s own process stays as it was.
+server, which the kernel kills when this process dies (``hetrain.runtime.server_tie``), and the worker
+asks for the kernel's ``SIGKILL`` when its parent dies; the watch on ``hetrain train``'s own process
+stays as it was. An agent that ends by itself stops its server before it exits, so nothing of the
+node's launch outlives it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from multiprocessing import forkserver
 
-PRELOAD = ["hetrain.runtime.worker"]  # what every rank imports before its first step
+from hetrain.runtime.server_tie import AGENT_PID_ENV
+
+# the server ties itself to this agent first, then imports what every rank imports before its first step
+PRELOAD = ["hetrain.runtime.server_tie", "hetrain.runtime.worker"]
 START_METHOD = "forkserver"
 
 
 def _start_fork_server() -> None:
     """Start the fork server now, importing the workers' modules while this process imports torch."""
-    from multiprocessing import forkserver
-
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
 
 
+def _stop_fork_server() -> None:
+    """Close the server's "alive" pipe and wait for it to exit (its workers are gone once the launch returns).
+    ``_stop`` is the stdlib's own way (its tests'); where it is missing the kernel's signal still ends it."""
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     _start_fork_server()
+    try:
+        _launch(sys.argv[1:] if argv is None else argv)
+    finally:
+        _stop_fork_server()
+
+
+def _launch(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     if args.training_script_args:
         sys.exit(f"usage: python -m hetrain.runtime.agent [torchrun's flags] RUN_CONFIG.json "
                  f"(got more after {args.training_script}: {' '.join(args.training_script_args)})")
