@@ -15,15 +15,23 @@ from tests.helpers import run_cli
 
 INTEGRATION = Path(__file__).parent / "integration"
 UNIT = Path(__file__).parent / "unit"
+# The modules that build network namespaces: their nodes' names and the 198.18.0.0/24 addresses are fixed, so
+# no two of them may run at once (``make test`` runs two pytest workers).
+NAMESPACES = {"test_demo.py", "test_netbed.py", "test_netbed_flows.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin deselects by -m, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/integration is slow; a test under tests/unit marked slow belongs there."""
+    """Everything under tests/integration is slow; a test under tests/unit marked slow belongs there.
+
+    Under pytest-xdist (``--dist loadgroup``) an integration module is one unit of work, so its module-scoped
+    fixtures (a Prefect server, a trained run) are made once, on one worker; the namespace modules are one.
+    """
     for item in items:
         path = Path(item.path)
         if INTEGRATION in path.parents:
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("namespaces" if path.name in NAMESPACES else path.stem))
         elif UNIT in path.parents and item.get_closest_marker("slow"):
             raise pytest.UsageError(f"{item.nodeid} is marked slow: its place is tests/integration")
 
