@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -111,6 +112,34 @@ def run(p: Plan, directory: Path, steps: int, *, start_step: int = 0, checkpoint
                        checkpoint=checkpoint, resume_from=resume_from,
                        dump_dir=str(directory / "dump") if dump else None, **extra)
     return launch(config, build_layout(p), directory / "run")
+
+
+def processes_of(run_dir: Path) -> list[tuple[int, str]]:
+    """Every live process whose command line or environment names ``run_dir``: hetrain train, its launcher, and
+    what the launcher started (the workers fork from its fork server: they carry its command line and its
+    environment, where ``HETRAIN_RUN_DIR`` names the run)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if (str(run_dir) in argv or f"HETRAIN_RUN_DIR={run_dir}\0" in environ) and state != "Z":
+            found.append((int(entry.name), argv.replace("\0", " ")[:200]))
+    return found
+
+
+def processes_left(run_dir: Path, within_s: float = 5.0) -> list[tuple[int, str]]:
+    """What of the run's processes still lives ``within_s`` after its launch returned (an agent's fork server and
+    the stdlib's resource tracker end just after their agent)."""
+    deadline = time.monotonic() + within_s
+    while (left := processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def dumped_state(p: Plan, directory: Path) -> dict[str, torch.Tensor]:

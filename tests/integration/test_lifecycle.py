@@ -14,7 +14,7 @@ import pytest
 
 from hetrain.runtime.launch import worker_pids
 from tests.helpers import ROOT, run_cli
-from tests.helpers.training import asymmetric_plan
+from tests.helpers.training import asymmetric_plan, processes_of
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -184,25 +184,6 @@ def test_a_missing_bucket_is_one_line_before_any_step(tmp_path: Path, s3_endpoin
 
 
 # -- issue 48: a killed run stops training --------------------------------------------------------------------------
-def _processes_of(run_dir: Path) -> list[tuple[int, str]]:
-    """Every live process whose command line or environment names ``run_dir``: hetrain train, its launcher, and
-    what the launcher started (the workers fork from its fork server: they carry its command line and its
-    environment, where ``HETRAIN_RUN_DIR`` names the run)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace")
-            environ = (entry / "environ").read_bytes().decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if (str(run_dir) in argv or f"HETRAIN_RUN_DIR={run_dir}\0" in environ) and state != "Z":
-            found.append((int(entry.name), argv.replace("\0", " ")[:200]))
-    return found
-
-
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -238,7 +219,7 @@ def test_kill_9_of_train_its_group_or_its_launcher_leaves_nothing_training_and_a
                 time.sleep(0.2)
             assert (_newest_committed(run_dir) or -1) >= first + 2, "no new checkpoint in 120 s"
             launchers = _children(proc.pid)
-            assert len(launchers) == 1 and len(_processes_of(run_dir)) >= 5  # train, launcher, its fork server, 3 workers
+            assert len(launchers) == 1 and len(processes_of(run_dir)) >= 5  # train, launcher, its fork server, 3 workers
             if target == "launcher":
                 os.kill(launchers[0], signal.SIGKILL)
             elif target == "group":
@@ -247,9 +228,9 @@ def test_kill_9_of_train_its_group_or_its_launcher_leaves_nothing_training_and_a
                 os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             output = proc.communicate(timeout=30)[0]
-            while _processes_of(run_dir) and time.monotonic() < killed + 5:
+            while processes_of(run_dir) and time.monotonic() < killed + 5:
                 time.sleep(0.1)
-            assert not _processes_of(run_dir), (target, _processes_of(run_dir), output[-2000:])
+            assert not processes_of(run_dir), (target, processes_of(run_dir), output[-2000:])
         finally:
             if proc.poll() is None:
                 proc.kill()

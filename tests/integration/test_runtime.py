@@ -20,7 +20,7 @@ from hetrain.runtime.launch import free_port, worker_pids
 from hetrain.runtime.model import lm_loss
 from hetrain.spec.specs import load_model
 from tests.helpers import EXAMPLES, ROOT, run_cli, spawn_ranks
-from tests.helpers.training import asymmetric_plan, sgd_reference
+from tests.helpers.training import asymmetric_plan, processes_left, sgd_reference
 
 TINY = EXAMPLES / "models" / "gpt-tiny.yaml"
 LR, CLIP, STEPS = 0.5, 1.0, 3
@@ -307,6 +307,8 @@ def test_emulated_cluster_trains_50_steps_and_loss_falls(tmp_path: Path, emulate
     assert {r["device"] for r in rec["ranks"]} == {"fast/0", "fast/1", "slow/0", "slow/1"}
     assert all(r["compute_s"] > 0 and r["peak_memory_gb"] > 0 for r in rec["ranks"])
     assert rec["tokens_per_s"] > 0
+    # nothing of the launch outlives it: agent, its fork server, workers
+    assert not processes_left(tmp_path / "run"), processes_left(tmp_path / "run")
 
 
 def test_world_size_must_match_the_plan(tmp_path: Path):
