@@ -20,8 +20,8 @@ lock: setup
 demo: setup
 	$(PY) -m flows.demo
 
-# Two pytest workers (pytest-xdist): a test's ranks leave a core idle for a third of its time (waiting on a peer, a
-# server, a poll), so two at once took the integration tests from 1849 s to 1531 s on two cores, every test passing.
+# Two pytest workers (pytest-xdist): one at a time, the integration tests used 0.79 of two cores (1462 CPU s in 1849 s:
+# ranks wait on peers, servers, polls); two at once took them to 1531 s on two cores, every test passing.
 # tests/conftest.py keeps an integration module on one worker and the network-namespace modules on one.
 TEST_WORKERS ?= 2
 
@@ -44,6 +44,7 @@ bench: setup
 	$(PY) bench/hetero_train.py
 	$(PY) bench/predict_vs_measure.py
 	$(PY) bench/overhead.py
+	$(PY) bench/launch_start.py
 	$(PY) bench/recovery.py
 	$(PY) bench/checkpoint_cost.py
 	$(PY) bench/gpu_step.py

@@ -51,6 +51,7 @@ from hetrain.processes import alive, owner_token
 
 
 CONFIG = "config.json"
+RUN_DIR_ENV = "HETRAIN_RUN_DIR"  # set by launch for every process of a run: a worker shows whose it is
 STANDBY_CONFIG = "config-standby.json"  # a warm start's run config (its workers are found by it)
 STANDBY = "standby.json"
 BACKUP_STATUS = "backup.json"
@@ -160,7 +161,7 @@ class RunDir:
         pids = self.path / "pids"
         for pid_file in pids.glob("*.pid") if pids.is_dir() and not pids.is_symlink() else ():
             try:
-                pid, config = _read_worker_record(pid_file)
+                pid, config = _read_worker_record(pid_file, self.path)
             except (OSError, ValueError):
                 continue
             if config is not None and _is_config_of(config, self.path, config_name):
@@ -239,16 +240,24 @@ def worker_record(config_path: str) -> str:
     return f"{owner_token()}\n{Path(config_path).resolve()}\n"
 
 
-def _read_worker_record(pid_file: Path) -> tuple[int, str | None]:
-    """(pid, its config while that process lives, else None). A bare pid (a worker of an older hetrain) is
-    checked against its command line."""
+def _read_worker_record(pid_file: Path, run_dir: Path) -> tuple[int, str | None]:
+    """(pid, the config it trains under) where that process lives and shows itself to be this run's, else
+    (pid, None). A pid file is only a claim (anyone who can write the run directory can write one, and
+    ``launch`` kills what they name): the process must carry the run itself, the config in its command line
+    (any launcher's worker, an older hetrain's bare pid files) or ``RUN_DIR_ENV`` naming this run in its
+    environment (``launch``'s workers, forked ones too), and its start time must match the record's."""
     lines = pid_file.read_text()[:4096].splitlines()
     token = lines[0] if lines else ""
     pid = int(token.partition(":")[0])
-    if len(lines) >= 2 and ":" in token:
-        return pid, lines[1] if alive(token) else None
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    return pid, next((arg for arg in argv if arg.endswith(".json")), None)
+    if ":" in token and not alive(token):
+        return pid, None
+    proc = Path(f"/proc/{pid}")
+    argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    named = next((arg for arg in argv if arg.endswith(".json") and _is_config_of(arg, run_dir, None)), None)
+    if named is not None:
+        return pid, named
+    carries = f"{RUN_DIR_ENV}={run_dir}\0" in (proc / "environ").read_bytes().decode(errors="replace")
+    return pid, (lines[1] if carries and len(lines) >= 2 else None)
 
 
 def run_dir_of_config(config_path: str | Path) -> RunDir:

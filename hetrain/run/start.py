@@ -2,8 +2,8 @@
 
 ``hetrain train``, ``hetrain.train(...)``, the train flow and the per-node flow build a
 ``RunRequest`` and call ``start_run`` (a recovery continues a run from its reassembled step with the
-run's own config and launches it directly: there is nothing to check or decide). Everything a bad input can break is checked in
-``check_request`` before anything is written or any process starts (a bad token file or the
+run's own config and launches it directly: there is nothing to check or decide). Everything a bad
+input can break is checked in ``check_request`` before anything is written or any process starts (a bad token file or the
 weights of another model are one line here, not an error from every rank after the launch).
 """
 

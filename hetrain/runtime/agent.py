@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 
 from hetrain.runtime.server_tie import AGENT_PID_ENV
 
@@ -43,11 +43,12 @@ def _start_fork_server() -> None:
 
 
 def _stop_fork_server() -> None:
-    """Close the server's "alive" pipe and wait for it to exit (its workers are gone once the launch returns).
+    """Close the server's "alive" pipe and wait for it, then for the stdlib's resource tracker it started, to exit (its workers are gone once the launch returns).
     ``_stop`` is the stdlib's own way (its tests'); where it is missing the kernel's signal still ends it."""
-    stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):  # the tracker ends once its last
+        stop = getattr(helper, "_stop", None)  # holder closes its pipe: the server first, then this process
+        if stop is not None:
+            stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,9 +65,10 @@ def _launch(argv: list[str]) -> None:
     from torch.distributed.run import config_from_args, parse_args
 
     args = parse_args(argv)
-    if args.training_script_args:
-        sys.exit(f"usage: python -m hetrain.runtime.agent [torchrun's flags] RUN_CONFIG.json "
-                 f"(got more after {args.training_script}: {' '.join(args.training_script_args)})")
+    if args.training_script_args:  # one line, exit 2, as every bad input
+        print(f"hetrain.runtime.agent: error: expected [torchrun's flags] RUN_CONFIG.json, got more after "
+              f"{args.training_script}: {' '.join(args.training_script_args)}", file=sys.stderr)
+        sys.exit(2)
     args.start_method = START_METHOD
     config, _, _ = config_from_args(args)
     from hetrain.runtime.worker import entry

@@ -24,12 +24,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from hetrain.config import RunConfig
 from hetrain.errors import HetrainError, TransientError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout
-from hetrain.rundir import CONFIG, RunDir
+from hetrain.rundir import CONFIG, RUN_DIR_ENV, RunDir
 from hetrain.processes import owner_token
 from hetrain.runtime.lifeline import TRAIN_PID_ENV, tied_argv
 
@@ -246,7 +245,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
             with log.open("w") as log_f:
                 # the launcher dies with this process (the kernel's parent-death signal), the workers with the
                 # launcher and with this process (hetrain.runtime.lifeline): a kill -9 here leaves none training
-                env = {**os.environ, **cmd.env, "HETRAIN_RUN_DIR": str(run_dir), TRAIN_PID_ENV: owner_token()}
+                env = {**os.environ, **cmd.env, RUN_DIR_ENV: str(run_dir), TRAIN_PID_ENV: owner_token()}
                 procs.append(subprocess.Popen(tied_argv(cmd.argv), stdout=log_f, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
         watch = _FirstExit(procs)

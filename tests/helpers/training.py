@@ -20,6 +20,7 @@ from hetrain.config import CheckpointConfig, RunConfig
 from hetrain.errors import HetrainError
 from hetrain.plan.layout import build_layout
 from hetrain.plan.schema import Plan
+from hetrain.rundir import RUN_DIR_ENV
 from hetrain.runtime.data import TokenSource
 from hetrain.runtime.launch import launch
 from hetrain.runtime.model import GPT, lm_loss
@@ -117,7 +118,7 @@ def run(p: Plan, directory: Path, steps: int, *, start_step: int = 0, checkpoint
 def processes_of(run_dir: Path) -> list[tuple[int, str]]:
     """Every live process whose command line or environment names ``run_dir``: hetrain train, its launcher, and
     what the launcher started (the workers fork from its fork server: they carry its command line and its
-    environment, where ``HETRAIN_RUN_DIR`` names the run)."""
+    environment, where ``RUN_DIR_ENV`` names the run)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -128,7 +129,7 @@ def processes_of(run_dir: Path) -> list[tuple[int, str]]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if (str(run_dir) in argv or f"HETRAIN_RUN_DIR={run_dir}\0" in environ) and state != "Z":
+        if (str(run_dir) in argv or f"{RUN_DIR_ENV}={run_dir}\0" in environ) and state != "Z":
             found.append((int(entry.name), argv.replace("\0", " ")[:200]))
     return found
 

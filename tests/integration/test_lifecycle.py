@@ -219,7 +219,8 @@ def test_kill_9_of_train_its_group_or_its_launcher_leaves_nothing_training_and_a
                 time.sleep(0.2)
             assert (_newest_committed(run_dir) or -1) >= first + 2, "no new checkpoint in 120 s"
             launchers = _children(proc.pid)
-            assert len(launchers) == 1 and len(processes_of(run_dir)) >= 5  # train, launcher, its fork server, 3 workers
+            # train, launcher, its fork server, 3 workers
+            assert len(launchers) == 1 and len(processes_of(run_dir)) >= 5
             if target == "launcher":
                 os.kill(launchers[0], signal.SIGKILL)
             elif target == "group":

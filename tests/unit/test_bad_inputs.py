@@ -254,23 +254,29 @@ def test_a_worker_crash_reaches_the_user_as_its_first_exception(tmp_path: Path):
 
 
 def test_the_lock_is_refused_while_a_worker_of_the_run_lives_and_taken_once_it_is_gone(tmp_path: Path):
-    """A killed run's worker that still lives (a real process, named in its pid file with the run's config) holds
-    the run; a bare pid (an older hetrain's pid file) counts where the process's command line names the config."""
+    """A killed run's worker that still lives holds the run: one forked as the agent forks them (the run only in
+    its environment, named in its pid file with its start time and config), or one whose command line names the
+    config (an older hetrain's bare pid file). A pid file naming a live process that is not the run's (here this
+    test's own, with its true start time) counts for nothing: ``launch`` kills what counts."""
     import subprocess
 
     from hetrain.errors import HetrainError
     from hetrain.processes import owner_token
-    from hetrain.rundir import RunDir
+    from hetrain.rundir import RUN_DIR_ENV, RunDir
 
     run = RunDir.of(tmp_path / "run")
     run.pids.mkdir(parents=True)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.config)])
-    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.config)])
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    worker = subprocess.Popen(sleep, env={**os.environ, RUN_DIR_ENV: str(run.path)})
+    old = subprocess.Popen([*sleep, str(run.config)])
     try:
+        for p in (worker, old):  # exec'd: before that a child shows this process's command line and environment
+            while "time.sleep" not in Path(f"/proc/{p.pid}/cmdline").read_text():
+                pass
         (run.pids / f"{worker.pid}.pid").write_text(f"{owner_token(worker.pid)}\n{run.config}\n")  # as a worker does
-        (run.pids / f"{old.pid}.pid").write_text(str(old.pid))  # as an older hetrain's did, once exec'd:
-        while str(run.config) not in Path(f"/proc/{old.pid}/cmdline").read_text():
-            pass
+        (run.pids / f"{old.pid}.pid").write_text(str(old.pid))  # as an older hetrain's did
+        (run.pids / f"{os.getpid()}.pid").write_text(f"{owner_token()}\n{run.config}\n")  # planted
+        assert sorted(run.live_workers()) == sorted([worker.pid, old.pid])
         with pytest.raises(HetrainError, match=rf"2 training process\(es\) of this run are still alive \(pid "
                                                rf"({worker.pid}, {old.pid}|{old.pid}, {worker.pid})\)"):
             with run.lock(workers_grace_s=0.3):
@@ -285,7 +291,7 @@ def test_the_lock_is_refused_while_a_worker_of_the_run_lives_and_taken_once_it_i
         for p in (worker, old):
             p.kill()
             p.wait()
-    with run.lock(workers_grace_s=0.3):  # gone: the run is free (its stale pid file names no live worker)
+    with run.lock(workers_grace_s=0.3):  # gone: the run is free (its stale pid files name no live worker of it)
         assert (run.path / ".lock").read_text() == str(os.getpid())
 
 
