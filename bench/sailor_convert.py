@@ -38,6 +38,9 @@ INTER = "sailor/providers/multizone_bandwidths_het.json"  # zone, type, count, z
 MODEL = "OPT-350"
 ZONE = "us-central1-a"
 GPUS_PER_NODE = 8  # basic_cluster_config.json: every MIT node has 8 GPUs of one type
+# The runs trained under Megatron-DeepSpeed, whose pipelines run DeepSpeed's engine (TrainSchedule, blocking sends);
+# the plans say so, and hetrain prices them under it (``hetrain.cost.pipeline.deepspeed_pipeline_s``)
+SCHEDULE = "deepspeed-1f1b"
 FP32_BYTES = 4
 # Sailor's names -> hetrain's (RTX3090 is in hetrain's catalog; the Turing cards are defined in the cluster file)
 TYPES = {"RTX-3090": "RTX3090", "RTX-2080": "RTX2080Ti", "Titan-RTX": "TitanRTX"}
@@ -172,7 +175,7 @@ def convert_plan(cfg: dict, model: dict) -> tuple[dict, dict[str, int]]:
         raise ValueError(f"stages with different TP degrees {sorted(tps)}")
     (tp,) = tps
     micro = cfg["gbs"] // cfg["mbs"] // dp
-    pipelines = [{"num_microbatches": micro,
+    pipelines = [{"num_microbatches": micro, "schedule": SCHEDULE,
                   "stages": [{"devices": [f"{replicas[i][j][0]}/{r}" for r in range(tp)], "gpu": replicas[i][j][1],
                               "layers": _blocks(layers, model["num_layers"])}
                              for i, layers in enumerate(pipe["layers_per_stage"])]}

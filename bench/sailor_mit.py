@@ -4,8 +4,9 @@ Why: the planner's promise rests on the cost model ranking plans as a real mixed
 artifact's plans (converted by ``bench/sailor_convert.py`` into ``tests/fixtures/sailor_mit``) goes through what
 ``hetrain estimate --profile`` runs (the plan checked against the cluster, then ``CostModel.estimate`` fed the
 converted measured profile); the table sets each prediction beside the measured iteration time, and per group
-of plans on the same number of nodes whether the plan predicted fastest is the one that was. No training: a
-second.
+of plans on the same number of nodes whether the plan predicted fastest is the one that was. The plans say the
+schedule the runs ran, DeepSpeed's pipeline engine (``deepspeed-1f1b``); beside it, what the same plan would take
+under torch's 1F1B, which hetrain runs. No training: a second.
 
     python bench/sailor_mit.py [--fixture tests/fixtures/sailor_mit] [--analytic]
 """
@@ -35,8 +36,12 @@ def predict(fixture: Path = FIXTURE, measured_profile: bool = True) -> list[dict
     for run in json.loads((fixture / "measured.json").read_text())["runs"]:
         plan = load_plan(fixture / "plans" / f"{run['plan']}.json")
         validate_plan(plan, cluster)
-        est = CostModel(cluster, plan.model, plan.settings(), profile).estimate(plan)
+        model = CostModel(cluster, plan.model, plan.settings(), profile)
+        est = model.estimate(plan)
+        torch_1f1b = plan.model_copy(update={"pipelines": [p.model_copy(update={"schedule": "1f1b"})
+                                                           for p in plan.pipelines]})
         rows.append({**run, "predicted_s": est.iteration_time_s, "pipeline_s": est.pipeline_s,
+                     "torch_1f1b_s": model.estimate(torch_1f1b).iteration_time_s,
                      "post_s": est.post_s, "error": est.iteration_time_s / run["iteration_s"] - 1,
                      "predicted_peak_gb": max(est.peak_memory_gb.values())})
     return rows
@@ -75,7 +80,7 @@ def main() -> None:
     print_table(f"Sailor's MIT runs, {'analytic' if args.analytic else 'measured profile'}", rows, [
         ("nodes", "{group}"), ("plan", "{plan}"), ("pipelines x stages", "{pipelines} x {stages}"),
         ("measured s", "{iteration_s:.1f}"), ("predicted s", "{predicted_s:.1f}"), ("error", "{error:+.1%}"),
-        ("of it: sync + step s", "{post_s:.1f}"), ("measured grad reduce s", "{grad_reduce_s:.1f}"),
+        ("of it: sync + step s", "{post_s:.1f}"), ("as torch's 1F1B s", "{torch_1f1b_s:.1f}"), ("measured grad reduce s", "{grad_reduce_s:.1f}"),
         ("ranking", "mark"), ("", "note")])
     right = sum(v["right"] for v in verdicts.values())
     print(f"\nfastest plan predicted fastest in {right} of {len(verdicts)} groups; "

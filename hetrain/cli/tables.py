@@ -20,7 +20,7 @@ def _compact_table(title: str, headers: list[tuple[str, str]]) -> tuple[Table, l
 
 
 # a pipeline's schedule beside its micro-batches, short enough for 80 columns (1F1B, the default, says nothing)
-SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb", "interleaved-1f1b": "v=", "gpipe": "gpipe"}
+SCHEDULE_TAG = {"eager-1f1b": "eager", "zb-h1": "zb", "interleaved-1f1b": "v=", "gpipe": "gpipe", "deepspeed-1f1b": "deepspeed"}
 
 
 def plan_table(plan, est, title: str) -> Table:

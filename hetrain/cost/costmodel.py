@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 
 from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s, send_s
 from hetrain.cost.formats import block_flops_per_s
-from hetrain.cost.pipeline import (Op, drain_ahead_s, eager_pipeline_s, gpipe_pipeline_s, interleaved_pipeline_s,
-                                   one_f_one_b_play_s, pipeline_terms)
+from hetrain.cost.pipeline import (Op, deepspeed_pipeline_s, drain_ahead_s, eager_pipeline_s, gpipe_pipeline_s,
+                                   interleaved_pipeline_s, one_f_one_b_play_s, pipeline_terms)
 from hetrain.cost.stage import UnitCosts
 from hetrain.cost.stage import unit_costs as stage_unit_costs
 from hetrain.errors import HetrainError
@@ -374,6 +374,8 @@ class CostModel:
             return tau, total, [total - ahead for ahead in drain_ahead_s(backward_s)]
         if schedule == "gpipe":  # torch's ScheduleGPipe, played out
             return gpipe_pipeline_s(stage_s, backward_s, p2p, pipe.num_microbatches, trace=trace)
+        if schedule == "deepspeed-1f1b":  # DeepSpeed's pipeline engine, played out (estimates only)
+            return deepspeed_pipeline_s(stage_s, backward_s, p2p, pipe.num_microbatches, trace=trace)
         if schedule == "interleaved-1f1b":  # torch's ScheduleInterleaved1F1B, played out
             return interleaved_pipeline_s(stage_s, backward_s, p2p, pipe.depth, pipe.num_microbatches,
                                           duplex=self.p2p_duplex, trace=trace)

@@ -1,5 +1,5 @@
-r"""The time of one pipeline: 1F1B in closed form; eager 1F1B, ZB-H1, interleaved 1F1B, torch's 1F1B and
-GPipe played out op by op.
+r"""The time of one pipeline: 1F1B in closed form; eager 1F1B, ZB-H1, interleaved 1F1B, torch's 1F1B,
+GPipe and DeepSpeed's pipeline engine played out op by op.
 
 Per stage k of a pipeline and micro-batch, given (``hetrain.cost.stage``, ``hetrain.cost.collectives``):
     c_k = forward + backward (+TP communication) of its blocks (+embedding on the first
@@ -338,10 +338,30 @@ def gpipe_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
 
 
+@_played_once
+def deepspeed_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_microbatches: int,
+                         trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, when each stage ends its part) of DeepSpeed's pipeline engine (``PipelineEngine`` running
+    ``deepspeed.runtime.pipe.schedule.TrainSchedule``, what Megatron-DeepSpeed trains with), played op by op.
+
+    Why: hetrain runs torch's schedules, but the measured runs a user or a paper compares against (Sailor's on
+    real mixed clusters, ``bench/sailor_mit.py``) ran this engine, and it moves activations differently: its
+    1F1B is 2 (m + S - 1) steps in lockstep, even and odd stages taking turns at forward and backward, and
+    every message is its own blocking send or receive (``deepspeed.runtime.pipe.p2p``), never fused with the
+    one going the other way. A stage between two others waits for four messages per micro-batch, one at a
+    time: where torch's 1F1B pays e_(k-1) + e_k per micro-batch, it pays up to twice that, and an end stage
+    2 e. Priced for estimates only (``hetrain estimate``): the runtime refuses it (``hetrain.run.start``).
+    ``_deepspeed_actions``: the steps; a message takes e_k once both ends have posted it."""
+    clock = _torch_play(_deepspeed_actions, stage_s, backward_s, p2p_s, num_microbatches, trace)
+    total, M = max(clock), num_microbatches
+    fill = sum(stage_s) + 2 * sum(p2p_s)
+    return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+
+
 def _torch_play(actions: Callable, stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_microbatches: int,
                 trace: list[Op] | None) -> list[float]:
-    """When each stage ends a schedule of torch's whose posts, waits and computes on stage k of S are
-    ``actions(S, k, M)``: each runs them in order; a wait holds until its messages are through."""
+    """When each stage ends a schedule (torch's, or DeepSpeed's engine's) whose posts, waits and computes on
+    stage k of S are ``actions(S, k, M)``: each runs them in order; a wait holds until its messages are through."""
     S, M = len(stage_s), num_microbatches
     fwd = [c - b for c, b in zip(stage_s, backward_s)]
     posted: dict[tuple, dict[str, float]] = {}  # (kind, boundary, micro-batch) -> {"send": t, "recv": t}
@@ -460,6 +480,46 @@ def _gpipe_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
                 acts.append(("post", [((msg, send_to, i), "send")]))
                 sent.append((msg, send_to, i))
         acts.append(("wait", sent))
+    return acts
+
+
+def _deepspeed_step(S: int, k: int, step: int) -> tuple[int, bool]:
+    """(micro-batch, forward?) of stage k at ``step`` of DeepSpeed's ``TrainSchedule._step_to_micro_batch``
+    (DeepSpeed 0.16): an even stage runs forwards on even steps, an odd stage on odd ones; a micro-batch out of
+    [0, m) is a step the stage idles."""
+    if step % 2 == k % 2:
+        return (step - k % 2) // 2 - k // 2, True
+    if step % 2 == 0:  # an odd stage's backward
+        return step // 2 - S + (k + 1) // 2, False
+    return (step - 1) // 2 - S + 1 + k // 2, False  # an even stage's backward
+
+
+def _deepspeed_actions(S: int, k: int, M: int) -> list[tuple[str, object]]:
+    """Stage k's posts, waits and computes in DeepSpeed's ``TrainSchedule.steps`` (DeepSpeed 0.16): before a
+    forward the gradient of the previous step's backward goes back (SendGrad), then the activation comes in
+    (RecvActivation); before a backward the gradient comes in (RecvGrad), then the previous forward's activation
+    goes on (SendActivation); each blocking, one at a time."""
+    acts: list[tuple[str, object]] = []
+
+    def blocking(msg: tuple, side: str) -> None:
+        acts.extend((("post", [(msg, side)]), ("wait", [msg])))
+
+    prev = -1
+    for step in range(2 * (M + S - 1)):
+        i, forward = _deepspeed_step(S, k, step)
+        if forward and k > 0:
+            if 0 <= prev < M:
+                blocking(("grad", k - 1, prev), "send")
+            if 0 <= i < M:
+                blocking(("act", k - 1, i), "recv")
+        elif not forward and k < S - 1:
+            if 0 <= i < M:
+                blocking(("grad", k, i), "recv")
+            if 0 <= prev < M:
+                blocking(("act", k, prev), "send")
+        if 0 <= i < M:
+            acts.append(("F" if forward else "B", i))
+        prev = i
     return acts
 
 

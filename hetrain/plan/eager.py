@@ -14,9 +14,12 @@ from typing import Literal, get_args
 # A pipeline's schedule (``hetrain.plan.schema.PipelinePlan.schedule``): torch's 1F1B, eager 1F1B
 # (``in_flight`` per stage), ZB-H1 (backward split into input and weight gradients, W filling the drain),
 # interleaved 1F1B (Megatron's virtual stages: each rank runs several chunks of the model), GPipe (all
-# forwards, then all backwards: the one that takes fewer micro-batches than the pipeline has stages)
-Schedule = Literal["1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b", "gpipe"]
+# forwards, then all backwards: the one that takes fewer micro-batches than the pipeline has stages), and
+# DeepSpeed's pipeline engine (its lockstep 1F1B with blocking sends: priced to compare with runs made by it,
+# never run; ``RUNS``: the ones hetrain's runtime runs)
+Schedule = Literal["1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b", "gpipe", "deepspeed-1f1b"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+RUNS: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "deepspeed-1f1b")
 
 
 def one_f_one_b_order(num_microbatches: int, in_flight: int) -> list[tuple[str, int]]:

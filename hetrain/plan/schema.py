@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
 from hetrain.errors import HetrainError
 from hetrain.files import read_versioned_json, write_text_atomic
-from hetrain.plan.eager import Schedule, interleaved_held, interleaved_order, interleaved_rounds
+from hetrain.plan.eager import RUNS, Schedule, interleaved_held, interleaved_order, interleaved_rounds
 from hetrain.spec.catalog import FP8_MAX_TP
 from hetrain.spec.specs import (MAX_GLOBAL_BATCH, MAX_MICRO_BATCH, MAX_TP_DEGREE, ClusterSpec, ModelSpec,
                                  OptimizerStateMode, RecomputeMode, TrainingSettings, describe_validation_error)
@@ -73,8 +73,9 @@ class PipelinePlan(BaseModel):
         "hetrain.runtime.pipeline.ScheduleZeroBubbleH1), interleaved-1f1b (Megatron's virtual stages, torch's "
         "ScheduleInterleaved1F1B: stages lists the p * virtual_stages chunks in model order, chunk j on the "
         "devices of chunk j mod p), gpipe (torch's ScheduleGPipe: all forwards, then all backwards, every "
-        "micro-batch's activations held; the one that takes fewer micro-batches than stages). Absent: "
-        "eager-1f1b where the stages set in_flight, else 1f1b")
+        "micro-batch's activations held; the one that takes fewer micro-batches than stages), deepspeed-1f1b "
+        "(DeepSpeed's pipeline engine, what Megatron-DeepSpeed runs: hetrain estimates it, to compare with runs "
+        "made by it, and does not train with it). Absent: eager-1f1b where the stages set in_flight, else 1f1b")
     virtual_stages: PositiveInt | None = Field(
         default=None, description="chunks per device under interleaved-1f1b (v >= 2): the pipeline has "
         "len(stages) / v devices (p), each running v chunks; absent otherwise")
@@ -270,6 +271,15 @@ def validate_plan_structure(plan: Plan) -> None:
     _check_optimizer_state(plan)
 
 
+def check_runnable(plan: Plan) -> None:
+    """A plan hetrain's runtime can train with: every pipeline's schedule one it runs (``hetrain.plan.eager.RUNS``);
+    DeepSpeed's engine's is priced for comparisons (``hetrain estimate``), not run."""
+    for pi, pipe in enumerate(plan.pipelines):
+        if pipe.schedule_name not in RUNS:
+            raise HetrainError(f"pipelines[{pi}]: schedule {pipe.schedule_name} is DeepSpeed's pipeline engine's, which "
+                               f"hetrain estimates but does not train with; expected one of {', '.join(RUNS)}")
+
+
 def check_optimizer_state(plan: Plan, optimizer: str) -> None:
     """A plan that shards or offloads optimizer state trains with AdamW, the optimizer that has state."""
     for pi, pipe in enumerate(plan.pipelines):
@@ -349,7 +359,7 @@ def _check_in_flight(pi: int, pipe: PipelinePlan) -> None:
     Each stage keeping more in flight than the next is what lets a stage post its receives early
     without waiting on a peer that waits on it (``hetrain.runtime.pipeline``)."""
     counts = [st.in_flight for st in pipe.stages]
-    if pipe.schedule in ("1f1b", "zb-h1", "interleaved-1f1b", "gpipe") and any(c is not None for c in counts):
+    if pipe.schedule not in (None, "eager-1f1b") and any(c is not None for c in counts):
         at = next(si for si, c in enumerate(counts) if c is not None)
         raise HetrainError(f"pipelines[{pi}].stages[{at}]: in_flight is for schedule eager-1f1b, not {pipe.schedule}; "
                            f"remove it or set the pipeline's schedule to eager-1f1b")

@@ -36,7 +36,7 @@ class CheckedRun:
 
 def check_request(request: RunRequest) -> CheckedRun:
     """Every check a run's inputs get before anything is written; the config its ranks would read."""
-    from hetrain.plan.schema import check_optimizer_state, validate_plan, validate_plan_structure
+    from hetrain.plan.schema import check_optimizer_state, check_runnable, validate_plan, validate_plan_structure
 
     plan, options = request.plan, request.options
     try:
@@ -46,6 +46,7 @@ def check_request(request: RunRequest) -> CheckedRun:
             validate_plan(plan, load_cluster(request.cluster))
         else:
             validate_plan_structure(plan)
+        check_runnable(plan)
         check_optimizer_state(plan, options.optimizer)
     except HetrainError as e:
         raise HetrainError(f"{PLAN_FIELD}{e}") from None

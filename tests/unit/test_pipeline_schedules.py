@@ -401,3 +401,47 @@ def test_the_planner_interleaves_a_pipeline_where_that_is_faster_and_fits():
     others = [cost.estimate(plan.model_copy(update={"pipelines": [plan.pipelines[0].interleave(v)]}))
               for v in (2, 4)]
     assert est.iteration_time_s == pytest.approx(min(e.iteration_time_s for e in others if not e.over_capacity()))
+
+
+def test_deepspeed_engine_plays_its_lockstep_schedule():
+    """DeepSpeed's engine (``deepspeed-1f1b``, priced to compare with runs made by it): equal stages without sends
+    take 1F1B's (m + S - 1)(f + b), each stage ending one backward after the next; with sends every message is
+    its own blocking send and receive, so an end stage pays 2 e per micro-batch and a middle one 4 e (torch's
+    1F1B fuses each send with the receive going the other way: e_(k-1) + e_k)."""
+    from hetrain.cost.pipeline import deepspeed_pipeline_s, one_f_one_b_play_s, pipeline_terms
+
+    for S, m in ((1, 1), (1, 3), (2, 1), (3, 7), (4, 4), (5, 11)):
+        _, total, ends = deepspeed_pipeline_s([3.0] * S, [2.0] * S, [0.0] * (S - 1), m)
+        assert total == (m + S - 1) * 3.0 and ends == [total - 2.0 * k for k in range(S)]
+    # one micro-batch by hand: F0 0-1, act 1-1.5, F 1.5-2.5, B 2.5-4.5, grad 4.5-5.0, B 5.0-7.0
+    assert deepspeed_pipeline_s([3.0, 3.0], [2.0, 2.0], [0.5], 1)[1:] == (7.0, [7.0, 5.0])
+    m = 40
+    two = deepspeed_pipeline_s([3.0] * 2, [2.0] * 2, [0.5], m)
+    assert two[1] == m * (3.0 + 2 * 0.5) + 3.0  # the steady state: c + 2 e on both stages
+    three = deepspeed_pipeline_s([3.0] * 3, [2.0] * 3, [0.5] * 2, m)
+    assert three[0] == pytest.approx(3.0 + 4 * 0.5, rel=0.01)
+    assert pipeline_terms([3.0] * 3, [0.5] * 2)[0] == 3.0 + 2 * 0.5
+    assert one_f_one_b_play_s([3.0] * 3, [2.0] * 3, [0.5] * 2, m) < three[1]
+
+
+def test_a_deepspeed_plan_is_estimated_not_trained(tmp_path):
+    """``hetrain estimate`` prices a plan of DeepSpeed's engine under its schedule; ``hetrain train`` refuses it in
+    one line (exit 2) before anything starts."""
+    from hetrain.cost.costmodel import CostModel
+    from tests.helpers import run_cli
+
+    model, cluster, settings = _a100_v100(8)
+    stages = _stages("a", "A100-80G", [0, 2, 4, 6, 8])
+    plan = Plan(model=model, cluster="c", global_batch_size=8, micro_batch_size=1, tp=1, training=settings,
+                pipelines=[PipelinePlan(num_microbatches=8, stages=stages, schedule="deepspeed-1f1b")])
+    cm = CostModel(cluster, model, settings)
+    est = cm.estimate(plan)
+    torch_est = cm.estimate(plan.model_copy(update={"pipelines": [plan.pipelines[0].model_copy(
+        update={"schedule": "1f1b"})]}))
+    assert est.pipeline_s > torch_est.pipeline_s  # its sends one at a time
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    r = run_cli("train", "--plan", str(path), "--steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "deepspeed-1f1b" in r.stderr and "does not train with" in r.stderr
+    assert not (tmp_path / "run").exists()
