@@ -365,32 +365,48 @@ def solve_templates(
     ruled out without a MILP solve), also when the answer is None.
     """
     M = total_microbatches
-    max_pipes = min(M, sum(available))
     templates = [t for t in space.templates if t.max_copies(available) >= 1]
     if not templates:
         return None
-    lo = max(fluid_lower_bound_s(space, available, M), min(t.tau_s + t.fill_s for t in templates))
-    min_tau, min_fill = min(t.tau_s for t in templates), min(t.fill_s for t in templates)
-    milp: TemplateMilp | None = None
-    best: tuple[float, float] | None = None  # (T found, T proven infeasible)
-    candidates: list[list[Template]] = []
-    lows: list[float] = []  # largest time proven infeasible, per pipeline count tried
-    lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
-    found = []  # per pipeline count with an answer: (time, proven low, d_lo, d_hi, post)
-    # a sharded space's templates need at least 2 pipelines (``Template.min_pipelines``)
+    plans = _count_plans(space, templates, available, M, sync_bw_gbps, prune_above_s)
+    search = _CountSearch(templates, available, M, time_limit_s, rel_tol)
+    # most promising counts first, so the rest are cut short by the best found
+    for hi, low, d_lo, d_hi, post in sorted(plans, key=lambda p: p[0]):
+        search.count(hi, low, d_lo, d_hi, post)
+    search.uniform_post()
+    if stats is not None:
+        stats["milp_solves"] = stats.get("milp_solves", 0) + (search.milp.solves if search.milp is not None else 0)
+        stats["lp_proofs"] = stats.get("lp_proofs", 0) + search.lp_proofs
+    return search.result()
+
+
+def _pipeline_counts(templates: list[Template], max_pipes: int) -> list[tuple[int, int]]:
+    """The pipeline counts to search, (d_lo, d_hi): each count up to ``EXACT_PIPELINE_COUNTS`` alone (a sharded
+    space's templates need at least 2 pipelines, ``Template.min_pipelines``), then ranges above it: with a sync
+    latency one per power of two (the latency's steps, ceil(log2 D), are the same within it, so charging its
+    largest D overstates only the small ring factor), else one range to ``max_pipes``."""
     fewest = max(t.min_pipelines for t in templates)
     counts = [(d, d) for d in range(fewest, min(EXACT_PIPELINE_COUNTS, max_pipes) + 1)]
-    # with a sync latency, one group per power of two above: the latency's steps (ceil(log2 D)) are
-    # the same within it, so charging its largest D overstates only the small ring factor
     by_power_of_two = any(t.sync_latency_s for t in templates)
     start = EXACT_PIPELINE_COUNTS + 1
     while start <= max_pipes:
         end = min(max_pipes, 1 << (start - 1).bit_length()) if by_power_of_two else max_pipes
         counts.append((start, end))
         start = end + 1
-    plans = []  # per pipeline count: (upper bound, lower bound, d_lo, d_hi, post)
+    return counts
+
+
+def _count_plans(space: Space, templates: list[Template], available: list[int], M: int, sync_bw_gbps: float,
+                 prune_above_s: float | None) -> list[tuple[float, float, int, int, list[float]]]:
+    """Per pipeline count that may beat its upper bound: (upper bound, lower bound, d_lo, d_hi, each template's
+    post-backward time at d_hi). The upper bound: the best single-template plan of that many pipelines (or of any
+    count, which every plan meets), at most ``prune_above_s``."""
+    fewest = max(t.min_pipelines for t in templates)
+    lo = max(fluid_lower_bound_s(space, available, M), min(t.tau_s + t.fill_s for t in templates))
+    min_tau, min_fill = min(t.tau_s for t in templates), min(t.fill_s for t in templates)
     arr = _TemplateArrays(templates, available, sync_bw_gbps)
-    for d_lo, d_hi in counts:
+    plans = []
+    for d_lo, d_hi in _pipeline_counts(templates, min(M, sum(available))):
         post_np = arr.post_s(d_hi)
         hi = arr.simple_upper_bound_s(M, post_np, (d_lo, d_hi))
         if hi is None:  # no single-template plan has this many pipelines: a bound any plan meets
@@ -404,40 +420,76 @@ def solve_templates(
         low_d = max(lo, math.ceil(M / d_hi) * min_tau + min_fill) + min(post)
         if low_d < hi:
             plans.append((hi, low_d, d_lo, d_hi, post))
-    # most promising counts first, so the rest are cut short by the best found
-    lp = CoverLp(templates, available, M)
-    for hi, low, d_lo, d_hi, post in sorted(plans, key=lambda p: p[0]):
-        if best is not None:
-            hi = min(hi, best[0] * (1 + CANDIDATE_MARGIN))
+    return plans
+
+
+class _CountSearch:
+    """``solve_templates``' search over pipeline counts, one ``count`` at a time, and what it has found: the best
+    (time found, time proven infeasible), every answer for the full cost model (``candidates``), per count the
+    largest time proven infeasible (``lows``) and the counts with an answer (``found``)."""
+
+    def __init__(self, templates: list[Template], available: list[int], M: int, time_limit_s: float,
+                 rel_tol: float) -> None:
+        self.templates, self.available, self.M = templates, available, M
+        self.time_limit_s, self.rel_tol = time_limit_s, rel_tol
+        self.lp = CoverLp(templates, available, M)
+        self.milp: TemplateMilp | None = None
+        self.best: tuple[float, float] | None = None
+        self.candidates: list[list[Template]] = []
+        self.lows: list[float] = []
+        self.lp_proofs = 0  # pipeline counts the LP relaxation ruled out without a MILP solve
+        self.found: list[tuple[float, float, int, int, list[float]]] = []
+
+    def count(self, hi: float, low: float, d_lo: int, d_hi: int, post: list[float]) -> None:
+        """Search the plans of d_lo..d_hi pipelines for one faster than ``hi`` (and than the best by a margin)."""
+        if self.best is not None:
+            hi = min(hi, self.best[0] * (1 + CANDIDATE_MARGIN))
             if low >= hi:
-                continue
+                return
         if d_hi <= 2:  # enumerated exactly
-            got = best_of_one_or_two(templates, available, M, d_hi, post)
-            if got is not None and got[0] < hi * (1 + rel_tol):
-                top, chosen = got[0], got[1]
-                candidates.append(chosen)
-                if best is None or top < best[0]:
-                    best = (top, top)
-            continue
-        target = hi * (1 + rel_tol)
-        lp.set_pipeline_count(d_lo, d_hi, post)
-        if not lp.may_cover(target):
-            lp_proofs += 1
-            lows.append(hi)  # proven by the LP relaxation: nothing with this many pipelines beats hi
-            continue
+            got = best_of_one_or_two(self.templates, self.available, self.M, d_hi, post)
+            if got is not None and got[0] < hi * (1 + self.rel_tol):
+                self.candidates.append(got[1])
+                if self.best is None or got[0] < self.best[0]:
+                    self.best = (got[0], got[0])
+            return
+        target = hi * (1 + self.rel_tol)
+        self.lp.set_pipeline_count(d_lo, d_hi, post)
+        if not self.lp.may_cover(target):
+            self.lp_proofs += 1
+            self.lows.append(hi)  # proven by the LP relaxation: nothing with this many pipelines beats hi
+            return
+        self._milp_count(hi, low, target, d_lo, d_hi, post)
+
+    def _milp_count(self, hi: float, low: float, target: float, d_lo: int, d_hi: int, post: list[float]) -> None:
+        """The MILP's answer for one pipeline count, refined to ``rel_tol``; every answer it gave is a candidate
+        (the full cost model's gradient-sync pricing can order them differently from the MILP's)."""
         # the LP relaxation's own threshold (cheap) narrows the MILP's bisection from below
-        low, lp_ok = _lp_threshold(lp, low, target, LP_TOL)
-        if milp is None:
-            milp = TemplateMilp(templates, available, M, time_limit_s)
-        milp.set_pipeline_count(d_lo, d_hi, post)
-        chosen, top, answers = None, hi, []
-        # covering knapsacks are nearly integral: the MILP optimum usually lies just above the
-        # LP threshold, so ask there first, then further up in growing steps, then at the top
-        step = GUESS_ABOVE_LP
+        low, lp_ok = _lp_threshold(self.lp, low, target, LP_TOL)
+        if self.milp is None:
+            self.milp = TemplateMilp(self.templates, self.available, self.M, self.time_limit_s)
+        self.milp.set_pipeline_count(d_lo, d_hi, post)
+        answers: list[list[Template]] = []
+        chosen, top, low, hard = self._first_answer(hi, low, lp_ok, target, answers)
+        if chosen is not None:
+            top, low = self._refine(top, low, hard, answers)
+            self.candidates.extend(answers)
+            if self.best is None or top < self.best[0]:
+                self.best = (top, low)
+            self.found.append((top, low, d_lo, d_hi, post))
+        self.lows.append(low)
+
+    def _first_answer(self, hi: float, low: float, lp_ok: float, target: float,
+                      answers: list) -> tuple[list | None, float, float, float]:
+        """(answer, its time, time proven infeasible, lowest time HiGHS ran out of time at) of the first cover.
+
+        Covering knapsacks are nearly integral: the MILP optimum usually lies just above the LP threshold, so
+        ask there first, then further up in growing steps, then at the top."""
+        milp, step = self.milp, GUESS_ABOVE_LP
         hard = low  # refining stays above the highest time at which HiGHS ran out of time
-        while lp_ok * (1 + step) < target and (best is None or low < best[0]):
+        while lp_ok * (1 + step) < target and (self.best is None or low < self.best[0]):
             guess = lp_ok * (1 + step)
-            got = milp.cover(guess, min(time_limit_s, REFINE_TIME_LIMIT_S))
+            got = milp.cover(guess, min(self.time_limit_s, REFINE_TIME_LIMIT_S))
             if got is None or got is TIMED_OUT:  # proven (or too hard to tell so close): go higher
                 if got is None:
                     low = guess
@@ -445,67 +497,64 @@ def solve_templates(
                     hard = guess
                 step *= GUESS_GROWTH
                 continue
-            chosen, top = got, achieved_s(got, milp, M)
             answers.append(got)
-            break
-        if chosen is None:
-            got = milp.cover(target)
-            if got is None:
-                low = hi  # proven: nothing with this many pipelines beats hi
-            elif got is not TIMED_OUT:
-                chosen = got
-                top = achieved_s(got, milp, M)
-                answers.append(got)
-        # refine to rel_tol, or until this count provably cannot beat the best (its answer is
-        # still a candidate for the full cost model)
-        # still a candidate for the full cost model). Solves just above the MILP optimum are
-        # the hard ones (HiGHS must prove a covering knapsack infeasible), so once one has
-        # timed out the search stays above it: its unproven interval shows in the gap.
-        while chosen is not None and (best is None or low < best[0]):
+            return got, achieved_s(got, milp, self.M), low, hard
+        got = milp.cover(target)
+        if got is None:
+            return None, hi, hi, hard  # proven: nothing with this many pipelines beats hi
+        if got is TIMED_OUT:
+            return None, hi, low, hard
+        answers.append(got)
+        return got, achieved_s(got, milp, self.M), low, hard
+
+    def _refine(self, top: float, low: float, hard: float, answers: list) -> tuple[float, float]:
+        """(time found, time proven infeasible) after bisecting between them to ``rel_tol``, or until this count
+        provably cannot beat the best (its answer is still a candidate for the full cost model). Solves just
+        above the MILP optimum are the hard ones (HiGHS must prove a covering knapsack infeasible), so once one
+        has timed out the search stays above it: its unproven interval shows in the gap."""
+        milp = self.milp
+        while self.best is None or low < self.best[0]:
             floor = max(low, hard)
-            if top - floor <= rel_tol * top:
+            if top - floor <= self.rel_tol * top:
                 break
             mid = (floor + top) / 2
-            got = milp.cover(mid, min(time_limit_s, REFINE_TIME_LIMIT_S))
+            got = milp.cover(mid, min(self.time_limit_s, REFINE_TIME_LIMIT_S))
             if got is TIMED_OUT:
                 if hard > low:
                     break  # a second time-out: stop here
                 hard = mid
                 continue
             if got is not None:  # the answer may finish well before mid: jump to what it achieves
-                top, chosen = achieved_s(got, milp, M), got
+                top = achieved_s(got, milp, self.M)
                 answers.append(got)
             else:
                 low = mid
-        if chosen is not None:
-            # every answer HiGHS gave for this count goes to the full cost model, whose
-            # gradient-sync pricing can order them differently from the MILP's
-            candidates.extend(answers)
-            if best is None or top < best[0]:
-                best = (top, low)
-            found.append((top, low, d_lo, d_hi, post))
-        lows.append(low)
-    # Per-pipeline post-backward time lets the MILP give a pipeline with slow gradient sync
-    # fewer micro-batches, but the cost model charges max over pipelines + max over GPUs: a
-    # plan whose pipelines differ in post-backward time is priced too low. For the best
-    # pipeline counts, plan again with one post-backward level P for the whole plan (only
-    # templates whose post-backward time is at most P, each finishing by T - P): the cost
-    # model's own structure. The LP relaxation picks the most promising levels.
-    if milp is not None and best is not None:
-        for top, low, d_lo, d_hi, post in sorted(found)[:UNIFORM_COUNTS]:
-            if top > best[0] * (1 + UNIFORM_MARGIN):
+        return top, low
+
+    def uniform_post(self) -> None:
+        """Per-pipeline post-backward time lets the MILP give a pipeline with slow gradient sync fewer
+        micro-batches, but the cost model charges max over pipelines + max over GPUs: a plan whose pipelines
+        differ in post-backward time is priced too low. For the best pipeline counts, plan again with one
+        post-backward level P for the whole plan (only templates whose post-backward time is at most P, each
+        finishing by T - P): the cost model's own structure. The LP relaxation picks the most promising levels."""
+        if self.milp is None or self.best is None:
+            return
+        for top, low, d_lo, d_hi, post in sorted(self.found)[:UNIFORM_COUNTS]:
+            if top > self.best[0] * (1 + UNIFORM_MARGIN):
                 break
-            for got in _uniform_post_answers(milp, lp, post, d_lo, d_hi, low, top * (1 + UNIFORM_MARGIN), M):
-                candidates.append(got)
-    if stats is not None:
-        stats["milp_solves"] = stats.get("milp_solves", 0) + (milp.solves if milp is not None else 0)
-        stats["lp_proofs"] = stats.get("lp_proofs", 0) + lp_proofs
-    if best is None:
-        return None
-    best = (best[0], min([best[0]] + lows))  # a count that stopped refining early bounds the gap too
-    if milp is None:
-        return MilpResult(candidates, "optimal", best[0], (best[0] - best[1]) / best[0], 0, lp_proofs)
-    status = "optimal" if milp.statuses <= {"optimal"} else ",".join(sorted(milp.statuses))
-    if milp.timeouts:
-        status += f" ({milp.timeouts} refining solve{'s' if milp.timeouts > 1 else ''} timed out)"
-    return MilpResult(candidates, status, best[0], (best[0] - best[1]) / best[0], milp.solves, lp_proofs)
+            self.candidates.extend(_uniform_post_answers(self.milp, self.lp, post, d_lo, d_hi, low,
+                                                         top * (1 + UNIFORM_MARGIN), self.M))
+
+    def result(self) -> MilpResult | None:
+        """The search's answer: every candidate, the status, the best time and its gap; None if none was found."""
+        if self.best is None:
+            return None
+        best = (self.best[0], min([self.best[0]] + self.lows))  # a count that stopped refining early bounds the gap
+        gap = (best[0] - best[1]) / best[0]
+        milp = self.milp
+        if milp is None:
+            return MilpResult(self.candidates, "optimal", best[0], gap, 0, self.lp_proofs)
+        status = "optimal" if milp.statuses <= {"optimal"} else ",".join(sorted(milp.statuses))
+        if milp.timeouts:
+            status += f" ({milp.timeouts} refining solve{'s' if milp.timeouts > 1 else ''} timed out)"
+        return MilpResult(self.candidates, status, best[0], gap, milp.solves, self.lp_proofs)
