@@ -92,3 +92,28 @@ def test_analytic_note_names_the_band_or_says_unmeasured():
 
     assert "hopper -14% to +13%" in analytic_note({"H100-SXM"})
     assert "A100-80G never measured (measured GPUs: -50% to +13%)" in analytic_note({"A100-80G", "H100-SXM"})
+
+
+def test_analytic_parts_set_each_part_beside_the_profile():
+    """bench/analytic_parts.py (what ``bench/gpu_check.sh analytic`` prints on a GPU): the measured column is the
+    profile's own entry, the last row the whole micro-batch both ways."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import analytic_parts  # noqa: E402
+
+    sys.path.remove(str(ROOT / "bench"))
+    rows, case = analytic_parts.parts(FIXTURE / "profile.json", FIXTURE / "cluster.json", FIXTURE / "model.json",
+                                      "RTX3090", 2, 1)
+    from hetrain.profiling.profile import load_profile
+
+    entry = load_profile(FIXTURE / "profile.json").lookup("RTX3090", 1, 2)
+    by_part = {r["part"]: r for r in rows}
+    assert by_part["a block, forward + backward"]["measured_s"] == pytest.approx(
+        entry.block_forward_s + entry.block_backward_s)
+    assert by_part["the head and loss, forward + backward"]["measured_s"] == pytest.approx(
+        entry.head_forward_s + entry.head_backward_s)
+    whole = rows[-1]
+    for column in ("analytic_s", "measured_s"):
+        assert whole[column] == pytest.approx(24 * rows[0][column] + sum(
+            by_part[p][column] for p in ("the embedding, forward + backward", "the head and loss, forward + backward",
+                                         "the runtime's own work per micro-batch")))
+    assert case == {"gpu": "RTX3090", "model": "opt-350m", "precision": "fp32", "micro_batch_size": 2, "tp": 1}
