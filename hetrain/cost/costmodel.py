@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hetrain.cost.collectives import collective_steps, ring_allgather_s, ring_allreduce_s, send_s
 from hetrain.cost.formats import block_flops_per_s
@@ -86,6 +87,17 @@ class PipelineEstimate:
     time_s: float  # T_pipe
     backward_s: list[float] = field(default_factory=list)  # per stage: the backward part of c_k (``drain_ahead_s``)
     weight_s: list[float] = field(default_factory=list)  # per stage: the weight-gradient part of the backward (ZB-H1)
+
+
+class _PlanParts(NamedTuple):
+    """What ``CostModel.estimate`` works out once per plan for all its stages: the sends crossing each shared NIC,
+    the stages that shard their optimizer state, each stage's largest gradient bucket, and the stages priced so
+    far (by everything their costs depend on)."""
+
+    crossing: dict[tuple[str, int], int]
+    sharded: set[int]
+    bucket_numel: dict[int, float]
+    stages_seen: dict[tuple, tuple]
 
 
 @dataclass
@@ -237,61 +249,14 @@ class CostModel:
         fixed work), what searches that rank many plans need first: its pipelines and memory are the plan's
         exactly and its iteration time a lower bound on the plan's (the sync only adds), at a fraction of the
         cost on thousands of GPUs (``solver.planners.baselines.whale_search``)."""
-        cl, t, b = self.cluster, plan.tp, plan.micro_batch_size
-        node_of = cl.node_of
-        pipes: list[PipelineEstimate] = []
+        node_of = self.cluster.node_of
+        parts = _PlanParts(self._crossing_sends(plan, node_of), self.sharded_stages(plan),
+                           self.largest_bucket_numel(plan), {})
         peak: dict[str, float] = {}
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
-        crossing = self._crossing_sends(plan, node_of)
-        sharded = self.sharded_stages(plan)
-        bucket_numel = self.largest_bucket_numel(plan)
-        stages_seen: dict[tuple, tuple[float, ...]] = {}  # copies of a pipeline repeat its stages
         finish: dict[str, float] = {}  # per GPU: when it ends its part of 1F1B
-        for pipe in plan.pipelines:
-            S = len(pipe.stages)
-            stage_s, p2p, backward_s, weight_s = [], [], [], []
-            held = self._chunks_held(pipe)
-            for k, stage in enumerate(pipe.stages):
-                node = node_of[stage.devices[0]]
-                bw = cl.node_by_name[node].intra_node_bandwidth_gbps
-                n_blocks = stage.layers[1] - stage.layers[0]
-                in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
-                replicas = self.data_replicas(plan) if id(stage) in sharded else 1
-                key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
-                       in_flight, pending, bucket_numel.get(id(stage), 0.0), stage.precision)
-                if key not in stages_seen:
-                    u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas,
-                                        stage.precision)
-                    first, last = k == 0, k == S - 1
-                    stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
-                                        u.stage_memory_bytes(n_blocks, first, last, in_flight, pending,
-                                                             bucket_numel.get(id(stage), 0.0)) / GB,
-                                        u.capacity_bytes / GB,
-                                        self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
-                                        u.stage_backward_s(n_blocks, last),
-                                        u.stage_backward_split_s(n_blocks, first, last))
-                seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = stages_seen[key]
-                if pipe.schedule_name == "zb-h1":  # B + W: the whole backward and what splitting it adds
-                    seconds, bwd_s = seconds + in_s + wgt_s - bwd_s, in_s + wgt_s
-                stage_s.append(seconds)
-                backward_s.append(bwd_s)
-                weight_s.append(wgt_s)
-                peak.update(dict.fromkeys(stage.devices, mem_gb))
-                cap.update(dict.fromkeys(stage.devices, cap_gb))
-                opt.update(dict.fromkeys(stage.devices, opt_s))
-                if k + 1 < S:
-                    nxt = node_of[pipe.stages[k + 1].devices[0]]
-                    senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
-                    gather_bw = min(bw, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
-                    p2p.append(self.send_s(cl.bandwidth_gbps(node, nxt), b, senders, t, gather_bw))
-            if held:  # a device runs several chunks: its memory and optimizer step are theirs together
-                self._interleaved_devices(plan, pipe, held, sharded, peak, opt)
-            tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
-            pipes.append(PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s))
-            for stage, end in zip(pipe.stages, ends):
-                finish.update(dict.fromkeys(stage.devices, end))
-
+        pipes = [self._pipeline_estimate(plan, pipe, parts, peak, cap, opt, finish) for pipe in plan.pipelines]
         pipeline_s = max(p.time_s for p in pipes)
         if with_sync:
             sync, post = self._post_s(self._sync_rings(plan, node_of), finish, opt, pipeline_s)
@@ -301,6 +266,63 @@ class CostModel:
         it = pipeline_s + post + fixed
         tokens = plan.global_batch_size * self.model.seq_length
         return Estimate(it, tokens / it, pipeline_s, post, pipes, peak, cap, sync, fixed)
+
+    def _pipeline_estimate(self, plan: Plan, pipe, parts: "_PlanParts", peak: dict[str, float],
+                           cap: dict[str, float], opt: dict[str, float], finish: dict[str, float]) -> PipelineEstimate:
+        """One pipeline priced under its schedule; each of its GPUs' peak memory, capacity, optimizer step and
+        end of its part of the schedule go into ``peak``, ``cap``, ``opt`` and ``finish``."""
+        stage_s, p2p, backward_s, weight_s = [], [], [], []
+        held = self._chunks_held(pipe)
+        for k, stage in enumerate(pipe.stages):
+            seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s = self._stage_terms(plan, pipe, k, held, parts)
+            stage_s.append(seconds)
+            backward_s.append(bwd_s)
+            weight_s.append(wgt_s)
+            peak.update(dict.fromkeys(stage.devices, mem_gb))
+            cap.update(dict.fromkeys(stage.devices, cap_gb))
+            opt.update(dict.fromkeys(stage.devices, opt_s))
+            if k + 1 < len(pipe.stages):
+                p2p.append(self._boundary_s(plan, pipe, k, parts.crossing))
+        if held:  # a device runs several chunks: its memory and optimizer step are theirs together
+            self._interleaved_devices(plan, pipe, held, parts.sharded, peak, opt)
+        tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
+        for stage, end in zip(pipe.stages, ends):
+            finish.update(dict.fromkeys(stage.devices, end))
+        return PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s)
+
+    def _stage_terms(self, plan: Plan, pipe, k: int, held: list[int],
+                     parts: "_PlanParts") -> tuple[float, float, float, float, float, float]:
+        """Stage k of ``pipe``: (c_k, peak memory GB, capacity GB, optimizer step s, backward s, weight-gradient
+        s), remembered in ``parts.stages_seen`` (copies of a pipeline repeat their stages)."""
+        stage, S, t, b = pipe.stages[k], len(pipe.stages), plan.tp, plan.micro_batch_size
+        bw = self.cluster.node_by_name[self.cluster.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
+        n_blocks = stage.layers[1] - stage.layers[0]
+        in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
+        replicas = self.data_replicas(plan) if id(stage) in parts.sharded else 1
+        bucket = parts.bucket_numel.get(id(stage), 0.0)
+        key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
+               in_flight, pending, bucket, stage.precision)
+        if key not in parts.stages_seen:
+            u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas, stage.precision)
+            first, last = k == 0, k == S - 1
+            parts.stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
+                                      u.stage_memory_bytes(n_blocks, first, last, in_flight, pending, bucket) / GB,
+                                      u.capacity_bytes / GB,
+                                      self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
+                                      u.stage_backward_s(n_blocks, last),
+                                      u.stage_backward_split_s(n_blocks, first, last))
+        seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = parts.stages_seen[key]
+        if pipe.schedule_name == "zb-h1":  # B + W: the whole backward and what splitting it adds
+            seconds, bwd_s = seconds + in_s + wgt_s - bwd_s, in_s + wgt_s
+        return seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s
+
+    def _boundary_s(self, plan: Plan, pipe, k: int, crossing: dict[tuple[str, int], int]) -> float:
+        """e_k: one micro-batch's send from stage k to k + 1, one way, its link shared by the sends crossing it."""
+        cl, node_of = self.cluster, self.cluster.node_of
+        node, nxt = node_of[pipe.stages[k].devices[0]], node_of[pipe.stages[k + 1].devices[0]]
+        senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
+        gather_bw = min(cl.node_by_name[node].intra_node_bandwidth_gbps, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
+        return self.send_s(cl.bandwidth_gbps(node, nxt), plan.micro_batch_size, senders, plan.tp, gather_bw)
 
     def _chunks_held(self, pipe) -> list[int]:
         """Interleaved: per stage entry (chunk), its micro-batches in flight at its device's peak; [] otherwise."""
