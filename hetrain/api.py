@@ -103,28 +103,15 @@ def plan(cluster: ClusterSpec | PathLike, model: ModelSpec | PathLike, global_ba
     GPU has fp8 tensor cores and that run without tensor parallelism; training follows the plan).
     ``result.plan.write(path)`` saves it for ``hetrain train --plan``.
     """
-    from pydantic import ValidationError
-
-    from hetrain.spec.specs import TrainingSettings, describe_validation_error
+    from hetrain.spec.specs import TrainingSettings
     from solver.planners.registry import PLANNERS, make_plan
 
     if planner not in PLANNERS:
         raise HetrainError(f"planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
     the_cluster = _cluster(cluster)
-    fields: dict[str, Any] = {"global_batch_size": global_batch_size,
-                              "precision": precision or the_cluster.default_precision,
-                              "activation_recompute": recompute,
-                              "formats": formats}
-    if micro_batch_size is not None:
-        fields["micro_batch_sizes"] = [micro_batch_size]
-    if tp is not None:
-        fields["tp_degrees"] = list(tp)
-    try:
-        settings = TrainingSettings(**fields)
-    except ValidationError as e:
-        raise HetrainError(describe_validation_error("plan()", e)) from None
-    if micro_batch_size is not None:
-        settings.check_batch(micro_batch_size)
+    settings = TrainingSettings.for_search("plan()", global_batch_size, micro_batch_size=micro_batch_size, tp=tp,
+                                           precision=precision or the_cluster.default_precision,
+                                           activation_recompute=recompute, formats=formats)
     prof = load_profile(profile) if isinstance(profile, (str, Path)) else profile
     return make_plan(planner, the_cluster, _model(model), settings, prof, time_limit_s=time_limit_s,
                      progress=progress)

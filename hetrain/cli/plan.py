@@ -18,28 +18,19 @@ from hetrain.files import check_output_file, write_text_atomic
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
               recompute: str, no_recompute: bool, grad_reduce: str = "fp32", formats: str = "bf16"):
-    from hetrain.spec.specs import TrainingSettings, describe_validation_error
-    from pydantic import ValidationError
+    from hetrain.spec.specs import TrainingSettings
 
     if no_recompute and recompute not in ("auto", "none"):
         raise HetrainError(f"--no-recompute contradicts --recompute {recompute}: give one of them")
-    kwargs: dict = {"global_batch_size": global_batch_size, "precision": precision,
-                    "activation_recompute": "none" if no_recompute else recompute, "grad_reduce": grad_reduce,
-                    "formats": formats}
-    if micro_batch_size is not None:
-        kwargs["micro_batch_sizes"] = [micro_batch_size]
-    if tp:
-        kwargs["tp_degrees"] = tp
     try:
-        settings = TrainingSettings(**kwargs)
-    except ValidationError as e:
-        message = describe_validation_error("options", e)
+        return TrainingSettings.for_search("options", global_batch_size, micro_batch_size=micro_batch_size, tp=tp,
+                                           precision=precision, grad_reduce=grad_reduce, formats=formats,
+                                           activation_recompute="none" if no_recompute else recompute)
+    except HetrainError as e:
+        message = str(e)
         for field, option in _OPTION_OF_FIELD.items():
             message = message.replace(f"options: {field}", option)
         raise HetrainError(message) from None
-    if micro_batch_size is not None:
-        settings.check_batch(micro_batch_size)
-    return settings
 
 
 FORMATS_HELP = ("number formats per stage: bf16 (every stage in --precision where its GPU has it, fp16 where a type "

@@ -502,6 +502,27 @@ class TrainingSettings(_Spec):
                 f"global batch size {self.global_batch_size} is not divisible by micro-batch size {micro_batch_size}"
             )
 
+    @classmethod
+    def for_search(cls, where: str, global_batch_size: int, *, micro_batch_size: int | None = None,
+                   tp: list[int] | tuple[int, ...] | None = None, **fields) -> TrainingSettings:
+        """The settings a plan is searched under, from a user's choices (``hetrain plan``'s flags, ``hetrain.plan``'s
+        arguments): a fixed ``micro_batch_size`` and ``tp`` degrees narrow the search, ``fields`` are the other
+        settings; a bad value is one line naming ``where`` and the field, a micro-batch that does not divide the
+        batch one line too."""
+        from pydantic import ValidationError
+
+        if micro_batch_size is not None:
+            fields["micro_batch_sizes"] = [micro_batch_size]
+        if tp is not None:
+            fields["tp_degrees"] = list(tp)
+        try:
+            settings = cls(global_batch_size=global_batch_size, **fields)
+        except ValidationError as e:
+            raise HetrainError(describe_validation_error(where, e)) from None
+        if micro_batch_size is not None:
+            settings.check_batch(micro_batch_size)
+        return settings
+
 
 # --------------------------------------------------------------------------- loading
 
