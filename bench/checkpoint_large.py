@@ -105,12 +105,21 @@ def _busy_write_s(tmp: Path, source: memoryview, files: int) -> float:
             time.sleep(1)
         return statistics.median(_plain_write_s(tmp, source, files) for _ in range(2))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a run started in a session of its own (its launch ends its ranks): SIGTERM, SIGKILL after a minute."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
         try:
-            proc.wait(60)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # ended already
+            pass
+        try:
+            proc.wait(wait_s)
+            return
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            continue
 
 
 def _train(tmp: Path, args) -> list[dict]:

@@ -262,7 +262,8 @@ def validate_plan_structure(plan: Plan) -> None:
             raise HetrainError(
                 f"pipelines[{pi}]: stages cover blocks [0, {expect}) but {model.name} has {model.num_layers}"
             )
-        if pipe.num_microbatches < pipe.depth and pipe.schedule != "gpipe":  # torch's 1F1B refuses it
+        # torch's 1F1B refuses it; DeepSpeed's engine (priced only) idles the steps that have none
+        if pipe.num_microbatches < pipe.depth and pipe.schedule not in ("gpipe", "deepspeed-1f1b"):
             raise HetrainError(
                 f"pipelines[{pi}]: {pipe.num_microbatches} micro-batches for {pipe.depth} stages; the 1F1B "
                 f"schedules need at least one per stage (schedule gpipe takes fewer)"

@@ -58,7 +58,8 @@ ANALYTIC_ERROR_BANDS: dict[str, tuple[float, float, str]] = {
     # below the link's nominal bandwidth, which only a profile taken on a TP group shows; priced under the
     # schedule they ran (DeepSpeed's engine), -50 % (N4_D4) to +4 % (N4_D1, whose blocking sends over 1 GbE
     # the analytic compute cannot hide either)
-    "pcie-geforce": (-0.50, 0.04, "8 plans on RTX 3090 / 2080 Ti / Titan RTX nodes, TP over PCIe"),
+    "pcie-geforce": (-0.50, 0.04, "8 runs of DeepSpeed's engine on RTX 3090 / 2080 Ti / Titan RTX nodes, TP over "
+                                  "PCIe"),
 }
 # Which kind each GPU type's analytic times were measured as (types not here: never measured)
 ANALYTIC_KIND = {"H100-SXM": "hopper", "H100-PCIe": "hopper", "RTX3090": "pcie-geforce",

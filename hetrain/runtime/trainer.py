@@ -28,7 +28,7 @@ from hetrain.config import RunConfig
 from hetrain.errors import HetrainError
 from hetrain.files import write_text_atomic
 from hetrain.plan.layout import Layout, Role
-from hetrain.plan.schema import Plan, check_optimizer_state
+from hetrain.plan.schema import Plan, check_optimizer_state, check_runnable
 from hetrain.rundir import answer_request, live_offer_file
 from hetrain.runtime.data import PipelineSampler, TokenSource, pipeline_slices
 from hetrain.runtime.groups import ProcessGroups
@@ -191,6 +191,7 @@ class Trainer:
     def _make_schedule(self, pipe, groups: ProcessGroups, recompute):
         """The pipeline's schedule on this rank (``PipelinePlan.schedule_name``) over its stage or chunks."""
         role, device = self.role, self.device
+        check_runnable(self.plan)  # every start checks it; a plan reaching a rank another way says so here too
         if pipe.interleaved:  # torch's interleaved 1F1B: this rank's chunks, global stages k, k + p, ...
             stages = [PipelineStage(chunk, index, len(pipe.stages), device, group=groups.pp)
                       for (index, _), chunk in zip(role.chunks, self.chunks)]

@@ -445,3 +445,20 @@ def test_a_deepspeed_plan_is_estimated_not_trained(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "deepspeed-1f1b" in r.stderr and "does not train with" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deepspeed_plan_may_have_fewer_micro_batches_than_stages():
+    """DeepSpeed's engine idles the steps without a micro-batch (torch's 1F1B refuses such a pipeline)."""
+    from hetrain.cost.costmodel import CostModel
+
+    model, cluster, settings = _a100_v100(2)
+    stages = _stages("a", "A100-80G", [0, 2, 4, 6, 8])
+    for schedule in ("deepspeed-1f1b", "1f1b"):
+        plan = Plan(model=model, cluster="c", global_batch_size=2, micro_batch_size=1, tp=1, training=settings,
+                    pipelines=[PipelinePlan(num_microbatches=2, stages=stages, schedule=schedule)])
+        if schedule == "1f1b":
+            with pytest.raises(HetrainError, match="2 micro-batches for 4 stages"):
+                validate_plan_structure(plan)
+            continue
+        validate_plan_structure(plan)
+        assert CostModel(cluster, model, settings).estimate(plan).pipeline_s > 0
