@@ -62,7 +62,7 @@ ANALYTIC_ERROR_BANDS: dict[str, tuple[float, float, str]] = {
                                   "PCIe"),
 }
 # Which kind each GPU type's analytic times were measured as (types not here: never measured)
-ANALYTIC_KIND = {"H100-SXM": "hopper", "H100-PCIe": "hopper", "RTX3090": "pcie-geforce",
+ANALYTIC_KIND = {"H100-SXM": "hopper", "H100-PCIe": "hopper", "H200-SXM": "hopper", "RTX3090": "pcie-geforce",
                  "RTX2080Ti": "pcie-geforce", "TitanRTX": "pcie-geforce"}  # the last two: the fixture's names
 PROFILE_SCHEMA = "hetrain.profile/v1"
 # What the profiler measures, for caches of profiles (the flows' profile task): raised whenever it

@@ -99,6 +99,9 @@ CATALOG: dict[str, GPUType] = {
     # 80 GB 3.35 TB/s; PCIe BF16 1,513 sparse -> 756 dense, FP8 3,026 sparse -> 1,513 dense, 51 FP32, 80 GB 2.0 TB/s.
     "H100-SXM": GPUType(tflops=989, memory_gb=80, memory_bandwidth_gbps=3350, fp32_tflops=67, fp8_tflops=1979),
     "H100-PCIe": GPUType(tflops=756, memory_gb=80, memory_bandwidth_gbps=2000, fp32_tflops=51, fp8_tflops=1513),
+    # NVIDIA H200 data sheet: SXM BF16 1,979 TF with sparsity -> 989 dense, FP8 3,958 sparse -> 1,979 dense, 67 FP32
+    # (the H100 SXM's compute), 141 GB HBM3e at 4.8 TB/s.
+    "H200-SXM": GPUType(tflops=989, memory_gb=141, memory_bandwidth_gbps=4800, fp32_tflops=67, fp8_tflops=1979),
     # NVIDIA L40S data sheet: BF16 tensor 733 TF with sparsity -> 366 dense; FP8 tensor 1,466 sparse -> 733 dense;
     # 91.6 FP32; 48 GB GDDR6 at 864 GB/s.
     "L40S": GPUType(tflops=366, memory_gb=48, memory_bandwidth_gbps=864, fp32_tflops=91.6, fp8_tflops=733),

@@ -10,7 +10,7 @@ from hetrain.spec.specs import load_cluster, load_model
 from tests.helpers import EXAMPLES
 
 REQUIRED_GPUS = ["A100-40G", "A100-80G", "V100-16G", "V100-32G", "RTX3090", "A10G", "L4", "T4", "H100-SXM",
-                 "H100-PCIe", "L40S", "A6000"]
+                 "H100-PCIe", "H200-SXM", "L40S", "A6000"]
 
 
 def test_catalog_has_the_required_types():
