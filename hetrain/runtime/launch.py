@@ -131,6 +131,11 @@ def _worker_error(log: Path) -> str | None:
     return None
 
 
+# How long a stopped launcher's own helpers (the fork server, the resource tracker) get to follow it out before
+# they are killed: they exit within milliseconds of it when all is well
+GROUP_EXIT_S = 5.0
+
+
 def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0, config_name: str = CONFIG) -> None:
     """Interrupt the launchers (they stop their workers), all at once, then make sure no worker survives.
 
@@ -152,11 +157,40 @@ def stop(procs: list[subprocess.Popen], run_dir: Path, grace_s: float = 10.0, co
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+    _empty_groups([p.pid for p in procs])
     for pid in worker_pids(run_dir, config_name):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _empty_groups(pgids: list[int], timeout_s: float = GROUP_EXIT_S, poll_s: float = 0.05) -> None:
+    """Wait until no process is left in the launchers' process groups (each launcher leads its own): its fork
+    server and resource tracker end a moment after it, and a stopped run must leave nothing behind; what is still
+    there after ``timeout_s`` is killed."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pgids)
+    while left:
+        left = [g for g in left if _group_alive(g)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    for g in left:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal is still a member
+        return True
 
 
 def worker_pids(run_dir: Path, config_name: str | None = CONFIG) -> list[int]:
