@@ -332,10 +332,8 @@ def gpipe_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, num_
     more where the forwards' and the backwards' slowest stages differ (each phase pays its own). A receive is
     posted just before the compute that needs it, a send right after the compute that made it and waited for
     at the end of its phase (``_gpipe_actions``); a message takes e_k once both ends have posted it."""
-    clock = _torch_play(_gpipe_actions, stage_s, backward_s, p2p_s, num_microbatches, trace)
-    total, M = max(clock), num_microbatches
-    fill = sum(stage_s) + 2 * sum(p2p_s)
-    return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
+    return _played_terms(_torch_play(_gpipe_actions, stage_s, backward_s, p2p_s, num_microbatches, trace), stage_s,
+                         p2p_s, num_microbatches)
 
 
 @_played_once
@@ -352,7 +350,14 @@ def deepspeed_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, 
     time: where torch's 1F1B pays e_(k-1) + e_k per micro-batch, it pays up to twice that, and an end stage
     2 e. Priced for estimates only (``hetrain estimate``): the runtime refuses it (``hetrain.run.start``).
     ``_deepspeed_actions``: the steps; a message takes e_k once both ends have posted it."""
-    clock = _torch_play(_deepspeed_actions, stage_s, backward_s, p2p_s, num_microbatches, trace)
+    return _played_terms(_torch_play(_deepspeed_actions, stage_s, backward_s, p2p_s, num_microbatches, trace),
+                         stage_s, p2p_s, num_microbatches)
+
+
+def _played_terms(clock: list[float], stage_s: Seconds, p2p_s: Seconds,
+                  num_microbatches: int) -> tuple[float, float, list[float]]:
+    """(tau, T_pipe, each stage's end) of a played pipeline from when each stage ended: tau from
+    ``T_pipe = (m - 1) tau + fill``, fill = sum c_k + 2 sum e_k (a stage's compute alone where m = 1)."""
     total, M = max(clock), num_microbatches
     fill = sum(stage_s) + 2 * sum(p2p_s)
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock

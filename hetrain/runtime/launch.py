@@ -169,18 +169,21 @@ def _empty_groups(pgids: list[int], timeout_s: float = GROUP_EXIT_S, poll_s: flo
     """Wait until no process is left in the launchers' process groups (each launcher leads its own): its fork
     server and resource tracker end a moment after it, and a stopped run must leave nothing behind; what is still
     there after ``timeout_s`` is killed."""
+    _until_gone(lambda: [g for g in pgids if _group_alive(g)], os.killpg, timeout_s, poll_s)
+
+
+def _until_gone(alive_now: Callable[[], list[int]], kill: Callable[[int, int], None], timeout_s: float,
+                poll_s: float) -> list[int]:
+    """Poll ``alive_now`` until it is empty or ``timeout_s`` has passed; SIGKILL (``kill``) what is left, returned."""
     deadline = time.monotonic() + timeout_s
-    left = list(pgids)
-    while left:
-        left = [g for g in left if _group_alive(g)]
-        if not left or time.monotonic() > deadline:
-            break
+    while (alive := alive_now()) and time.monotonic() < deadline:
         time.sleep(poll_s)
-    for g in left:
+    for target in alive:
         try:
-            os.killpg(g, signal.SIGKILL)
+            kill(target, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return alive
 
 
 def _group_alive(pgid: int) -> bool:
@@ -213,15 +216,7 @@ def wait_for_workers_to_exit(run_dir: Path, timeout_s: float, poll_s: float = 0.
         now = worker_pids(run_dir, None)
         return now if pids is None else [p for p in now if p in pids]
 
-    deadline = time.monotonic() + timeout_s
-    while (alive := alive_now()) and time.monotonic() < deadline:
-        time.sleep(poll_s)
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return len(alive)
+    return len(_until_gone(alive_now, os.kill, timeout_s, poll_s))
 
 
 def _drop_records_from(metrics: Path, step: int) -> None:
