@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -14,6 +14,9 @@ from hetrain.cli.common import MAX_THREADS, MAX_TIME_LIMIT_S, _int_list, err, la
 from hetrain.errors import HetrainError
 from hetrain.cli.tables import _compact_table, plan_table, summary_line
 from hetrain.files import check_output_file, write_text_atomic
+
+if TYPE_CHECKING:
+    from hetrain.spec.specs import ClusterSpec
 
 
 def _settings(global_batch_size: int, micro_batch_size: int | None, tp: list[int] | None, precision: str,
@@ -113,28 +116,32 @@ def plan(
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    if precision is None:  # the one rule (ClusterSpec.default_precision); rented GPUs are GPUs
-        from hetrain.spec.specs import load_cluster
+    from hetrain.spec.specs import load_cluster
 
-        precision = load_cluster(cluster).default_precision if request is None and cluster else "bf16"
+    # read once: on 10,240 GPUs the file is 5,000 lines
+    cl = load_cluster(cluster) if request is None and cluster else None
+    if precision is None:  # the one rule (ClusterSpec.default_precision); rented GPUs are GPUs
+        precision = cl.default_precision if cl is not None else "bf16"
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce,
                          formats)
     prof = load_profile(profile) if profile else None
     if request is not None:
         return plan_offers(request, model, settings, prof, planner, time_limit, out_file, as_json, seq_length)
-    _plan_cluster(cluster, model, settings, prof, profile, planner, time_limit, out_file, compare, as_json, seq_length)
+    _plan_cluster((cluster, cl), model, settings, prof, profile, planner, time_limit, out_file, compare, as_json,
+                  seq_length)
 
 
-def _plan_cluster(cluster: Path, model: Path, settings, prof, profile: Path | None, planner: str, time_limit: float,
-                  out_file: Path | None, compare: bool, as_json: bool, seq_length: int | None = None) -> None:
-    """``hetrain plan --cluster``: plan (and with ``compare`` the baselines), write, print the table and claim."""
+def _plan_cluster(cluster_file: tuple[Path, ClusterSpec], model: Path, settings, prof, profile: Path | None,
+                  planner: str, time_limit: float, out_file: Path | None, compare: bool, as_json: bool,
+                  seq_length: int | None = None) -> None:
+    """``hetrain plan --cluster``: plan (and with ``compare`` the baselines), write, print the table and claim;
+    ``cluster_file``: the file and the cluster read from it."""
     from hetrain.cost.costmodel import CostModel
     from hetrain.spec.hf import load_any_model as load_model
     from hetrain.spec.hf import seq_length_note
-    from hetrain.spec.specs import load_cluster
     from solver.planners.registry import make_plan
 
-    cl, md = load_cluster(cluster), load_model(model, seq_length)
+    (cluster, cl), md = cluster_file, load_model(model, seq_length)
     note = seq_length_note(model, md) if seq_length is None else None
     if note:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)

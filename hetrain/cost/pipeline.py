@@ -196,6 +196,7 @@ def eager_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, in_f
     return ((total - fill) / (M - 1) if M > 1 else max(stage_s)), total, clock
 
 
+@_played_once
 def interleaved_pipeline_s(stage_s: Seconds, backward_s: Seconds, p2p_s: Seconds, depth: int, num_microbatches: int,
                            duplex: bool = False, trace: list[Op] | None = None) -> tuple[float, float, list[float]]:
     """(tau, T_pipe, when each chunk's device ends its part) of one interleaved-1F1B pipeline, played op by op.

@@ -135,18 +135,25 @@ def whale_search(cluster: ClusterSpec, cost: CostModel,
     for t, b in tp_and_micro_batch(cluster, cost):
         M = G // b
         groups = []  # (block_s, node, device indices, gpu, class): fastest groups first
-        for c in group_classes(cluster, cost, t, b):
+        classes = group_classes(cluster, cost, t, b)
+        for c in classes:
             for node, n in zip(c.nodes, c.groups_per_node):
                 groups += [(c.units.block_s, node, list(range(g * t, (g + 1) * t)), c.gpu, c) for g in range(n)]
         groups.sort(key=lambda x: x[0])
-        per_block = np.array([[u.block_s for u in g[4].modes] for g in groups])  # (groups, modes)
+        # per group, per mode: its class's row (10,240 GPUs at TP 1 are 10,240 groups of a few classes)
+        of_class = np.array([g[4].index for g in groups], dtype=int)
+
+        def rows(value) -> np.ndarray:
+            return np.array([[value(u) for u in c.modes] for c in classes])[of_class]  # (groups, modes)
+
+        per_block = rows(lambda u: u.block_s)
         # what a stage adds to its blocks (``UnitCosts.stage_time_s``): its runtime work per micro-batch, and on
         # the first stage the embedding, on the last the head (a bound that knows them prunes deep pipelines)
-        per_mb, per_embed, per_head = (np.array([[getattr(u, part) for u in g[4].modes] for g in groups])
+        per_mb, per_embed, per_head = (rows(lambda u, part=part: getattr(u, part))
                                        for part in ("microbatch_s", "embed_s", "head_s"))
         # every GPU steps its optimizer after the pipelines (``CostModel.estimate``): its blocks' share at least
         opt_per_block, opt_embed, opt_head = (
-            np.array([[u.opt_s_per_param * cost.stage_params(n, first, last, t) for u in g[4].modes] for g in groups])
+            rows(lambda u, n=n, first=first, last=last: u.opt_s_per_param * cost.stage_params(n, first, last, t))
             for n, first, last in ((1, False, False), (0, True, False), (0, False, True)))
         for p in range(1, min(L, len(groups)) + 1):
             d = len(groups) // p

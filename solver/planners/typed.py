@@ -157,7 +157,7 @@ class _Layouts:
         # per layout: (seconds, plan), None (does not fit), or the bound that pruned it (``price``)
         self.priced: dict[tuple[Choice, ...], tuple[float, Plan] | float | None] = {}
         self._terms: dict[tuple[int, Choice], tuple | None] = {}
-        self._counts: dict[tuple[int, Choice], int] = {}
+        self._groups: dict[tuple[int, Choice], list] = {}
         self._pipes: dict[tuple[int, Choice, int | None], list[PipelinePlan]] = {}
         self._least: dict[tuple[int, Choice], list[tuple[float, float]] | None] = {}
         self.class_of_node = {node: i for i, cls in enumerate(self.classes) for node in cls.nodes}
@@ -175,12 +175,22 @@ class _Layouts:
             got = self.priced[choices] = self._price(choices, beat_s)
         return got if isinstance(got, tuple) else None
 
-    def pipelines_of(self, cls: GroupClass, choice: Choice) -> int:
-        """How many pipelines ``cls`` runs at ``choice`` (cached: every bound asks)."""
-        key = (cls.index, choice)
-        if key not in self._counts:
-            self._counts[key] = len(_groups(cls, self.t, choice))
-        return self._counts[key]
+    @staticmethod
+    def pipelines_of(cls: GroupClass, choice: Choice) -> int:
+        """How many pipelines ``cls`` runs at ``choice``: ``_groups``' count without building them (every bound
+        asks, of every layout of every TP degree and micro-batch size)."""
+        depth, side = choice
+        if not depth:
+            return 0
+        return (len(cls.nodes) // depth) * cls.groups_per_node[0] if side else sum(cls.groups_per_node) // depth
+
+    def groups_of(self, i: int, choice: Choice) -> list[list[tuple[str, list[int]]]]:
+        """``_groups`` of type ``i`` at ``choice``, built once: bounds, probes and builds ask again (10,240 GPUs:
+        thousands of groups a type)."""
+        key = (i, choice)
+        if key not in self._groups:
+            self._groups[key] = _groups(self.classes[i], self.t, choice)
+        return self._groups[key]
 
     def bound_s(self, choices: tuple[Choice, ...]) -> float:
         """No layout of these depths is faster, before any estimate: each pipeline's stages at its type's fastest
@@ -227,7 +237,7 @@ class _Layouts:
         """``_probe`` of the type's pipelines at ``choice``: only the first block of pipelines sharing nodes is
         estimated where every block is alike (``_block_size``; 10,240 GPUs are 160 alike nodes a type), its
         terms repeated for the others."""
-        groups = _groups(self.classes[i], self.t, choice)
+        groups = self.groups_of(i, choice)
         block = _block_size(groups) or len(groups)
         terms, post = self._probe(i, choice, groups[:block], gpipe)
         return (None if terms is None else terms * (len(groups) // block)), post
@@ -361,7 +371,7 @@ class _Layouts:
         """Type ``i``'s pipelines at ``choice`` (or of ``groups``, some of them), 1F1B's fewest micro-batches each,
         their stages' recompute for 1F1B or for ``gpipe`` micro-batches under GPipe; [] where a stage fits none."""
         cls, pipes = self.classes[i], []
-        for groups in _groups(cls, self.t, choice) if groups is None else groups:
+        for groups in self.groups_of(i, choice) if groups is None else groups:
             stages = _stages(self.cost, cls, self.t, self.b, groups, bumps, gpipe)
             if not stages:
                 return []
