@@ -98,6 +98,7 @@ class _PlanParts(NamedTuple):
     sharded: set[int]
     bucket_numel: dict[int, float]
     stages_seen: dict[tuple, tuple]
+    replicas: int  # ``data_replicas``: what a sharded stage shares its optimizer state among
 
 
 @dataclass
@@ -154,6 +155,10 @@ class CostModel:
         # interleaved pipelines' peaks of micro-batches in flight, by their shape: a search estimates plan after
         # plan with the same pipelines (their plays are remembered in ``hetrain.cost.pipeline``)
         self._held: dict[tuple, list[int]] = {}
+        # per pair of nodes (link, gather bandwidth), and per (those, micro-batch, senders, TP) a send's seconds
+        # (``_boundary_s``: every boundary of every plan a planner scores asks)
+        self._links: dict[tuple[str, str], tuple[float, float]] = {}
+        self._sends: dict[tuple, float] = {}
         self._part_bytes: dict[int, list[tuple[float, float]]] = {}  # per TP degree (``_sync_buckets``)
         # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
         self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
@@ -251,7 +256,7 @@ class CostModel:
         cost on thousands of GPUs (``solver.planners.baselines.whale_search``)."""
         node_of = self.cluster.node_of
         parts = _PlanParts(self._crossing_sends(plan, node_of), self.sharded_stages(plan),
-                           self.largest_bucket_numel(plan), {})
+                           self.largest_bucket_numel(plan), {}, self.data_replicas(plan))
         peak: dict[str, float] = {}
         cap: dict[str, float] = {}
         opt: dict[str, float] = {}
@@ -270,59 +275,73 @@ class CostModel:
     def _pipeline_estimate(self, plan: Plan, pipe, parts: "_PlanParts", peak: dict[str, float],
                            cap: dict[str, float], opt: dict[str, float], finish: dict[str, float]) -> PipelineEstimate:
         """One pipeline priced under its schedule; each of its GPUs' peak memory, capacity, optimizer step and
-        end of its part of the schedule go into ``peak``, ``cap``, ``opt`` and ``finish``."""
-        stage_s, p2p, backward_s, weight_s = [], [], [], []
+        end of its part of the schedule go into ``peak``, ``cap``, ``opt`` and ``finish``. (Called for every
+        pipeline of every plan a planner scores: 10,240 GPUs are thousands of stages an estimate, so what does
+        not change along the pipeline is looked up once.)"""
+        stage_s, backward_s, weight_s = [], [], []
         held = self._chunks_held(pipe)
+        node_of, by_name = self.cluster.node_of, self.cluster.node_by_name
+        nodes = [node_of[st.devices[0]] for st in pipe.stages]
+        zero_bubble = pipe.schedule_name == "zb-h1"
         for k, stage in enumerate(pipe.stages):
-            seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s = self._stage_terms(plan, pipe, k, held, parts)
+            seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s = self._stage_terms(
+                plan, pipe, k, held, parts, by_name[nodes[k]].intra_node_bandwidth_gbps, zero_bubble)
             stage_s.append(seconds)
             backward_s.append(bwd_s)
             weight_s.append(wgt_s)
-            peak.update(dict.fromkeys(stage.devices, mem_gb))
-            cap.update(dict.fromkeys(stage.devices, cap_gb))
-            opt.update(dict.fromkeys(stage.devices, opt_s))
-            if k + 1 < len(pipe.stages):
-                p2p.append(self._boundary_s(plan, pipe, k, parts.crossing))
+            for d in stage.devices:
+                peak[d], cap[d], opt[d] = mem_gb, cap_gb, opt_s
+        p2p = [self._boundary_s(plan, nodes[k], nodes[k + 1], k, parts.crossing) for k in range(len(nodes) - 1)]
         if held:  # a device runs several chunks: its memory and optimizer step are theirs together
             self._interleaved_devices(plan, pipe, held, parts.sharded, peak, opt)
         tau, total, ends = self._schedule_s(pipe, stage_s, backward_s, weight_s, p2p)
         for stage, end in zip(pipe.stages, ends):
-            finish.update(dict.fromkeys(stage.devices, end))
+            for d in stage.devices:
+                finish[d] = end
         return PipelineEstimate(stage_s, p2p, tau, total, backward_s, weight_s)
 
-    def _stage_terms(self, plan: Plan, pipe, k: int, held: list[int],
-                     parts: "_PlanParts") -> tuple[float, float, float, float, float, float]:
-        """Stage k of ``pipe``: (c_k, peak memory GB, capacity GB, optimizer step s, backward s, weight-gradient
-        s), remembered in ``parts.stages_seen`` (copies of a pipeline repeat their stages)."""
+    def _stage_terms(self, plan: Plan, pipe, k: int, held: list[int], parts: "_PlanParts", bw: float,
+                     zero_bubble: bool) -> tuple[float, float, float, float, float, float]:
+        """Stage k of ``pipe`` (its node's GPUs linked at ``bw``; ``zero_bubble``: the pipeline runs ZB-H1): (c_k,
+        peak memory GB, capacity GB, optimizer step s, backward s, weight-gradient s), remembered in
+        ``parts.stages_seen`` (copies of a pipeline repeat their stages)."""
         stage, S, t, b = pipe.stages[k], len(pipe.stages), plan.tp, plan.micro_batch_size
-        bw = self.cluster.node_by_name[self.cluster.node_of[stage.devices[0]]].intra_node_bandwidth_gbps
         n_blocks = stage.layers[1] - stage.layers[0]
-        in_flight, pending = held[k] if held else pipe.in_flight(k), pipe.weight_pending(k)
-        replicas = self.data_replicas(plan) if id(stage) in parts.sharded else 1
+        in_flight = held[k] if held else pipe.in_flight(k)
+        pending = pipe.weight_pending(k) if zero_bubble else 0
+        replicas = parts.replicas if id(stage) in parts.sharded else 1
         bucket = parts.bucket_numel.get(id(stage), 0.0)
         key = (stage.gpu, bw, stage.recompute, stage.optimizer_state, replicas, n_blocks, k == 0, k == S - 1,
                in_flight, pending, bucket, stage.precision)
-        if key not in parts.stages_seen:
+        got = parts.stages_seen.get(key)
+        if got is None:
             u = self.unit_costs(stage.gpu, bw, t, b, stage.recompute, stage.optimizer_state, replicas, stage.precision)
             first, last = k == 0, k == S - 1
-            parts.stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
-                                      u.stage_memory_bytes(n_blocks, first, last, in_flight, pending, bucket) / GB,
-                                      u.capacity_bytes / GB,
-                                      self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
-                                      u.stage_backward_s(n_blocks, last),
-                                      u.stage_backward_split_s(n_blocks, first, last))
-        seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = parts.stages_seen[key]
-        if pipe.schedule_name == "zb-h1":  # B + W: the whole backward and what splitting it adds
+            got = parts.stages_seen[key] = (u.stage_time_s(n_blocks, first, last),
+                                            u.stage_memory_bytes(n_blocks, first, last, in_flight, pending,
+                                                                 bucket) / GB,
+                                            u.capacity_bytes / GB,
+                                            self.stage_params(n_blocks, first, last, t) * u.opt_s_per_param,
+                                            u.stage_backward_s(n_blocks, last),
+                                            u.stage_backward_split_s(n_blocks, first, last))
+        seconds, mem_gb, cap_gb, opt_s, bwd_s, (in_s, wgt_s) = got
+        if zero_bubble:  # B + W: the whole backward and what splitting it adds
             seconds, bwd_s = seconds + in_s + wgt_s - bwd_s, in_s + wgt_s
         return seconds, mem_gb, cap_gb, opt_s, bwd_s, wgt_s
 
-    def _boundary_s(self, plan: Plan, pipe, k: int, crossing: dict[tuple[str, int], int]) -> float:
-        """e_k: one micro-batch's send from stage k to k + 1, one way, its link shared by the sends crossing it."""
-        cl, node_of = self.cluster, self.cluster.node_of
-        node, nxt = node_of[pipe.stages[k].devices[0]], node_of[pipe.stages[k + 1].devices[0]]
+    def _boundary_s(self, plan: Plan, node: str, nxt: str, k: int, crossing: dict[tuple[str, int], int]) -> float:
+        """e_k: one micro-batch's send from stage k (on ``node``) to k + 1 (on ``nxt``), one way, its link shared by
+        the sends crossing it."""
         senders = 1 if node == nxt else max(crossing.get((node, k % 2), 1), crossing.get((nxt, k % 2), 1))
-        gather_bw = min(cl.node_by_name[node].intra_node_bandwidth_gbps, cl.node_by_name[nxt].intra_node_bandwidth_gbps)
-        return self.send_s(cl.bandwidth_gbps(node, nxt), plan.micro_batch_size, senders, plan.tp, gather_bw)
+        link = self._links.get((node, nxt))
+        if link is None:  # the link between them, the slower node's NVLink (the all-gather on arrival)
+            cl = self.cluster
+            link = self._links[(node, nxt)] = (cl.bandwidth_gbps(node, nxt), min(
+                cl.node_by_name[node].intra_node_bandwidth_gbps, cl.node_by_name[nxt].intra_node_bandwidth_gbps))
+        key = (link, plan.micro_batch_size, senders, plan.tp)
+        if key not in self._sends:
+            self._sends[key] = self.send_s(link[0], plan.micro_batch_size, senders, plan.tp, link[1])
+        return self._sends[key]
 
     def _chunks_held(self, pipe) -> list[int]:
         """Interleaved: per stage entry (chunk), its micro-batches in flight at its device's peak; [] otherwise."""
