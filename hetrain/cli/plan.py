@@ -112,16 +112,14 @@ def plan(
     request = offers_request(cluster, compare, offers, objective, budget_per_hour, tokens, deadline, cluster_out,
                              on_demand_only)
     from hetrain.profiling.profile import load_profile
+    from hetrain.spec.specs import load_cluster
     from solver.planners.registry import PLANNERS
 
     if planner not in PLANNERS:
         raise HetrainError(f"--planner: expected one of {', '.join(PLANNERS)}, got '{planner}'")
-    from hetrain.spec.specs import load_cluster
-
-    # read once: on 10,240 GPUs the file is 5,000 lines
-    cl = load_cluster(cluster) if request is None and cluster else None
-    if precision is None:  # the one rule (ClusterSpec.default_precision); rented GPUs are GPUs
-        precision = cl.default_precision if cl is not None else "bf16"
+    cl = load_cluster(cluster) if request is None and cluster else None  # read once: 5,000 lines on 10,240 GPUs
+    # the one rule (ClusterSpec.default_precision); rented GPUs are GPUs
+    precision = precision or (cl.default_precision if cl is not None else "bf16")
     settings = _settings(global_batch_size, micro_batch_size, tp, precision, recompute, no_recompute, grad_reduce,
                          formats)
     prof = load_profile(profile) if profile else None
