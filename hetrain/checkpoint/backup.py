@@ -19,10 +19,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest
-from hetrain.checkpoint.store import CheckpointStore
+from hetrain.checkpoint.store import TRANSFER_THREADS, CheckpointStore
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
 
@@ -154,11 +155,17 @@ class Uploader:
         manifest = parse_manifest(manifest_bytes, "manifest")
         store, local_dir, remote_dir = self.remote.fs, self.local.step_path(step), self.remote.step_path(step)
         started = time.perf_counter()
-        mine = [f for f in manifest.files if f.path != METADATA and f.nodes[0] == self.node]
-        for f in mine:
+        mine = sorted((f for f in manifest.files if f.path != METADATA and f.nodes[0] == self.node),
+                      key=lambda f: -f.size)
+
+        def put(f) -> None:
             with_retries(f"upload {f.path} of step {step}",
-                         lambda f=f: store.put_file(join(local_dir, f.path), join(remote_dir, f.path)),
-                         cfg.upload_retries)
+                         lambda: store.put_file(join(local_dir, f.path), join(remote_dir, f.path)), cfg.upload_retries)
+
+        # the files side by side, the largest first (``TRANSFER_THREADS``: one stream is a fraction of the link);
+        # the first that fails for good fails the upload, once the others have ended
+        with ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(mine)))) as pool:
+            list(pool.map(put, mine))
         if not self.coordinator:
             return
         others = {f.path: f.size for f in manifest.files if f.path != METADATA and f.nodes[0] != self.node}

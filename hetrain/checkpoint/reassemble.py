@@ -26,7 +26,7 @@ import fsspec
 
 from hetrain.checkpoint import PEER_SILENCE_S, PEER_TOKEN_ENV
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, FileEntry, Manifest, join
-from hetrain.checkpoint.store import CheckpointStore, url_filesystem
+from hetrain.checkpoint.store import TRANSFER_THREADS, CheckpointStore, url_filesystem
 from hetrain.errors import HetrainError
 from hetrain.spec.specs import ModelSpec
 
@@ -277,7 +277,7 @@ def _check_room(dest_fs: fsspec.AbstractFileSystem, dest: str, manifest: Manifes
 
 
 def reassemble(manifest: Manifest, peers: list[Source], remote: Source | None, dest_url: str, *,
-               timeout_s: float = PEER_SILENCE_S, workers: int = 8,
+               timeout_s: float = PEER_SILENCE_S, workers: int = TRANSFER_THREADS,
                progress: Callable[[int, int], None] | None = None, local: str | None = None) -> FetchReport:
     """Fetch every file of ``manifest`` into ``dest_url``, verified; peers first, the remote for the rest.
 

@@ -37,6 +37,10 @@ STEPS_LISTING = "_steps"  # what a peer server answers with its committed steps 
 # there; everywhere else under a temporary name and renamed (``manifest.write_atomic``).
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "memory"})
 MAX_LISTED_STEPS = 100_000  # a peer's /_steps listing longer than this is not a checkpoint root's
+# Files moved at once between a node's disk and the bucket or its peers (``hetrain.checkpoint.reassemble``'s fetch,
+# ``hetrain.checkpoint.backup``'s upload): one object-store stream carries a fraction of a node's link (s3fs
+# uploads one file's parts one after another), and a node's checkpoint is a few files per rank of up to GBs.
+TRANSFER_THREADS = 8
 
 
 def url_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
