@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from hetrain.checkpoint.manifest import METADATA, FileEntry, build_manifest, joi
 from hetrain.checkpoint.reassemble import Source, copy_verified
 from hetrain.checkpoint.safe_metadata import SafeFsspecReader, SafeLoadPlanner
 from hetrain.checkpoint.snapshot import Snapshot, default_budget_bytes, state_bytes
-from hetrain.checkpoint.store import CheckpointStore
+from hetrain.checkpoint.store import TRANSFER_THREADS, CheckpointStore
 from hetrain.checkpoint.writer import HashingWriter
 from hetrain.config import CheckpointConfig
 from hetrain.errors import HetrainError
@@ -461,18 +462,21 @@ class Checkpointer:
     def _replicate(self, step: int, gathered: list, fs, path: str) -> list[tuple[str, int, str]]:
         """Copy the buddy node's new shards into this node's step directory, verified; returns what arrived."""
         source = Source(self.buddy_of, CheckpointStore.for_peer(self.config, self.buddy_of))
-        copied = []
-        for node, entries in gathered:
-            if node != self.buddy_of:
-                continue
-            for name, size, digest in entries:
-                entry = FileEntry(path=name, size=size, sha256=digest, nodes=[node])
-                try:
-                    copy_verified(source, entry, step, fs, join(path, name), self.config.replicate_timeout_s)
-                    copied.append((name, size, digest))
-                except Exception as e:  # a missed copy only means the bucket is needed for that file
-                    log.warning("replicating %s of step %d from node %s failed: %s", name, step, node, e)
-        return copied
+        wanted = sorted((entry for node, entries in gathered if node == self.buddy_of for entry in entries),
+                        key=lambda e: -e[1])
+
+        def copy(name: str, size: int, digest: str) -> tuple[str, int, str] | None:
+            entry = FileEntry(path=name, size=size, sha256=digest, nodes=[self.buddy_of])
+            try:
+                copy_verified(source, entry, step, fs, join(path, name), self.config.replicate_timeout_s)
+                return name, size, digest
+            except Exception as e:  # a missed copy only means the bucket is needed for that file
+                log.warning("replicating %s of step %d from node %s failed: %s", name, step, self.buddy_of, e)
+                return None
+
+        # the files side by side, the largest first, as the fetch and the upload (``TRANSFER_THREADS``)
+        with ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(wanted)))) as pool:
+            return [got for got in pool.map(lambda e: copy(*e), wanted) if got is not None]
 
     def close(self) -> dict | None:
         """Wait (bounded) for the backup; rank 0 returns what reached the remote store (None without one).
