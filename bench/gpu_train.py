@@ -10,7 +10,8 @@ the real CLI in its own process, so its start, allocator and compile are its own
     python bench/gpu_train.py --check checkpoint   # bench/gpu/plan-llama-1.5b.json, 120 steps, every 50 vs none
     python bench/gpu_train.py --check fp8          # bench/gpu/plan-llama-3b.json, 50 steps, fp8 vs bf16, compiled
 
-Without a GPU the same runs go on CPU with a tiny Llama (``--cpu``: the code path, not the figures).
+Without a GPU the same runs go on CPU with a tiny Llama (``--cpu``: the code path, not the figures; written as
+``gpu_train_<check>_cpu.json``). tests/integration/test_gpu_checks.py runs both checks that way.
 """
 
 from __future__ import annotations
@@ -36,6 +37,38 @@ CHECKS = {
             {"bf16, compiled": ["--compile", "--no-checkpoints"],
              "fp8, compiled": ["--compile", "--fp8", "--no-checkpoints"]}),
 }
+
+
+# ``--cpu``: the same modes on one CPU device with a tiny Llama, to check the code path (flags, metrics, this script)
+# before a lent GPU's minutes are spent on it; its figures mean nothing
+CPU_CLUSTER = """name: one-cpu
+inter_node_bandwidth_gbps: 1.0
+gpu_types:
+  cpu-dev: {tflops: 0.05, fp32_tflops: 0.05, memory_gb: 8, memory_bandwidth_gbps: 10, efficiency: 1.0}
+nodes:
+  - {name: n0, gpu: cpu-dev, count: 1, intra_node_bandwidth_gbps: 2.0}
+"""
+CPU_MODEL = """name: llama-tiny
+arch: llama
+num_layers: 2
+hidden_size: 64
+num_heads: 4
+num_kv_heads: 2
+ffn_hidden_size: 128
+seq_length: 32
+vocab_size: 256
+"""
+
+
+def _cpu_plan(tmp: Path) -> str:
+    """The tiny Llama's plan on one CPU device, bf16 as the GPU plans (``--cpu``)."""
+    (tmp / "cluster.yaml").write_text(CPU_CLUSTER)
+    (tmp / "model.yaml").write_text(CPU_MODEL)
+    out = tmp / "plan.json"
+    subprocess.run([sys.executable, "-m", "hetrain", "plan", "--cluster", str(tmp / "cluster.yaml"), "--model",
+                    str(tmp / "model.yaml"), "--global-batch-size", "4", "--micro-batch-size", "2", "--tp", "1",
+                    "--precision", "bf16", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+    return str(out)
 
 
 def _run(plan: str, steps: int, flags: list[str], run_dir: Path, timeout_s: float) -> tuple[list[dict], float]:
@@ -73,13 +106,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: the check's")
     ap.add_argument("--plan", default=None, help="default: the check's (bench/gpu/)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
+    ap.add_argument("--cpu", action="store_true", help="a tiny Llama on one CPU device: the code path, not the figures")
     args = ap.parse_args()
     plan_path, steps, warmup, modes = CHECKS[args.check]
-    plan_path, steps = args.plan or plan_path, args.steps or steps
-    plan = json.loads((ROOT / plan_path).read_text())
-    tokens_per_step = plan["global_batch_size"] * plan["model"]["seq_length"]
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="hetrain-gputrain-", dir=os.environ.get("HETRAIN_BENCH_TMP")) as tmp:
+        plan_path = _cpu_plan(Path(tmp)) if args.cpu else plan_path
+        plan_path, steps = args.plan or plan_path, args.steps or steps
+        plan = json.loads((ROOT / plan_path).read_text())
+        tokens_per_step = plan["global_batch_size"] * plan["model"]["seq_length"]
         for rep in range(args.repeats):
             for mode, flags in modes.items():
                 run_dir = Path(tmp) / f"{args.check}-{rep}-{len(results[mode])}-{mode.split(',')[0].replace(' ', '-')}"
@@ -111,7 +146,8 @@ def main() -> None:
                  ("cost vs base", "{loop_vs_base:+.1%}"), ("max stall s", "{max_stall_s:.3f}"),
                  ("skipped", "{skipped}"), ("final loss", "{final_loss:.4f}"), ("loss vs base", "{loss_vs_base:+.2%}"),
                  ("peak GB", "{peak_gb:.1f}")])
-    print(f"\nresults: {write_results(f'gpu_train_{args.check}', rows)}")
+    # a CPU run's figures never take the place of a GPU's
+    print(f"\nresults: {write_results(f'gpu_train_{args.check}' + ('_cpu' if args.cpu else ''), rows)}")
 
 
 if __name__ == "__main__":
