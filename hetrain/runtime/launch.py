@@ -240,6 +240,17 @@ class RunStopped(HetrainError):
         self.records = records
 
 
+def _start_launchers(cmds: list[NodeCommand], logs: list[Path], run_dir: Path, procs: list[subprocess.Popen]) -> None:
+    """Start each node's launcher, logging to its log, into ``procs`` as it starts (what a failure stops)."""
+    for cmd, log in zip(cmds, logs):
+        with log.open("w") as log_f:
+            # the launcher dies with this process (the kernel's parent-death signal), the workers with the
+            # launcher and with this process (hetrain.runtime.lifeline): a kill -9 here leaves none training
+            env = {**os.environ, **cmd.env, RUN_DIR_ENV: str(run_dir), TRAIN_PID_ENV: owner_token()}
+            procs.append(subprocess.Popen(tied_argv(cmd.argv), stdout=log_f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+
+
 def launch(config: RunConfig, layout: Layout, run_dir: Path,
            on_record: Callable[[dict], None] | None = None, stop_event: threading.Event | None = None,
            commands: Callable[[Path], list[NodeCommand]] | None = None, config_name: str = CONFIG) -> list[dict]:
@@ -270,13 +281,7 @@ def launch(config: RunConfig, layout: Layout, run_dir: Path,
     records: list[dict] = []
     procs: list[subprocess.Popen] = []
     try:
-        for cmd, log in zip(cmds, logs):
-            with log.open("w") as log_f:
-                # the launcher dies with this process (the kernel's parent-death signal), the workers with the
-                # launcher and with this process (hetrain.runtime.lifeline): a kill -9 here leaves none training
-                env = {**os.environ, **cmd.env, RUN_DIR_ENV: str(run_dir), TRAIN_PID_ENV: owner_token()}
-                procs.append(subprocess.Popen(tied_argv(cmd.argv), stdout=log_f, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
+        _start_launchers(cmds, logs, run_dir, procs)
         watch = _FirstExit(procs)
         first_step = None if standby is None else -1
         stopped = False
