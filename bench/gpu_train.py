@@ -65,18 +65,22 @@ def _cpu_plan(tmp: Path) -> str:
     (tmp / "cluster.yaml").write_text(CPU_CLUSTER)
     (tmp / "model.yaml").write_text(CPU_MODEL)
     out = tmp / "plan.json"
-    subprocess.run([sys.executable, "-m", "hetrain", "plan", "--cluster", str(tmp / "cluster.yaml"), "--model",
+    done = subprocess.run([sys.executable, "-m", "hetrain", "plan", "--cluster", str(tmp / "cluster.yaml"), "--model",
                     str(tmp / "model.yaml"), "--global-batch-size", "4", "--micro-batch-size", "2", "--tp", "1",
-                    "--precision", "bf16", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
+                    "--precision", "bf16", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"hetrain plan of the tiny Llama failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return str(out)
 
 
-def _run(plan: str, steps: int, flags: list[str], run_dir: Path, timeout_s: float) -> tuple[list[dict], float]:
+def _run(plan: str, steps: int, flags: list[str], run_dir: Path, timeout_s: float,
+         cpu: bool = False) -> tuple[list[dict], float]:
     cmd = [sys.executable, "-m", "hetrain", "train", "--plan", plan, "--steps", str(steps), "--run-dir", str(run_dir),
            *flags]
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                          env={**os.environ, **({"ACCELERATE_USE_CPU": "1"} if cpu else {}),  # CPU on a GPU host too
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                                         os.environ.get("PYTHONPATH")]))})
     wall_s = time.perf_counter() - started
     if proc.returncode != 0:
@@ -118,7 +122,7 @@ def main() -> None:
         for rep in range(args.repeats):
             for mode, flags in modes.items():
                 run_dir = Path(tmp) / f"{args.check}-{rep}-{len(results[mode])}-{mode.split(',')[0].replace(' ', '-')}"
-                records, wall_s = _run(plan_path, steps, flags, run_dir, args.timeout_s)
+                records, wall_s = _run(plan_path, steps, flags, run_dir, args.timeout_s, args.cpu)
                 row = {**summarize(records, min(warmup, steps // 2), tokens_per_step), "wall_s": wall_s}
                 results[mode].append(row)
                 print(f"repeat {rep} {mode}: {json.dumps(row)}", flush=True)

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TypeVar
 
 from hetrain.checkpoint.manifest import MANIFEST, METADATA, join, parse_manifest
@@ -163,9 +163,13 @@ class Uploader:
                          lambda: store.put_file(join(local_dir, f.path), join(remote_dir, f.path)), cfg.upload_retries)
 
         # the files side by side, the largest first (``TRANSFER_THREADS``: one stream is a fraction of the link);
-        # the first that fails for good fails the upload, once the others have ended
-        with ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(mine)))) as pool:
-            list(pool.map(put, mine))
+        # the first to fail (in time) fails the upload, and the files not yet started are not sent for nothing
+        pool = ThreadPoolExecutor(max_workers=max(1, min(TRANSFER_THREADS, len(mine))))
+        try:
+            for done in as_completed([pool.submit(put, f) for f in mine]):
+                done.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         if not self.coordinator:
             return
         others = {f.path: f.size for f in manifest.files if f.path != METADATA and f.nodes[0] != self.node}
