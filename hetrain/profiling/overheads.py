@@ -59,9 +59,9 @@ from hetrain.spec.specs import ModelSpec
 # bookkeeping, so the difference step - compute is measured, not the noise of a big subtraction.
 STAND_IN = ModelSpec(name="overhead-stand-in", num_layers=1, hidden_size=64, num_heads=4, seq_length=32,
                      vocab_size=256)
-MICROBATCH_COUNTS = (1, 8)  # two points of the line step - compute = step_s + m * microbatch_s
+MICROBATCH_COUNTS = (1, 16)  # two points of the line step - compute = step_s + m * microbatch_s
 WARMUP_STEPS = 3
-MEASURED_STEPS = 12
+MEASURED_STEPS = 40  # a step of the stand-in takes milliseconds: 40 of each count cost well under a second
 OPTIMIZER_PARAMS = 1 << 22  # 4M: enough that AdamW runs at memory speed, not at its per-call cost
 
 
@@ -87,8 +87,8 @@ def _one_process_group(device: torch.device):
         dist.destroy_process_group()
 
 
-def _overhead_per_step(num_microbatches: int, device: torch.device, precision: str, work: Path) -> float:
-    """Median over steps of (step time - compute), the stand-in's optimizer step included."""
+def _trainer(num_microbatches: int, device: torch.device, precision: str, work: Path):
+    """The real ``Trainer`` on the stand-in, one stage of ``num_microbatches`` micro-batches."""
     from hetrain.config import RunConfig, TrainOptions
     from hetrain.plan.layout import build_layout
     from hetrain.runtime.groups import make_groups
@@ -98,15 +98,26 @@ def _overhead_per_step(num_microbatches: int, device: torch.device, precision: s
     path = work / f"plan-{num_microbatches}.json"
     plan.write(path)
     layout = build_layout(plan)
-    config = RunConfig(plan=str(path), steps=WARMUP_STEPS + MEASURED_STEPS, options=TrainOptions(precision=precision))
-    groups = make_groups(layout, [0], 0)
-    trainer = Trainer(config, plan, layout, layout.roles[0], groups, None, device)
-    out = []
+    steps = WARMUP_STEPS + MEASURED_STEPS
+    config = RunConfig(plan=str(path), steps=steps, options=TrainOptions(precision=precision))
+    return Trainer(config, plan, layout, layout.roles[0], make_groups(layout, [0], 0), None, device)
+
+
+def _overheads_per_step(device: torch.device, precision: str, work: Path) -> dict[int, float]:
+    """Median over steps of (step time - compute) at each of ``MICROBATCH_COUNTS``, the stand-in's
+    optimizer step included.
+
+    The counts' steps alternate, so a change in the machine's load falls on both alike: the slope
+    is a few milliseconds over the whole line, and measured one count after the other on a busy
+    two-core CI machine it once came out negative (reported as 0)."""
+    trainers = {m: _trainer(m, device, precision, work) for m in MICROBATCH_COUNTS}
+    out: dict[int, list[float]] = {m: [] for m in MICROBATCH_COUNTS}
     for step in range(WARMUP_STEPS + MEASURED_STEPS):
-        record = trainer.train_step(step)
-        if step >= WARMUP_STEPS:
-            out.append(record["step_time_s"] - record["ranks"][0]["compute_s"])
-    return statistics.median(out)
+        for m, trainer in trainers.items():
+            record = trainer.train_step(step)
+            if step >= WARMUP_STEPS:
+                out[m].append(record["step_time_s"] - record["ranks"][0]["compute_s"])
+    return {m: statistics.median(times) for m, times in out.items()}
 
 
 def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
@@ -219,7 +230,7 @@ def measure_overheads(device: torch.device, precision: str = "fp32") -> RuntimeO
             tp_block_s = cpu_tp_block_overhead_s(precision, Path(tmp))
         with _one_process_group(device):
             lo, hi = MICROBATCH_COUNTS
-            at = {m: _overhead_per_step(m, device, precision, Path(tmp)) for m in (lo, hi)}
+            at = _overheads_per_step(device, precision, Path(tmp))
             if device.type != "cpu":
                 tp_block_s = tp_block_overhead_s(device, precision)
     microbatch_s = max(0.0, (at[hi] - at[lo]) / (hi - lo))
