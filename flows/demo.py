@@ -72,7 +72,7 @@ class Services:
         return r.stdout
 
     def start_prefect_server(self, port: int) -> str:
-        """``prefect server start`` on loopback at ``port`` (its log: ``prefect-server.log``); its API URL once it answers."""
+        """``prefect server start`` on loopback at ``port`` (log: prefect-server.log); its API URL once it answers."""
         api = f"http://127.0.0.1:{port}/api"
         self.start("prefect-server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                       "--port", str(port)])
@@ -181,16 +181,133 @@ def _devices_by_node(plan: dict) -> dict[str, list[str]]:
     return found
 
 
+class _BedDemo:
+    """One demo on the test bed, phase by phase: each waits on the flows under one deadline and says what it saw."""
+
+    def __init__(self, bc, client, args, home: Path) -> None:
+        self.bc, self.client, self.args, self.home = bc, client, args, home
+        self.deadline = time.monotonic() + args.timeout_s
+        self.run_id = "demo"
+
+    def _wait(self, done, failed: str, give_up=lambda: False, poll_s: float = 1.0):
+        """``done()``'s first true value, polled till the deadline or ``give_up()`` (then the demo ends: ``failed``)."""
+        while not (value := done()):
+            if time.monotonic() > self.deadline or give_up():
+                raise SystemExit(f"demo: {failed}")
+            time.sleep(poll_s)
+        return value
+
+    def show_nodes(self) -> None:
+        import yaml
+
+        cluster = yaml.safe_load(self.bc.cluster_file.read_text())
+        nodes = Table(title="nodes", title_justify="left")
+        for col in ("node", "address", "devices", "link", "spot"):
+            nodes.add_column(col)
+        for n in cluster["nodes"]:
+            nodes.add_row(n["name"], n["address"], f"{n['count']} x {n['gpu']}", f"{BED_LINK_MBIT} Mbit/s",
+                          "yes (watched)" if n.get("spot") else "")
+        console.print(nodes)
+        console.print(f"    Prefect API (relayed to this machine): {self.bc.api}")
+
+    def start_training(self) -> dict:
+        """The per-node training run started through its deployment; its plan once the nodes have it."""
+        from prefect.deployments import run_deployment
+
+        from flows.bed import BUCKET
+
+        console.print(f"[bold]2/5[/] training run '{self.run_id}' per node (launch=per-node): each GPU type profiled "
+                      f"on its own node, planned, one node run per node through its work queue, torchrun's c10d "
+                      f"rendezvous on the first node; {self.args.steps} steps, checkpoints every 25 steps to each "
+                      f"node's disk and s3://{BUCKET}/{self.run_id}")
+        self.train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
+            "cluster": str(self.bc.cluster_file), "run_id": self.run_id, "global_batch_size": BED_GLOBAL_BATCH,
+            "launch": "per-node", "planner": "hetrain",
+            "options": {"steps": self.args.steps, "checkpoint_every": 25, "remote": f"s3://{BUCKET}/{self.run_id}",
+                        "remote_endpoint": self.bc.s3_inside}})
+        plan_file = RunDir(self.bc.roots["a"] / self.run_id).plan
+        self._wait(plan_file.exists, f"the training run did not start on the nodes; logs in {self.home}",
+                   give_up=self._training_ended, poll_s=0.5)
+        plan = json.loads(plan_file.read_text())
+        if "spot" not in _devices_by_node(plan):
+            raise SystemExit("demo: the plan leaves the spot node out (its devices measured too slow to help): "
+                             "nothing to recover")
+        self.metrics = RunDir(self.bc.roots[_first_node(plan)] / self.run_id).metrics
+        return plan
+
+    def _training_ended(self) -> bool:
+        return self.client.read_flow_run(self.train_run.id).state.is_final()
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.metrics.read_text().splitlines()] if self.metrics.exists() else []
+
+    def preempt_spot(self) -> tuple[list[dict], datetime]:
+        """The notice once training passes ``--preempt-at-step``; the records up to the emergency checkpoint's step,
+        where the ranks stopped, and when the node goes."""
+        step = self.args.preempt_at_step
+        self._wait(lambda: (r := self.records()) and r[-1]["step"] >= step,
+                   f"training did not reach step {step}; logs in {self.home}", give_up=self._training_ended,
+                   poll_s=0.3)
+        notice_step = self.records()[-1]["step"]
+        gone_at = self.bc.cloud.preempt("spot", self.args.notice_s)
+        console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'spot' goes away at "
+                      f"{gone_at:%H:%M:%S} ({self.args.notice_s:g} s notice)")
+        state = self._wait(lambda: (st := self.client.read_flow_run(self.train_run.id).state).is_final() and st,
+                           "the training run did not stop after the notice")
+        before = self.records()
+        stopped = before[-1]
+        if not stopped.get("stopped"):
+            raise SystemExit(f"demo: the run ended {state.name} at step {stopped['step']} without stopping for the "
+                             f"notice (raise --steps); logs in {self.home}")
+        console.print(f"    spot's watcher had the ranks take an emergency checkpoint at step {stopped['step']} and "
+                      f"stop there, and emitted hetrain.node.preempted; training flow run {state.name}")
+        return before, gone_at
+
+    def recover(self, gone_at: datetime) -> dict[str, dict]:
+        """The node lost at its deadline; the recovery the event started, to its end; each node's restored bytes."""
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
+
+        from flows.report import artifact_key
+
+        time.sleep(max(0.0, (gone_at - datetime.now(UTC)).total_seconds()))
+        self.bc.lose("spot")
+        console.print("[bold]4/5[/] the deadline: node 'spot' is gone (its processes killed, its disk deleted); the "
+                      "event's automation started hetrain-recover/recover: restore on every survivor at once, "
+                      "re-plan, resume per node")
+        named = FlowFilter(name=FlowFilterName(any_=["hetrain-recover"]))
+        recs = self._wait(lambda: self.client.read_flow_runs(flow_filter=named),
+                          "the preemption event started no recovery")
+        rec = self._wait(lambda: (r := self.client.read_flow_run(recs[0].id)).state.is_final() and r,
+                         "timed out waiting for the recovery")
+        if not rec.state.is_completed():
+            raise SystemExit(f"demo: recovery ended {rec.state.name}: {rec.state.message}; logs in {self.home}")
+        found = self.client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[artifact_key(self.run_id, "recovery-bytes")])))
+        if not found:
+            raise SystemExit("demo: the recovery published no table of restored bytes")
+        data = found[0].data
+        return {r["node"]: r for r in (json.loads(data) if isinstance(data, str) else data)}
+
+    def resumed(self, step: int) -> tuple[dict, list[dict]]:
+        """The plan recovery made from ``step``'s checkpoint, and the records since the resume."""
+        new_plan = json.loads(RunDir(self.bc.roots["a"] / self.run_id).plan_from_step(step).read_text())
+        records = RunDir(self.bc.roots[_first_node(new_plan)] / self.run_id).metrics.read_text().splitlines()
+        after_all = [json.loads(line) for line in records]
+        return new_plan, after_all[max(i for i, r in enumerate(after_all) if "resume_load_s" in r):]
+
+
+def _first_node(plan: dict) -> str:
+    """The node of the first pipeline's first stage: its rank 0 writes the run's metrics."""
+    return plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
+
+
 def bed_main(args, home: Path, started: float) -> None:
     """The demo across machines: every node a network namespace with its own worker, disk and links."""
     import yaml
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
-    from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.bed import BUCKET, BedCluster
-    from flows.report import artifact_key
+    from flows.bed import BedCluster
 
     types = yaml.safe_load((ROOT / "examples" / "clusters" / "cpu-emulated.yaml").read_text())
     console.print(f"[bold]1/5[/] building the test bed in {home}: namespaces control (Prefect server, parent flows' "
@@ -201,89 +318,21 @@ def bed_main(args, home: Path, started: float) -> None:
     with BedCluster(home, BED_NODES, cluster_fields=fields, rate_mbit=BED_LINK_MBIT,
                     bucket_mbit=BED_BUCKET_MBIT) as bc, \
             temporary_settings({PREFECT_API_URL: bc.api}), get_client(sync_client=True) as client:
-        cluster = yaml.safe_load(bc.cluster_file.read_text())
-        nodes = Table(title="nodes", title_justify="left")
-        for col in ("node", "address", "devices", "link", "spot"):
-            nodes.add_column(col)
-        for n in cluster["nodes"]:
-            nodes.add_row(n["name"], n["address"], f"{n['count']} x {n['gpu']}", f"{BED_LINK_MBIT} Mbit/s",
-                          "yes (watched)" if n.get("spot") else "")
-        console.print(nodes)
-        console.print(f"    Prefect API (relayed to this machine): {bc.api}")
-        run_id = "demo"
-        console.print(f"[bold]2/5[/] training run '{run_id}' per node (launch=per-node): each GPU type profiled on "
-                      f"its own node, planned, one node run per node through its work queue, torchrun's c10d "
-                      f"rendezvous on the first node; {args.steps} steps, checkpoints every 25 steps to each "
-                      f"node's disk and s3://{BUCKET}/{run_id}")
-        train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "cluster": str(bc.cluster_file), "run_id": run_id, "global_batch_size": BED_GLOBAL_BATCH,
-            "launch": "per-node", "planner": "hetrain",
-            "options": {"steps": args.steps, "checkpoint_every": 25, "remote": f"s3://{BUCKET}/{run_id}",
-                        "remote_endpoint": bc.s3_inside}})
-        deadline = time.monotonic() + args.timeout_s
-        plan_file = RunDir(bc.roots["a"] / run_id).plan
-        while not plan_file.exists():
-            if time.monotonic() > deadline or client.read_flow_run(train_run.id).state.is_final():
-                raise SystemExit(f"demo: the training run did not start on the nodes; logs in {home}")
-            time.sleep(0.5)
-        plan = json.loads(plan_file.read_text())
-        if "spot" not in _devices_by_node(plan):
-            raise SystemExit("demo: the plan leaves the spot node out (its devices measured too slow to help): "
-                             "nothing to recover")
-        first = plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
-        metrics = RunDir(bc.roots[first] / run_id).metrics
+        demo = _BedDemo(bc, client, args, home)
+        demo.show_nodes()
+        plan = demo.start_training()
+        before, gone_at = demo.preempt_spot()
+        rows = demo.recover(gone_at)
+        new_plan, after = demo.resumed(before[-1]["step"])
+    _bed_report(plan, new_plan, rows, before, after, time.monotonic() - started, home)
 
-        def records() -> list[dict]:
-            return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
-        while not records() or records()[-1]["step"] < args.preempt_at_step:
-            if time.monotonic() > deadline or client.read_flow_run(train_run.id).state.is_final():
-                raise SystemExit(f"demo: training did not reach step {args.preempt_at_step}; logs in {home}")
-            time.sleep(0.3)
-        notice_step = records()[-1]["step"]
-        gone_at = bc.cloud.preempt("spot", args.notice_s)
-        console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'spot' goes away at "
-                      f"{gone_at:%H:%M:%S} ({args.notice_s:g} s notice)")
-        while not (state := client.read_flow_run(train_run.id).state).is_final():
-            if time.monotonic() > deadline:
-                raise SystemExit("demo: the training run did not stop after the notice")
-            time.sleep(1)
-        before = records()
-        stopped = before[-1]
-        if not stopped.get("stopped"):
-            raise SystemExit(f"demo: the run ended {state.name} at step {stopped['step']} without stopping for the "
-                             f"notice (raise --steps); logs in {home}")
-        console.print(f"    spot's watcher had the ranks take an emergency checkpoint at step {stopped['step']} and "
-                      f"stop there, and emitted hetrain.node.preempted; training flow run {state.name}")
-        time.sleep(max(0.0, (gone_at - datetime.now(UTC)).total_seconds()))
-        bc.lose("spot")
-        console.print("[bold]4/5[/] the deadline: node 'spot' is gone (its processes killed, its disk deleted); the "
-                      "event's automation started hetrain-recover/recover: restore on every survivor at once, "
-                      "re-plan, resume per node")
-        while not (recs := client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["hetrain-recover"])))):
-            if time.monotonic() > deadline:
-                raise SystemExit("demo: the preemption event started no recovery")
-            time.sleep(1)
-        while not (rec := client.read_flow_run(recs[0].id)).state.is_final():
-            if time.monotonic() > deadline:
-                raise SystemExit("demo: timed out waiting for the recovery")
-            time.sleep(1)
-        if not rec.state.is_completed():
-            raise SystemExit(f"demo: recovery ended {rec.state.name}: {rec.state.message}; logs in {home}")
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[artifact_key(run_id, "recovery-bytes")])))
-        if not found:
-            raise SystemExit("demo: the recovery published no table of restored bytes")
-        data = found[0].data
-        rows = {r["node"]: r for r in (json.loads(data) if isinstance(data, str) else data)}
-        step = stopped["step"]
-        new_plan = json.loads(RunDir(bc.roots["a"] / run_id).plan_from_step(step).read_text())
-        new_first = new_plan["pipelines"][0]["stages"][0]["devices"][0].split("/")[0]
-        after_all = [json.loads(line) for line in RunDir(bc.roots[new_first] / run_id).metrics.read_text().splitlines()]
-        after = after_all[max(i for i, r in enumerate(after_all) if "resume_load_s" in r):]
-
+def _bed_report(plan: dict, new_plan: dict, rows: dict[str, dict], before: list[dict], after: list[dict],
+                wall_s: float, home: Path) -> None:
+    """Each node's part before and after the preemption, and the loss across it."""
+    step = before[-1]["step"]
     old_devices, new_devices = _devices_by_node(plan), _devices_by_node(new_plan)
-    console.print(f"[bold]5/5[/] done in {time.monotonic() - started:.0f} s")
+    console.print(f"[bold]5/5[/] done in {wall_s:.0f} s")
     table = Table(title="what each node did", title_justify="left")
     for col in ("node", f"steps 0-{step}", "restored (own disk / peers / bucket)", "restore s",
                 f"steps {after[0]['step']}-{after[-1]['step']}"):
@@ -296,10 +345,94 @@ def bed_main(args, home: Path, started: float) -> None:
         table.add_row(name, ", ".join(old_devices.get(name, [])) or "-", restored_mb,
                       f"{row['seconds']:.1f}" if row else "", ", ".join(new_devices.get(name, [])) or "-")
     console.print(table)
-    console.print(f"training: loss {before[0]['loss']:.3f} at step 0 -> {stopped['loss']:.3f} at step {step} "
+    console.print(f"training: loss {before[0]['loss']:.3f} at step 0 -> {before[-1]['loss']:.3f} at step {step} "
                   f"(the emergency checkpoint) -> {after[-1]['loss']:.3f} at step {after[-1]['step']}; resumed at "
                   f"step {after[0]['step']} (= checkpoint + 1), no committed step lost", highlight=False)
     console.print(f"Logs of every process are in {home}; the bed is torn down.", highlight=False)
+
+
+def _one_machine_env(home: Path, api_port: int) -> dict[str, str]:
+    """The demo's processes' environment: its own Prefect home and server, the bucket's credentials."""
+    from flows.bed import WORKER_QUERY_S
+
+    return {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{api_port}/api",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}",
+            "PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_S,  # the recovery starts within 2 s of the event
+            "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "demo"),
+            "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "demo"),
+            "AWS_DEFAULT_REGION": "us-east-1", "PWD": str(ROOT)}
+
+
+def _start_services(services: Services, home: Path, api_port: int, s3_port: int) -> None:
+    """The Prefect server, the S3 endpoint with the demo's bucket, the deployments and a worker."""
+    console.print(f"[bold]1/5[/] starting Prefect server (SQLite in {home / 'prefect'}), S3 endpoint, work pool")
+    services.start("s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
+    services.start_prefect_server(api_port)
+    wait_http(f"http://127.0.0.1:{s3_port}/moto-api/", 60, "the S3 endpoint")
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}").mkdir("hetrain-demo")
+    console.print(f"    Prefect UI: [link]http://127.0.0.1:{api_port}[/] (open it to watch the flows)")
+    services.deploy_with_worker()
+    console.print("    deployed hetrain-train/train (nightly cron) and hetrain-recover/recover "
+                  "(trigger: hetrain.node.preempted); worker started")
+
+
+def _one_machine_run(args, home: Path, api_port: int, s3_port: int, started: float) -> None:
+    """Train through the deployment, preempt the spot node partway, wait for the recovery the event starts, report."""
+    from prefect.deployments import run_deployment
+
+    from hetrain.testing.fakecloud import FakeCloudMetadata
+
+    metadata = FakeCloudMetadata().start()
+    run_id, runs_root = "demo", home / "runs"
+    console.print(f"[bold]2/5[/] training run '{run_id}': gpt-small on the emulated cluster (fast x2 at 2x, spot "
+                  f"slow x2 at 4x), {args.steps} steps, checkpoints every 10 steps to each node and to "
+                  f"s3://hetrain-demo")
+    train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
+        "run_id": run_id, "runs_root": str(runs_root), "model": "examples/models/gpt-small.yaml",
+        "global_batch_size": 48, "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws",
+        "options": {"steps": args.steps, "checkpoint_every": 10, "remote": f"s3://hetrain-demo/{run_id}",
+                    "remote_endpoint": f"http://127.0.0.1:{s3_port}"}})
+    metrics = RunDir(runs_root / run_id).metrics
+    deadline = time.monotonic() + args.timeout_s
+
+    def last_step() -> int:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return json.loads(lines[-1])["step"] if lines else -1
+
+    while last_step() < args.preempt_at_step:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"demo: training did not reach step {args.preempt_at_step}; see {home}/worker.log")
+        time.sleep(0.3)
+    notice_step = last_step()
+    when = metadata.preempt("slow", args.notice_s)
+    console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'slow' goes away at "
+                  f"{when:%H:%M:%S} ({args.notice_s:g} s notice)")
+    train_state = wait_final(lambda: [train_run.id], deadline)
+    if last_step() >= args.steps - 1 and not recovery_runs():
+        raise SystemExit("demo: training finished before the node went away; use a larger --steps")
+    console.print(f"    training flow run ended {train_state.name}; the node's watcher emitted hetrain.node.preempted")
+    console.print("[bold]4/5[/] the event's automation started hetrain-recover/recover; waiting for it")
+    recover_state = wait_final(lambda: recovery_runs(), deadline)
+    if not recover_state.is_completed():
+        raise SystemExit(f"demo: recovery ended {recover_state.name}: {recover_state.message}; see {home}/worker.log")
+    report(runs_root / run_id, args.steps, notice_step, time.monotonic() - started, f"http://127.0.0.1:{api_port}",
+           home)
+    metadata.stop()
+
+
+def one_machine_main(args, home: Path, started: float) -> None:
+    """The demo on this machine: the services as child processes, stopped whatever happens."""
+    api_port, s3_port = free_port(), free_port()
+    env = _one_machine_env(home, api_port)
+    os.environ.update(env)  # this process talks to the same server and bucket
+    services = Services(home, env)
+    try:
+        _start_services(services, home, api_port, s3_port)
+        _one_machine_run(args, home, api_port, s3_port, started)
+    finally:
+        services.stop()
 
 
 def main() -> None:
@@ -331,80 +464,7 @@ def main() -> None:
     console.print(f"[bold]running on one machine[/] (no test bed: {why})", highlight=False)
     args.steps = args.steps or 50
     args.notice_s = args.notice_s if args.notice_s is not None else 5.0
-    from flows.bed import WORKER_QUERY_S
-
-    api_port, s3_port = free_port(), free_port()
-    api = f"http://127.0.0.1:{api_port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}",
-           "PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_S,  # the recovery starts within 2 s of the event
-           "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "demo"),
-           "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "demo"),
-           "AWS_DEFAULT_REGION": "us-east-1", "PWD": str(ROOT)}
-    os.environ.update(env)  # this process talks to the same server and bucket
-    services = Services(home, env)
-    py = sys.executable
-    try:
-        console.print(f"[bold]1/5[/] starting Prefect server (SQLite in {home / 'prefect'}), S3 endpoint, work pool")
-        services.start("s3", [py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
-        services.start_prefect_server(api_port)
-        wait_http(f"http://127.0.0.1:{s3_port}/moto-api/", 60, "the S3 endpoint")
-        import s3fs
-
-        s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}").mkdir("hetrain-demo")
-        console.print(f"    Prefect UI: [link]http://127.0.0.1:{api_port}[/] (open it to watch the flows)")
-        services.deploy_with_worker()
-        console.print("    deployed hetrain-train/train (nightly cron) and hetrain-recover/recover "
-                      "(trigger: hetrain.node.preempted); worker started")
-
-        from hetrain.testing.fakecloud import FakeCloudMetadata
-
-        metadata = FakeCloudMetadata().start()
-        run_id = "demo"
-        runs_root = home / "runs"
-        from prefect.deployments import run_deployment
-
-        console.print(f"[bold]2/5[/] training run '{run_id}': gpt-small on the emulated cluster (fast x2 at 2x, spot "
-                      f"slow x2 at 4x), {args.steps} steps, checkpoints every 10 steps to each node and to "
-                      f"s3://hetrain-demo")
-        train_run = run_deployment("hetrain-train/train", timeout=0, parameters={
-            "run_id": run_id, "runs_root": str(runs_root), "model": "examples/models/gpt-small.yaml",
-            "global_batch_size": 48, "spot_metadata_url": metadata.url("").rstrip("/"), "cloud": "aws",
-            "options": {"steps": args.steps, "checkpoint_every": 10, "remote": f"s3://hetrain-demo/{run_id}",
-                        "remote_endpoint": f"http://127.0.0.1:{s3_port}"}})
-        metrics = RunDir(runs_root / run_id).metrics
-        deadline = time.monotonic() + args.timeout_s
-
-        def last_step() -> int:
-            if not metrics.exists():
-                return -1
-            lines = metrics.read_text().splitlines()
-            return json.loads(lines[-1])["step"] if lines else -1
-
-        while last_step() < args.preempt_at_step:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"demo: training did not reach step {args.preempt_at_step}; see {home}/worker.log")
-            time.sleep(0.3)
-        notice_step = last_step()
-        when = metadata.preempt("slow", args.notice_s)
-        console.print(f"[bold]3/5[/] step {notice_step}: the cloud announces that spot node 'slow' goes away at "
-                      f"{when:%H:%M:%S} ({args.notice_s:g} s notice)")
-
-        train_state = wait_final(lambda: [train_run.id], deadline)
-        if last_step() >= args.steps - 1 and not recovery_runs():
-            raise SystemExit("demo: training finished before the node went away; use a larger --steps")
-        console.print(f"    training flow run ended {train_state.name}; the node's watcher emitted "
-                      f"hetrain.node.preempted")
-        console.print("[bold]4/5[/] the event's automation started hetrain-recover/recover; waiting for it")
-        recover_state = wait_final(lambda: recovery_runs(), deadline)
-        if not recover_state.is_completed():
-            raise SystemExit(f"demo: recovery ended {recover_state.name}: {recover_state.message}; "
-                             f"see {home}/worker.log")
-        report(runs_root / run_id, args.steps, notice_step, time.monotonic() - started,
-               f"http://127.0.0.1:{api_port}", home)
-        metadata.stop()
-    finally:
-        services.stop()
+    one_machine_main(args, home, started)
 
 
 if __name__ == "__main__":
