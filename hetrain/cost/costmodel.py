@@ -160,8 +160,6 @@ class CostModel:
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
         self._sends: dict[tuple, float] = {}
         self._part_bytes: dict[int, list[tuple[float, float]]] = {}  # per TP degree (``_sync_buckets``)
-        # CPU ranks (emulated GPU types) run foreach AdamW, which allocates temporaries; GPUs run the fused one.
-        self._cpu_types = {n.gpu for n in cluster.nodes if n.emulate is not None}
         self.latency_s = cluster.collective_latency_us * 1e-6
         # Eager 1F1B's two directions of a boundary move at once under gloo (CPU ranks: every node
         # emulated), one after the other under NCCL, which runs two ranks' sends and receives on one stream
@@ -184,7 +182,7 @@ class CostModel:
             self._unit_cache[key] = stage_unit_costs(
                 self.model, self.settings, self.profile, self.cluster.gpu_type(gpu), gpu, intra_bw_gbps, tp,
                 micro_batch_size, recompute, latency_s=self.latency_s, overheads=self.overheads(gpu),
-                cpu_ranks=gpu in self._cpu_types, optimizer_state=state, replicas=replicas, fmt=fmt)
+                optimizer_state=state, replicas=replicas, fmt=fmt)
         return self._unit_cache[key]
 
     def overheads(self, gpu: str) -> RuntimeOverheads | None:

@@ -53,13 +53,12 @@ run under autocast over fp32 parameters, see hetrain.runtime.precision):
         micro-batch in flight; logits (B_act), their fp32 copy and log-softmax output, 8-10 s b V,
         on the last stage, and for each further micro-batch in flight there (GPipe's last stage holds
         them all) its logits and the loss's saved fp32 output;
-    peak = reserve + states + max(activations, sync chunk, optimizer temporaries): each phase of
-        a step holds one of them beyond the states (backward; the gradient sync; the step). The
+    peak = reserve + states + max(activations, sync chunk): each phase of a step holds one of them
+        beyond the states (backward; the gradient sync); the step holds nothing more (the runtime's
+        fused AdamW updates in place, on GPU and CPU ranks alike: ``optimizer_impl``). The
         sync's chunk: its fp32 flat copy (+ the bf16 wire copy where the plan reduces in bf16) of at
         most ``GRAD_SYNC_CHUNK_NUMEL`` elements (a sharded bucket's: one larger parameter), in plans
-        of several pipelines. The temporaries: a quarter of the bytes of the parameters the step
-        updates on the device (all, 1/D sharded, none offloaded) for foreach AdamW on CPU ranks
-        (emulated GPU types) and none for the fused AdamW GPUs run. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
+        of several pipelines. ``Estimate.peak_memory_gb - framework_reserve_gb`` is what
         ``torch.cuda.max_memory_allocated`` (or ``AllocationTracker`` on CPU) measures.
 """
 
@@ -77,10 +76,6 @@ from hetrain.spec.arithmetic import (GRAD_SYNC_CHUNK_NUMEL, RESIDUAL_BYTES, bloc
 from hetrain.spec.catalog import GPUType
 from hetrain.spec.specs import GB, ModelSpec, OptimizerStateMode, RecomputeMode, TrainingSettings
 
-# foreach AdamW's temporaries: one fp32 copy of the parameters it steps (the square root of exp_avg_sq it divides
-# by), 4 of the 16 bytes per parameter; measured by bench/zero_memory.py's tracer, step phase (replicated: states
-# + 4.0 B/param)
-FOREACH_TEMP_RATIO = 0.25
 # The gradient sync's copy per element of the chunk it reduces (``GRAD_SYNC_CHUNK_NUMEL``): the fp32 flat copy,
 # and the bf16 wire copy of it where the plan reduces in bf16 (a sharded bucket makes its bf16 pieces first,
 # 2 + 2); measured by bench/zero_memory.py's tracer, sync phase: states + 4.0 B/param of the bucket
@@ -147,7 +142,6 @@ class UnitCosts:
     opt_s_per_param: float  # optimizer step seconds per parameter held
     head_out_bytes: float = 0.0  # the logits in the compute dtype
     head_saved_bytes: float = 0.0  # what the loss saves for its backward: its fp32 (log-)softmax of the logits
-    opt_temp_ratio: float = 0.0  # optimizer temporaries per byte of model state (foreach AdamW on CPU; fused: 0)
     # the gradient sync's transient (``sync_work_bytes``): bytes per element of its largest chunk; elements per
     # rank of a block, the embedding and the head, and of the largest tensor of each (a sharded bucket's chunks
     # are runs of whole parameters)
@@ -242,7 +236,7 @@ class UnitCosts:
         transient = max(self._transient_bytes(last) for _, _, last, _ in chunks)
         sync = self.sync_bytes_per_numel * max(self.sync_chunk_numel(n, first, last) for n, first, last, _ in chunks) \
             if syncs else 0.0
-        return self.reserve_bytes + states + max(kept + transient, self.opt_temp_ratio * states, sync)
+        return self.reserve_bytes + states + max(kept + transient, sync)
 
     def sync_chunk_numel(self, num_blocks: int, first: bool, last: bool, bucket_numel: float | None = None) -> float:
         """Elements of the largest chunk the gradient sync copies at once, at most (``sync_chunks``): the largest
@@ -267,7 +261,7 @@ class UnitCosts:
         states = self._states(num_blocks, first, last)
         sync = self.sync_bytes_per_numel * self.sync_chunk_numel(num_blocks, first, last, bucket_numel)
         return self.reserve_bytes + states + max(self._activations(num_blocks, first, last, in_flight, weight_pending),
-                                                 self.opt_temp_ratio * states, sync)
+                                                 sync)
 
     def max_blocks(self, first: bool, last: bool, in_flight: int, weight_pending: int = 0) -> int:
         """Most blocks that fit in memory on this stage (may be < 1: nothing fits)."""
@@ -276,14 +270,12 @@ class UnitCosts:
         pending = weight_pending if self.splits_backward(first) else 0
         per_bwd = self.block_param_bytes + in_flight * self.block_act_bytes \
             + pending * (self.block_act_bytes + self.block_wgrad_bytes)
-        free_opt = self.capacity_bytes - self.reserve_bytes - (1 + self.opt_temp_ratio) * self._states(0, first, last)
-        per_opt = (1 + self.opt_temp_ratio) * self.block_param_bytes
         # the sync's chunk at its most (a constant: the chunk limit, or one large parameter)
         free_sync = self.capacity_bytes - self.reserve_bytes - self._states(0, first, last) \
             - self.sync_bytes_per_numel * self.sync_chunk_numel(1 << 40, first, last)
-        if free_bwd < 0 or free_opt < 0 or free_sync < 0:
+        if free_bwd < 0 or free_sync < 0:
             return -1
-        return int(min(free_bwd // per_bwd, free_opt // per_opt, free_sync // self.block_param_bytes))
+        return int(min(free_bwd // per_bwd, free_sync // self.block_param_bytes))
 
 
 
@@ -392,15 +384,14 @@ def _split_costs(model: ModelSpec, settings: TrainingSettings, entry: ProfileEnt
 
 def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | None, g: GPUType, gpu: str,
                bw: float, t: int, b: int, recompute: RecomputeMode, *, latency_s: float,
-               overheads: RuntimeOverheads | None, cpu_ranks: bool,
+               overheads: RuntimeOverheads | None,
                optimizer_state: OptimizerStateMode = "replicated", replicas: int = 1,
                fmt: str | None = None) -> UnitCosts:
     """Costs of one TP group of GPU type ``gpu`` (``g``) whose node links its GPUs at ``bw`` GB/s, for
     (t, b), one recompute mode and one optimizer state among ``replicas`` replicas of its layers, in the
     number format ``fmt`` (None: the type's under the settings' precision and format policy at t,
     ``GPUType.format_for``: a property of the type, so the search prices it without choosing it).
-    ``overheads``: the runtime's measured costs on it (None: not measured); ``cpu_ranks``: it is
-    emulated on CPU ranks (foreach AdamW's temporaries)."""
+    ``overheads``: the runtime's measured costs on it (None: not measured)."""
     m, st = model, settings
     fmt = fmt or g.format_for(st.precision, st.format_policy, t)
     h, s, V = m.hidden_size, m.seq_length, m.vocab_size
@@ -432,7 +423,7 @@ def unit_costs(model: ModelSpec, settings: TrainingSettings, profile: Profile | 
         head_bwd_s=head_bwd + tp_ar,
         **_split_costs(m, st, entry, t, b, recompute, max(blk_compute - blk_fwd, 0.0), head_bwd,
                        measured_scale(m, st, g, entry, t, b, fmt)),
-        **_state_costs(m, st, g, t, overheads, cpu_ranks, optimizer_state, replicas),
+        **_state_costs(m, st, g, t, overheads, optimizer_state, replicas),
         block_act_bytes=blk_act,
         boundary_bytes=msg / t,  # scatter-gather: each TP rank receives and sends its chunk
         head_work_bytes=head_work,
@@ -459,19 +450,16 @@ def _block_work_bytes(m: ModelSpec, st: TrainingSettings, t: int, b: int, recomp
 
 
 def _state_costs(m: ModelSpec, st: TrainingSettings, g: GPUType, t: int, overheads: RuntimeOverheads | None,
-                 cpu_ranks: bool, optimizer_state: OptimizerStateMode, replicas: int) -> dict:
-    """The ``UnitCosts`` fields of the stage's parameters and optimizer: bytes kept, step seconds, temporaries."""
+                 optimizer_state: OptimizerStateMode, replicas: int) -> dict:
+    """The ``UnitCosts`` fields of the stage's parameters and optimizer: bytes kept, step seconds, sync copies."""
     per_param = device_state_bytes_per_param(st, optimizer_state, replicas)
     # the share of its parameters the stage steps on the device
-    stepped = 0.0 if optimizer_state == "offloaded" else 1 / replicas if optimizer_state == "sharded" else 1.0
     return {
         "block_param_bytes": per_param * block_params(m) / t,
         # the runtime splits the token embedding and the head by vocabulary
         "embed_param_bytes": per_param * embed_params(m, t),
         "head_param_bytes": per_param * head_params(m) / t,
         "opt_s_per_param": _optimizer_s_per_param(st, g, overheads, optimizer_state, replicas),
-        # foreach AdamW's temporaries scale with the parameters it steps on the device, per byte of the states kept
-        "opt_temp_ratio": FOREACH_TEMP_RATIO * st.bytes_per_param * stepped / per_param if cpu_ranks else 0.0,
         "sync_bytes_per_numel": SYNC_FLAT_BYTES + (SYNC_WIRE_COPY_BYTES if st.grad_reduce == "bf16"
                                                    and optimizer_state == "replicated" else 0),
         "block_numel": block_params(m) / t, "embed_numel": embed_params(m, t), "head_numel": head_params(m) / t,

@@ -12,8 +12,8 @@ and separates:
 * ``microbatch_s``: step time minus compute grows by this per micro-batch (the slope);
 * ``step_s``: what is left at zero micro-batches (the intercept), less the stand-in's own
   optimizer step, which the cost model prices per parameter;
-* ``optimizer_s_per_param``: the optimizer step the runtime runs on this device (fused AdamW
-  on GPUs, foreach on CPU), timed on ``OPTIMIZER_PARAMS`` parameters;
+* ``optimizer_s_per_param``: the optimizer step the runtime runs on this device (fused AdamW:
+  ``hetrain.runtime.trainer.optimizer_impl``), timed on ``OPTIMIZER_PARAMS`` parameters;
 * ``tp_block_s``: what tensor parallelism adds to a block's forward + backward besides its
   collectives: the runtime's TP blocks run on DTensors, whose dispatch costs far more than
   the plain shard the per-layer profile times. Measured as the CPU time (on a GPU: the time) of
@@ -122,11 +122,12 @@ def _overheads_per_step(device: torch.device, precision: str, work: Path) -> dic
 
 def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
     """Seconds per parameter of the AdamW step the trainer runs on ``device``."""
+    from hetrain.runtime.trainer import optimizer_impl
+
     params = [torch.nn.Parameter(torch.zeros(OPTIMIZER_PARAMS // 4, device=device)) for _ in range(4)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(params, lr=1e-4, **impl)
+    opt = torch.optim.AdamW(params, lr=1e-4, **optimizer_impl("adamw"))
     times = []
     for i in range(2 + repeats):
         sync(device)

@@ -107,8 +107,8 @@ class ShardBucket:
         self.master = [t.detach().to(state_device, torch.float32, copy=True) for t in mine] if offload else None
         self.state = {key: [torch.zeros(t.shape, dtype=torch.float32, device=state_device) for t in mine]
                       for key in STATE_KEYS}
-        # AdamW's step count: a CPU scalar, or on the device for the fused kernel (as torch.optim.AdamW keeps it)
-        step_device = local[0].device if fused and not offload else torch.device("cpu")
+        # AdamW's step count: beside the state for the fused kernel (as torch.optim.AdamW keeps it), else a CPU scalar
+        step_device = state_device if fused else torch.device("cpu")
         self.steps = [torch.zeros((), dtype=torch.float32, device=step_device) for _ in mine]
         self.grads: list[torch.Tensor] | None = None  # this rank's rows of the summed gradients, until the step
 
@@ -194,7 +194,8 @@ class ShardBucket:
             torch._foreach_mul_(grads, coef)
         params = self.master if self.offload else [t.detach() for t in self._mine(local)]
         beta1, beta2 = group_values["betas"]
-        fused = self.fused and not self.offload
+        # an offloaded share steps on the host with the same fused kernel (``optimizer_impl``)
+        fused = self.fused
         adamw(params, grads, self.state["exp_avg"], self.state["exp_avg_sq"], [], self.steps,
               foreach=None if fused else True, fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group_values["lr"], weight_decay=group_values["weight_decay"], eps=group_values["eps"],

@@ -56,7 +56,7 @@ def test_measured_tp_comm_is_not_priced_twice():
 
     def block_s(profile):
         return unit_costs(plan.model, plan.settings(), profile, g, "RTX3090", bw, 8, 2, "none", latency_s=0.0,
-                          overheads=None, cpu_ranks=False).block_s
+                          overheads=None).block_s
 
     entry = measured.lookup("RTX3090", 8, 2)
     assert block_s(measured) == pytest.approx(entry.block_forward_s + entry.block_backward_s)
