@@ -94,8 +94,12 @@ def _busy_write_s(tmp: Path, source: memoryview, files: int) -> float:
     speed under the same load is the floor it can be held to, the idle one says what the load costs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     metrics = tmp / "busy" / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "hetrain", "train", "--plan", str(tmp / "plan.json"),
-                             "--steps", "100000", "--checkpoint-every", "1000000", "--run-dir", str(tmp / "busy")],
+    from hetrain.runtime.lifeline import tied_argv
+
+    # tied to this process: a bench killed before its ``finally`` (the OOM killer did once) leaves no run training
+    proc = subprocess.Popen(tied_argv([sys.executable, "-m", "hetrain", "train", "--plan", str(tmp / "plan.json"),
+                                       "--steps", "100000", "--checkpoint-every", "1000000",
+                                       "--run-dir", str(tmp / "busy")]),
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
