@@ -4,10 +4,10 @@ Why: a background checkpoint stalls training only for a copy of the rank's state
 memory. Into memory that is already allocated, paged in and (on a GPU) pinned, that copy runs at
 the host link's speed (55 GB/s for 18 GB on an H200 node, 0.35 s); into fresh pageable memory it
 ran at 1.4 GB/s (13.5 s), and allocating and pinning 18 GB when the first checkpoint was due
-stalled that checkpoint 17 s. So the buffers are made once, in a background thread, as soon as
-the state's shape is known (after the first optimizer step), in pieces small enough that
-training's own CUDA calls get through between them. A checkpoint due before they are ready
-waits for them (the stall says so); a state that does not fit the host-memory budget is saved
+stalled that checkpoint 17 s. So the buffers are made once, in a background thread, before the
+first step (the optimizer's state is made then too: ``Checkpointer.prepare``), in pieces small
+enough that training's own CUDA calls get through between them. A checkpoint due before they are
+ready waits for them (``checkpoint_buffers_waited_s``, a console note past a second); a state that does not fit the host-memory budget is saved
 synchronously instead (``Snapshot.fits``), stated once in the log and in the metrics.
 
 The buffers live in one anonymous mapping (page-aligned, pinned a range at a time), each tensor

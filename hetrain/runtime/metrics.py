@@ -9,7 +9,8 @@ JSONL file the control plane follows and, where the run has a TensorBoard direct
 Scalars, by tag (the record's own names, so a curve and its JSONL field are found by one name):
 
 * the run's: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``step_time_s``, and when
-  present ``loss_scale``, ``checkpoint_s``, ``resume_load_s``;
+  present ``loss_scale``, ``checkpoint_s``, ``checkpoint_waited_s``, ``checkpoint_buffers_waited_s``,
+  ``resume_load_s``;
 * each rank's, one chart per quantity with a curve per rank (``compute_s/rank3``):
   ``compute_s`` (forward and backward), ``idle_s`` (the schedule's and the sync's time not
   spent computing: sending, receiving, waiting for other stages, and ``sync_s``), ``sync_s``
@@ -27,14 +28,14 @@ from pathlib import Path
 from typing import IO
 
 RUN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "loss_scale", "checkpoint_s",
-               "checkpoint_waited_s", "resume_load_s")
+               "checkpoint_waited_s", "checkpoint_buffers_waited_s", "resume_load_s")
 # A checkpoint's wait for the previous commit worth saying: longer than a step takes on any GPU
 LONG_CHECKPOINT_WAIT_S = 1.0
 
 
 def checkpoint_notes(record: dict) -> list[str]:
     """What a step's record says about its checkpoint that a user should hear (the console, the Prefect log):
-    a skipped one, a long wait for the previous commit, the synchronous fallback."""
+    a skipped one, a long wait for the previous commit or for the snapshot's buffers, the synchronous fallback."""
     notes = []
     skipped = record.get("checkpoint_skipped")
     if skipped:
@@ -45,6 +46,10 @@ def checkpoint_notes(record: dict) -> list[str]:
     if waited_s > LONG_CHECKPOINT_WAIT_S:
         notes.append(f"checkpoint of step {record['step']} waited {waited_s:.1f} s for the previous one's commit "
                      f"(checkpoint less often, or --checkpoint-when-busy skip)")
+    buffers_s = record.get("checkpoint_buffers_waited_s", 0.0)
+    if buffers_s > LONG_CHECKPOINT_WAIT_S:
+        notes.append(f"checkpoint of step {record['step']} waited {buffers_s:.1f} s for its host buffers, still being "
+                     f"made since the run started (the first checkpoint comes too soon for this state's size)")
     if "checkpoint_synchronous" in record:
         notes.append(record["checkpoint_synchronous"])
     return notes

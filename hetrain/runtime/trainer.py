@@ -137,11 +137,6 @@ class Trainer:
         impl = self._make_optimizer(layout, groups, self.lr_schedule.lr_at(config.start_step))
         self.meter.set_model_states(optimizer_state_factor=self._state_factor())
         self.scaler = LossScaler(enabled=config.loss_scaled(plan, device.type))  # fp16 on any stage: one scale
-        self.tracker = None
-        if config.trace_memory and device.type == "cpu":
-            # a sharded stage made its state before tracking starts (a replicated one makes it in the first step)
-            state = self.zero.device_state_tensors() if self.zero is not None else []
-            self.tracker = AllocationTracker([local_tensor(p) for p in model.parameters()] + state)
         self.load_s = None
         self.restored_schedule: LRSchedule | None = None
         self.schedule_extended: dict | None = None  # from_steps, to_steps, lr_before, lr_now (at the first step)
@@ -152,6 +147,12 @@ class Trainer:
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
                                              self.optimizer, config.options.optimizer, train_state=self.train_state)
+            self.checkpointer.prepare()  # the optimizer's state made now, its snapshot's buffers in the background
+        self.tracker = None
+        if config.trace_memory and device.type == "cpu":
+            # the state made before tracking starts: a sharded stage's, a replicated one's where checkpoints made it
+            # early (``Checkpointer.prepare``; otherwise the first step makes it, traced)
+            self.tracker = AllocationTracker([local_tensor(p) for p in model.parameters()] + self._state_tensors())
 
         # under TP the last stage holds the logits of its vocabulary shard (``parallelize_stage``)
         self.tp_group = groups.tp if plan.tp > 1 else None
@@ -238,6 +239,13 @@ class Trainer:
         self.optimizer = optim_class([{"params": g} for g in param_groups], lr=lr,
                                      weight_decay=config.weight_decay, **impl)
         return impl
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state tensors on this rank's device now (none before a replicated one's first step)."""
+        if self.zero is not None:
+            return self.zero.device_state_tensors()
+        return [local_tensor(t) for state in self.optimizer.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]
 
     @staticmethod
     def _optimizer_state_mode(config: RunConfig, plan: Plan, role: Role) -> str:
@@ -486,8 +494,6 @@ class Trainer:
             committed = ckpt.take_committed()  # raises a background commit's failure
             if committed:
                 record["checkpoints_committed"] = committed
-            if step == config.start_step:  # the state's shape is final: its snapshot buffers, off the step
-                ckpt.prepare()
         due = ckpt is not None and ckpt.due(step, requested, last_step=config.steps - 1)
         if due and busy and ckpt.skips(requested or stop, last=step == config.steps - 1):
             record["checkpoint_skipped"] = ckpt.skipped(step)
@@ -502,6 +508,8 @@ class Trainer:
             record.update(ckpt.notes())
             if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                 record["checkpoint_waited_s"] = ckpt.waited_s
+            if ckpt.buffers_waited_s > 1e-3:  # part of it: the snapshot's buffers were still being made
+                record["checkpoint_buffers_waited_s"] = ckpt.buffers_waited_s
             if stop:  # a new plan's ranks may be waiting for these devices (a notice-window switch)
                 self.release_device_memory()
             # only a requested checkpoint answers: a periodic one saved while a request waits unread

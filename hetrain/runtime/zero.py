@@ -195,9 +195,8 @@ class ShardBucket:
         params = self.master if self.offload else [t.detach() for t in self._mine(local)]
         beta1, beta2 = group_values["betas"]
         # an offloaded share steps on the host with the same fused kernel (``optimizer_impl``)
-        fused = self.fused
         adamw(params, grads, self.state["exp_avg"], self.state["exp_avg_sq"], [], self.steps,
-              foreach=None if fused else True, fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
+              foreach=None if self.fused else True, fused=self.fused or None, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group_values["lr"], weight_decay=group_values["weight_decay"], eps=group_values["eps"],
               maximize=False)
         if self.offload:  # the updated rows copied out to the device's parameters

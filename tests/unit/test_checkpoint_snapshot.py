@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -64,5 +65,43 @@ def test_the_console_and_prefect_hear_of_skipped_checkpoints_and_long_waits_only
     assert checkpoint_notes({"step": 9, "checkpoint_s": 0.2, "checkpoint_waited_s": LONG_CHECKPOINT_WAIT_S / 2}) == []
     waited, = checkpoint_notes({"step": 9, "checkpoint_waited_s": 12.06})
     assert waited.startswith("checkpoint of step 9 waited 12.1 s for the previous one's commit")
+    buffers, = checkpoint_notes({"step": 1, "checkpoint_buffers_waited_s": 3.04})
+    assert buffers.startswith("checkpoint of step 1 waited 3.0 s for its host buffers")
     skipped, = checkpoint_notes({"step": 99, "checkpoint_skipped": {"in_flight_step": 49, "skipped_so_far": 1}})
     assert skipped.startswith("checkpoint of step 99 skipped: step 49's is still being committed")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_state_made_before_the_first_step_trains_exactly_as_one_made_by_it(optimizer):
+    """``Checkpointer.prepare`` makes the optimizer's state before the first step (so the snapshot's buffers can be
+    made while the first steps run): three steps from it match three steps of an optimizer left to make its own,
+    bit for bit, step counts included; a state that exists (a loaded one) is left alone."""
+    from hetrain.checkpoint.save import prepare_optimizer_state
+    from hetrain.runtime.trainer import optimizer_impl
+
+    def trained(early: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, **optimizer_impl(optimizer))
+        if early:
+            prepare_optimizer_state(model, opt, fresh=True)
+            assert bool(opt.state) == (optimizer == "adamw")
+            assert all(torch.count_nonzero(t) == 0 for s in opt.state.values() for t in s.values())
+        for _ in range(3):
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    (lazy, lazy_opt), (early, early_opt) = trained(False), trained(True)
+    for a, b in zip(lazy.parameters(), early.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(lazy_opt.state.values(), early_opt.state.values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if optimizer == "adamw":
+        assert all(float(s["step"]) == 3 for s in early_opt.state.values())
+        before = {k: v.clone() for k, v in early_opt.state[next(early.parameters())].items()}
+        prepare_optimizer_state(early, early_opt, fresh=True)
+        after = early_opt.state[next(early.parameters())]
+        assert all(torch.equal(before[k], after[k]) for k in before)
