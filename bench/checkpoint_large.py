@@ -2,15 +2,18 @@
 
 Why: the small-state bench (bench/checkpoint_cost.py, 232 MB) cannot show what a GPU's state
 shows: the first checkpoint paying for its host buffers (17 s for 18 GB on an H200 before they
-were made in the background) and a commit slower than the disk (42 s where the disk wrote the
-same bytes in 11 s). Here one CPU device trains a GPT whose checkpoint holds ``--gb`` GB or more
+were made in the background, before the first step) and a commit slower than the disk (42 s where the disk wrote the
+same bytes in 11 s). Here one CPU device trains a GPT whose checkpoint holds 4.6 GB by default
 (fp32 weights and AdamW's two moments) with a checkpoint every 2 steps, and the same process
 then measures the floors on the same machine, right after: a copy of the same number of bytes
 into memory already paged in (what a stall cannot beat) and a write of the same bytes to the same
 disk with one fsync per file, in as many files and threads as the checkpoint's writer uses (what
 a commit cannot beat), once on the idle machine and once while the same plan trains again without
-checkpoints (the commit runs beside training, which here takes both cores). Targets (issue 49):
-every stall, the first included, <= 1.3x the bare copy; the commit <= 1.5x the plain write.
+checkpoints (the commit runs beside training, which here takes both cores), beside it also the same
+write taking each file's SHA-256 as it goes (what the commit's writer must do for the manifest:
+on this machine the hash, not the writer, is what a commit beside training pays over the disk).
+Targets (issue 49): every stall, the first included, <= 1.3x the bare copy; the commit <= 1.5x
+the plain write.
 
     python bench/checkpoint_large.py [--hidden 1536] [--layers 8] [--steps 6]
 """
@@ -18,6 +21,7 @@ every stall, the first included, <= 1.3x the bare copy; the commit <= 1.5x the p
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -55,16 +59,22 @@ def _bare_copy_s(nbytes: int) -> float:
     return time.perf_counter() - started
 
 
-def _plain_write_s(directory: Path, source: memoryview, files: int) -> float:
+def _plain_write_s(directory: Path, source: memoryview, files: int, hashed: bool = False) -> float:
     """``files`` threads each write their share of ``source`` and fsync it once: the commit's floor. The bytes come
     from memory as the commit's do (a buffer of the checkpoint's size, paged in), not from one small block
-    written again and again, which spares the writes the memory traffic the commit pays beside training."""
+    written again and again, which spares the writes the memory traffic the commit pays beside training.
+    ``hashed``: each thread also takes the SHA-256 of what it writes, as the commit's writer must (the
+    manifest's digests): the work a commit cannot skip, to tell the hash's share from the writer's."""
     share, chunk = len(source) // files, 8 << 20
 
     def write(i: int) -> None:
+        digest = hashlib.sha256()
         with open(directory / f"plain-{i}", "wb") as f:
             for start in range(i * share, (i + 1) * share, chunk):
-                f.write(source[start:min(start + chunk, (i + 1) * share)])
+                piece = source[start:min(start + chunk, (i + 1) * share)]
+                if hashed:
+                    digest.update(piece)
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
 
@@ -87,7 +97,7 @@ def _source(nbytes: int) -> memoryview:
     return memoryview(torch.full((nbytes // 4,), 1.5, dtype=torch.float32).numpy()).cast("B")
 
 
-def _busy_write_s(tmp: Path, source: memoryview, files: int) -> float:
+def _busy_write_s(tmp: Path, source: memoryview, files: int) -> tuple[float, float]:
     """The plain write beside the same training: the same plan trains again, with no checkpoint due before a step it
     never reaches, while the write runs twice (median); the run is stopped after. Why: the commit runs beside
     training, which on this machine takes both cores (on a GPU node the host cores are the commit's); the disk's
@@ -107,7 +117,11 @@ def _busy_write_s(tmp: Path, source: memoryview, files: int) -> float:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("the training run beside the plain write did not start")
             time.sleep(1)
-        return statistics.median(_plain_write_s(tmp, source, files) for _ in range(2))
+        plain, hashed = [], []
+        for _ in range(2):  # alternating, so a change in the machine's load falls on both
+            plain.append(_plain_write_s(tmp, source, files))
+            hashed.append(_plain_write_s(tmp, source, files, hashed=True))
+        return statistics.median(plain), statistics.median(hashed)
     finally:
         _stop(proc)
 
@@ -167,12 +181,13 @@ def main() -> None:
         copy_s = statistics.median(_bare_copy_s(nbytes) for _ in range(3))
         source = _source(nbytes)
         write_s = statistics.median(_plain_write_s(tmp, source, files) for _ in range(2))
-        busy_s = _busy_write_s(tmp, source, files)
+        busy_s, busy_hashed_s = _busy_write_s(tmp, source, files)
         del source
     rows = [{"what": f"stall, checkpoint {i + 1}" + (f" (of it {w:.2f} s waiting for the buffers)" if w else ""),
              "s": s, "floor": "bare copy", "floor_s": copy_s, "ratio": s / copy_s, "buffers_waited_s": w}
             for i, (s, w) in enumerate(zip(stalls, buffers_waited))]
     for name, floor_s in ((f"plain write beside the same training ({files} files, fsync)", busy_s),
+                          ("the same, hashing what it writes (SHA-256, as the commit must)", busy_hashed_s),
                           (f"plain write, machine idle ({files} files, fsync)", write_s)):
         rows += [{"what": f"commit {i + 1}", "s": c, "floor": name, "floor_s": floor_s, "ratio": c / floor_s}
                  for i, c in enumerate(commits)]
