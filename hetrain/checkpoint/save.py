@@ -273,12 +273,13 @@ class Checkpointer:
         here or at the next ``take_committed``, as the synchronous save raises at once.
         ``live_offer``: a live switch's emergency checkpoint instead (``save_live``).
         """
+        self.waited_s, self.buffers_waited_s = 0.0, 0.0
         if live_offer is not None:
             self.save_live(step, str(live_offer))
             return
         waiting = time.perf_counter()
         self.wait()
-        self.waited_s, self.buffers_waited_s = time.perf_counter() - waiting, 0.0
+        self.waited_s = time.perf_counter() - waiting
         state = training_state(self.model, self.optimizer, self.train_state() if self.train_state else None)
         if self.group is None or not self._fits(state):
             self._write_and_commit(step, state)

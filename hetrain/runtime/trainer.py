@@ -147,7 +147,8 @@ class Trainer:
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
                                              self.optimizer, config.options.optimizer, train_state=self.train_state)
-            self.checkpointer.prepare()  # the optimizer's state made now, its snapshot's buffers in the background
+            if not config.standby_file:  # a warm start's once it has loaded (``load_switch``): not beside the old run
+                self.checkpointer.prepare()  # the optimizer's state made now, its snapshot's buffers in the background
         self.tracker = None
         if config.trace_memory and device.type == "cpu":
             # the state made before tracking starts: a sharded stage's, a replicated one's where checkpoints made it
