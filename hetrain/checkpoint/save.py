@@ -298,8 +298,8 @@ class Checkpointer:
 
         Called before the first step: an optimizer that has not stepped gets its state now, as its first
         step would make it (``prepare_optimizer_state``), so the state's shape is final and the buffers
-        have the first steps' time to be made (on this 2-core VM, paging in 4.6 GB took 8 s of a core;
-        on an H200 node, making and pinning 18 GB took 17 s).
+        have the first steps' time to be made (on an H200 node, making and pinning 18 GB took 17 s; on this
+        project's 2-core VM, 4.6 GB beside training can take longer than two steps: bench/checkpoint_large.py).
         """
         if self.group is None:
             return

@@ -7,8 +7,9 @@ ran at 1.4 GB/s (13.5 s), and allocating and pinning 18 GB when the first checkp
 stalled that checkpoint 17 s. So the buffers are made once, in a background thread, before the
 first step (the optimizer's state is made then too: ``Checkpointer.prepare``), in pieces small
 enough that training's own CUDA calls get through between them. A checkpoint due before they are
-ready waits for them (``checkpoint_buffers_waited_s``, a console note past a second); a state that does not fit the host-memory budget is saved
-synchronously instead (``Snapshot.fits``), stated once in the log and in the metrics.
+ready waits for them (``checkpoint_buffers_waited_s``, a console note past a second); a state
+that does not fit the host-memory budget is saved synchronously instead (``Snapshot.fits``),
+stated once in the log and in the metrics.
 
 The buffers live in one anonymous mapping (page-aligned, pinned a range at a time), each tensor
 a storage of its own over its bytes of it: torch's pinned caching allocator would round every block

@@ -453,7 +453,6 @@ def _state_costs(m: ModelSpec, st: TrainingSettings, g: GPUType, t: int, overhea
                  optimizer_state: OptimizerStateMode, replicas: int) -> dict:
     """The ``UnitCosts`` fields of the stage's parameters and optimizer: bytes kept, step seconds, sync copies."""
     per_param = device_state_bytes_per_param(st, optimizer_state, replicas)
-    # the share of its parameters the stage steps on the device
     return {
         "block_param_bytes": per_param * block_params(m) / t,
         # the runtime splits the token embedding and the head by vocabulary

@@ -96,8 +96,6 @@ def load_switch(trainer: Trainer, config: RunConfig, groups: ProcessGroups, devi
         return False
     if "live" not in switch:
         trainer.load(switch["resume_from"], switch["start_step"], switch.get("steps"))
-    if trainer.checkpointer is not None:  # its snapshot's buffers, made now that the old plan has stopped
-        trainer.checkpointer.prepare()
     return True
 
 

@@ -147,13 +147,7 @@ class Trainer:
         if config.checkpoint is not None:
             self.checkpointer = Checkpointer(config.checkpoint, config.run_id, plan, layout, role, model,
                                              self.optimizer, config.options.optimizer, train_state=self.train_state)
-            if not config.standby_file:  # a warm start's once it has loaded (``load_switch``): not beside the old run
-                self.checkpointer.prepare()  # the optimizer's state made now, its snapshot's buffers in the background
-        self.tracker = None
-        if config.trace_memory and device.type == "cpu":
-            # the state made before tracking starts: a sharded stage's, a replicated one's where checkpoints made it
-            # early (``Checkpointer.prepare``; otherwise the first step makes it, traced)
-            self.tracker = AllocationTracker([local_tensor(p) for p in model.parameters()] + self._state_tensors())
+        self.tracker = None  # ``--trace-memory`` on a CPU rank: from ``train``
 
         # under TP the last stage holds the logits of its vocabulary shard (``parallelize_stage``)
         self.tp_group = groups.tp if plan.tp > 1 else None
@@ -450,6 +444,14 @@ class Trainer:
         metrics = (MetricsWriter(config.metrics, config.tensorboard_dir, config.start_step)
                    if self.role.rank == 0 and (config.metrics or config.tensorboard_dir) else None)
         timeline_step = min(config.start_step + TIMELINE_WARMUP_STEPS, config.steps - 1) if config.timeline_dir else -1
+        # After any load (a warm start's too: not beside the old plan still training on the node), before the first
+        # step: the optimizer's state made as that step would make it, the snapshot's buffers in the background.
+        if self.checkpointer is not None:
+            self.checkpointer.prepare()
+        if config.trace_memory and self.device.type == "cpu":
+            # the state made before tracking starts: a sharded stage's, a replicated one's where the checkpointer
+            # made it (otherwise the first step makes it, traced)
+            self.tracker = AllocationTracker([local_tensor(p) for p in self.model.parameters()] + self._state_tensors())
         try:
             for step in range(config.start_step, config.steps):
                 with self._timeline(step if step == timeline_step else None):
