@@ -210,6 +210,10 @@ def main() -> None:
                 f"floors measured right after on the same machine and disk, idle and beside the same training", rows,
                 [("what", "what"), ("seconds", "{s:.2f}"), ("floor", "floor"), ("floor s", "{floor_s:.2f}"),
                  ("ratio", "{ratio:.2f}x")])
+    made = [r["checkpoint_buffers_made_s"] for r in records if "checkpoint_buffers_made_s" in r]
+    if made:  # startup, not a stall: a host-trained rank makes them before its first step
+        print(f"the snapshot's host buffers took {made[0]:.2f} s to make, before the first step")
+        rows.append({"what": "snapshot buffers made, before the first step", "s": made[0]})
     print(f"\nresults: {write_results('checkpoint_large', rows)}")
 
 

@@ -247,7 +247,7 @@ class Checkpointer:
         ranks_on_node = len(layout.nodes[role.node])
         self._snapshot = Snapshot(default_budget_bytes(ranks_on_node, config.host_memory_gb), ranks_on_node)
         self.synchronous_reason: str | None = None  # why this rank's checkpoints are synchronous (too big to snapshot)
-        self._noted = False
+        self._noted: set[str] = set()  # what notes() has said already
         self.skipped_count = 0
         self._in_flight: int | None = None  # the step of the checkpoint committing in the background
         self._thread: threading.Thread | None = None
@@ -294,12 +294,13 @@ class Checkpointer:
             self.wait()
 
     def prepare(self) -> None:
-        """Start making the snapshot's host buffers, so that no checkpoint pays for them; returns at once.
+        """Make the snapshot's host buffers, so that no checkpoint pays for them.
 
         Called before the first step: an optimizer that has not stepped gets its state now, as its first
-        step would make it (``prepare_optimizer_state``), so the state's shape is final and the buffers
-        have the first steps' time to be made (on an H200 node, making and pinning 18 GB took 17 s; on this
-        project's 2-core VM, 4.6 GB beside training can take longer than two steps: bench/checkpoint_large.py).
+        step would make it (``prepare_optimizer_state``), so the state's shape is final. A GPU's buffers
+        are then made in the background while the first steps run (on an H200 node, making and pinning
+        18 GB when the first checkpoint was due stalled it 17 s); a host-trained state's before this
+        returns (``Snapshot.prepare``: a background thread would take the steps' own cores).
         """
         if self.group is None:
             return
@@ -334,11 +335,16 @@ class Checkpointer:
         return {"in_flight_step": self._in_flight, "skipped_so_far": self.skipped_count}
 
     def notes(self) -> dict:
-        """What the metrics record of a checkpoint says besides its stall: the synchronous fallback, once."""
-        if self.synchronous_reason is None or self._noted:
-            return {}
-        self._noted = True
-        return {"checkpoint_synchronous": self.synchronous_reason}
+        """What the metrics record of a checkpoint says besides its stall, once each: how long its snapshot's
+        buffers took to make (before the first step or beside the first steps), the synchronous fallback."""
+        notes = {}
+        if self._snapshot.prepare_s is not None and "buffers" not in self._noted:
+            self._noted.add("buffers")
+            notes["checkpoint_buffers_made_s"] = self._snapshot.prepare_s
+        if self.synchronous_reason is not None and "synchronous" not in self._noted:
+            self._noted.add("synchronous")
+            notes["checkpoint_synchronous"] = self.synchronous_reason
+        return notes
 
     def busy(self) -> bool:
         """Whether this rank's previous checkpoint is still committing."""

@@ -4,10 +4,14 @@ Why: a background checkpoint stalls training only for a copy of the rank's state
 memory. Into memory that is already allocated, paged in and (on a GPU) pinned, that copy runs at
 the host link's speed (55 GB/s for 18 GB on an H200 node, 0.35 s); into fresh pageable memory it
 ran at 1.4 GB/s (13.5 s), and allocating and pinning 18 GB when the first checkpoint was due
-stalled that checkpoint 17 s. So the buffers are made once, in a background thread, before the
-first step (the optimizer's state is made then too: ``Checkpointer.prepare``), in pieces small
-enough that training's own CUDA calls get through between them. A checkpoint due before they are
-ready waits for them (``checkpoint_buffers_waited_s``, a console note past a second); a state
+stalled that checkpoint 17 s. So the buffers are made once, before the first step (the
+optimizer's state is made then too: ``Checkpointer.prepare``). A GPU's are made in a background
+thread while the first steps run, in pieces small enough that training's own CUDA calls get
+through between them; a checkpoint due before they are ready waits for them
+(``checkpoint_buffers_waited_s``, a console note past a second). A state trained on the host's
+cores has its buffers made before the first step, in the caller: a background thread there
+takes the same cores from the steps beside it, so it saves no time, and on this project's 2-core
+VM (4.6 GB, bench/checkpoint_large.py) it made the first checkpoint wait 0.2-7 s for it. A state
 that does not fit the host-memory budget is saved synchronously instead (``Snapshot.fits``),
 stated once in the log and in the metrics.
 
@@ -19,6 +23,7 @@ storage is larger than itself, so views of one big tensor would be copied again 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -26,6 +31,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -196,12 +202,17 @@ class Snapshot:
         return self.budget_bytes is None or state_bytes(state) <= self.budget_bytes
 
     def prepare(self, state) -> None:
-        """Start making the buffers for ``state``'s shape (returns at once; nothing is copied)."""
-        if self._thread is not None or not self.fits(state):
+        """Make the buffers for ``state``'s shape (nothing is copied): a GPU's in the background (returns at
+        once), a host state's now (its training would share the cores with a background thread)."""
+        if self._thread is not None or self._arena is not None or not self.fits(state):
             return
         offset = [0]
         template = _template(state, offset)
         pin = any(t.is_cuda for t in _leaves(state))
+        if not pin:
+            with self._cores():  # training waits for it: it pages in at the speed a take copies
+                self._make(template, offset[0], pin)
+            return
         self._thread = threading.Thread(target=self._make, args=(template, offset[0], pin), daemon=True,
                                         name="hetrain-snapshot-buffers")
         self._thread.start()
@@ -233,16 +244,22 @@ class Snapshot:
             if on_gpu:
                 arena.prepare()
             self._buffers, self._layout, self._arena = _buffers(template, arena), _layout(template), arena
-        threads = torch.get_num_threads()
-        if not on_gpu:  # training waits for this copy: every core of the rank's share copies (memcpy-bound)
-            torch.set_num_threads(max(threads, cpu_count() // max(1, self.ranks_on_node)))
-        try:
+        with contextlib.nullcontext() if on_gpu else self._cores():
             copied = _copy_state_dict(state, self._buffers, non_blocking=on_gpu)
-        finally:
-            torch.set_num_threads(threads)
         if on_gpu:
             torch.cuda.synchronize()  # the copies must land before training changes the weights
         return copied
+
+    @contextlib.contextmanager
+    def _cores(self) -> Iterator[None]:
+        """Every core of the rank's share for a host copy training waits for (memcpy-bound; a CPU rank trains on
+        ``threads_per_rank`` threads, 1 by default: on one, 4.6 GB paged in in 13.3 s, on both cores 6.4 s)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, cpu_count() // max(1, self.ranks_on_node)))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     @property
     def pinned(self) -> bool:
