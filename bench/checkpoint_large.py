@@ -190,7 +190,10 @@ def main() -> None:
         # snapshot's buffers stays in: it is the first checkpoint's stall this bench is about
         stalls = [r["checkpoint_s"] - r.get("checkpoint_waited_s", 0.0) for r in records if "checkpoint_s" in r]
         buffers_waited = [r.get("checkpoint_buffers_waited_s", 0.0) for r in records if "checkpoint_s" in r]
-        commits = [c["commit_s"] for r in records for c in r.get("checkpoints_committed", [])]
+        # beside training; the run's last commit runs after its last step, on the idle machine: compared apart
+        commits = [c["commit_s"] for r in records for c in r.get("checkpoints_committed", [])
+                   if c["step"] != args.steps - 1]
+        last_commit = [c["commit_s"] for c in records[-1].get("checkpoints_committed", []) if c["step"] == args.steps - 1]
         copy_s = statistics.median(_bare_copy_s(nbytes) for _ in range(3))
         source = _source(nbytes)
         write_s = statistics.median(_plain_write_s(tmp, source, files) for _ in range(2))
@@ -205,6 +208,9 @@ def main() -> None:
                           (f"plain write, machine idle ({files} files, fsync)", write_s)):
         rows += [{"what": f"commit {i + 1}", "s": c, "floor": name, "floor_s": floor_s, "ratio": c / floor_s}
                  for i, c in enumerate(commits)]
+    rows += [{"what": f"commit {len(commits) + 1}, the run's last (training had ended)", "s": c,
+              "floor": f"plain write, machine idle ({files} files, fsync)", "floor_s": write_s, "ratio": c / write_s}
+             for c in last_commit]
     print_table(f"Checkpoint of {nbytes / 1e9:.2f} GB on one CPU device (GPT {args.layers} x {args.hidden}, "
                 f"{CheckpointConfig.model_fields['write_threads'].default} writer threads), one every 2 steps; "
                 f"floors measured right after on the same machine and disk, idle and beside the same training", rows,

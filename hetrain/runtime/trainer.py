@@ -508,6 +508,12 @@ class Trainer:
                 self.zero.exact_params()
             ckpt.save(step, wait=requested, live_offer=live)
             record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
+            if step == config.steps - 1 and live is None:
+                ckpt.wait()  # the run ends with the last commit anyway: its time goes in the last record
+            # the previous commit, if this one waited for it, and one waited for: reported here, not never
+            committed = record.get("checkpoints_committed", []) + ckpt.take_committed()
+            if committed:
+                record["checkpoints_committed"] = committed
             record.update(ckpt.notes())
             if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                 record["checkpoint_waited_s"] = ckpt.waited_s
