@@ -253,6 +253,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._committed: list[dict] = []  # background commits not yet reported by ``take_committed``
+        self._committed_lock = threading.Lock()  # the commit thread appends, the training thread takes
         self.waited_s = 0.0  # of the last save's stall: waiting for the previous checkpoint's commit
         self.buffers_waited_s = 0.0  # of the last save's stall: waiting for the snapshot's buffers to be made
         self.live = None  # the live switch's server (``save_live``), until ``finish``
@@ -406,12 +407,19 @@ class Checkpointer:
             error, self._error = self._error, None
             raise HetrainError(error)
 
-    def take_committed(self) -> list[dict]:
-        """Background commits finished since the last call (step, seconds); raises a failed one's error."""
-        if self._thread is not None and not self._thread.is_alive():
+    def take_committed(self, raise_failure: bool = True) -> list[dict]:
+        """Background commits finished since the last call (step, seconds); raises a failed one's error
+        (``raise_failure=False``: leaves it to the next ``wait``)."""
+        if raise_failure and self._thread is not None and not self._thread.is_alive():
             self.wait()
-        done, self._committed = self._committed, []
+        with self._committed_lock:
+            done, self._committed = self._committed, []
         return done
+
+    def settle(self) -> None:
+        """Until the commit in flight ends; its failure, if any, is raised by the next ``wait`` (``finish``)."""
+        if self._thread is not None:
+            self._thread.join()
 
     def _commit_in_background(self, step: int, snapshot: dict) -> None:
         started = time.perf_counter()
@@ -420,7 +428,9 @@ class Checkpointer:
             if rank == str(self.role.rank):
                 time.sleep(float(delay_s))
             self._write_and_commit(step, snapshot)
-            self._committed.append({"step": step, "commit_s": round(time.perf_counter() - started, 4)})
+            done = {"step": step, "commit_s": round(time.perf_counter() - started, 4)}
+            with self._committed_lock:
+                self._committed.append(done)
         except HetrainError as e:
             self._error = str(e)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException; the training thread fails the run

@@ -180,9 +180,9 @@ def host_available_bytes() -> int | None:
 class Snapshot:
     """A rank's training state copied to host memory, into buffers made once and kept.
 
-    ``prepare(state)`` makes the buffers for ``state``'s shape in a background thread; ``take``
-    copies into them (waiting for the preparation if it is still going, which the caller's stall
-    then shows). A state whose shape changed since is given new buffers at once (the old behaviour).
+    ``prepare(state)`` makes the buffers for ``state``'s shape (a GPU state's in a background thread,
+    a host state's before it returns); ``take`` copies into them (waiting for a background preparation
+    if it is still going, which the caller's stall then shows). A state whose shape changed since is given new buffers at once (the old behaviour).
     ``budget_bytes``: the most this rank's buffers may take; a state above it ``fits`` no more.
     """
 
@@ -195,7 +195,7 @@ class Snapshot:
         # keep the memory but not the pinning (measured on an H200: the copy then ran at 13 GB/s, not 55).
         self._arena: Arena | None = None
         self._thread: threading.Thread | None = None
-        self.prepare_s: float | None = None  # how long the background preparation took
+        self.prepare_s: float | None = None  # how long making the buffers took (None: not made, or it failed)
         self.waited_s = 0.0  # of the last ``take``: waiting for the preparation
 
     def fits(self, state) -> bool:

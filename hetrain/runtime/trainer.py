@@ -445,7 +445,8 @@ class Trainer:
                    if self.role.rank == 0 and (config.metrics or config.tensorboard_dir) else None)
         timeline_step = min(config.start_step + TIMELINE_WARMUP_STEPS, config.steps - 1) if config.timeline_dir else -1
         # After any load (a warm start's too: not beside the old plan still training on the node), before the first
-        # step: the optimizer's state made as that step would make it, the snapshot's buffers in the background.
+        # step: the optimizer's state made as that step would make it, the snapshot's buffers (a GPU's in the
+        # background, a CPU rank's now).
         if self.checkpointer is not None:
             self.checkpointer.prepare()
         if config.trace_memory and self.device.type == "cpu":
@@ -508,12 +509,6 @@ class Trainer:
                 self.zero.exact_params()
             ckpt.save(step, wait=requested, live_offer=live)
             record["checkpoint_s"] = time.perf_counter() - saved  # training's stall
-            if step == config.steps - 1 and live is None:
-                ckpt.wait()  # the run ends with the last commit anyway: its time goes in the last record
-            # the previous commit, if this one waited for it, and one waited for: reported here, not never
-            committed = record.get("checkpoints_committed", []) + ckpt.take_committed()
-            if committed:
-                record["checkpoints_committed"] = committed
             record.update(ckpt.notes())
             if ckpt.waited_s > 1e-3:  # part of it: the previous checkpoint was still committing
                 record["checkpoint_waited_s"] = ckpt.waited_s
@@ -525,11 +520,23 @@ class Trainer:
             # would take it (the controller then sees a commit the ranks never stopped at); live: once committed
             if requested and config.request_file and ckpt.node_leader and live is None:
                 answer_request(config.request_file, step)
+        if ckpt is not None:
+            self._note_late_commits(step, record, live)
         if ckpt is not None and ckpt.uploader is not None and ckpt.uploader.coordinator:
             failures = ckpt.uploader.new_failures()
             if failures:
                 record["backup_failed"] = failures
         return stop
+
+    def _note_late_commits(self, step: int, record: dict, live: str | None) -> None:
+        """Commits that ended during this step's checkpoint (one it waited for) and, at the run's last step, the
+        last one (the run ends with it anyway): into this record, not never. A failure is raised by ``finish``,
+        after this record is written."""
+        if step == self.config.steps - 1 and live is None:
+            self.checkpointer.settle()
+        late = self.checkpointer.take_committed(raise_failure=False)
+        if late:
+            record["checkpoints_committed"] = record.get("checkpoints_committed", []) + late
 
     @contextlib.contextmanager
     def _timeline(self, step: int | None) -> Iterator[None]:
