@@ -182,7 +182,8 @@ class Snapshot:
 
     ``prepare(state)`` makes the buffers for ``state``'s shape (a GPU state's in a background thread,
     a host state's before it returns); ``take`` copies into them (waiting for a background preparation
-    if it is still going, which the caller's stall then shows). A state whose shape changed since is given new buffers at once (the old behaviour).
+    if it is still going, which the caller's stall then shows). A state whose shape changed since is
+    given new buffers at once (the old behaviour).
     ``budget_bytes``: the most this rank's buffers may take; a state above it ``fits`` no more.
     """
 
